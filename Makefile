@@ -1,0 +1,28 @@
+# ExpertSweep: `make test` sets everything up on a fresh machine and runs the suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test lint bench model pareto mlflow-ui clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check runtime sweep tests scripts
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_simulator.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

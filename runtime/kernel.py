@@ -1,0 +1,465 @@
+"""The one policy kernel: every miss rule, eviction key and admission rule of docs/policies.md.
+
+Compiled with numba. Caches are per layer and independent, so the kernel runs one
+layer over a chunk of tokens at a time (`run_layer`); the simulator calls it once
+per layer over a whole trace, the emulation once per layer per chunk, the engine
+once per layer per decoded token. `PolicyCache` holds the state of every layer
+and is the only way callers drive the kernel.
+
+Per token (docs/policies.md, "Per token, per layer, in this order"):
+  0. apply the admissions that are due (queued at t - d or earlier), batch by batch
+  1. hits   2. miss rule   3. fetches in rank order (victim = min key, unpinned)
+  4. substitutes in rank order (first resident, unused expert of the ranking)
+  5. bookkeeping (mass, frequency/recency keys, admission accumulator)
+  6. queue admissions (a[e] >= beta, largest a first)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from runtime.errors import InputError
+from runtime.policy import EVICT_CODE, RULE_CODE, PolicyConfig
+
+log = logging.getLogger(__name__)
+
+HIT, FETCH, SUB, DROP, HOST = 0, 1, 2, 3, 4
+KIND_NAMES = ("hit", "fetch", "substitute", "drop", "host")
+_MISS = -1
+
+# counter columns
+C_CALLS, C_HITS, C_FETCHES, C_SUBS, C_DROPS, C_HOST, C_ADM, C_ADM_SKIPPED = range(8)
+COUNTER_NAMES = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "admissions_skipped")
+# per token-layer event columns (cost model input)
+EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED = range(5)
+N_EV = 5
+
+R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_CPU = (RULE_CODE[r] for r in
+    ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu"))
+K_LFU, K_LRU, K_CRF, K_BELADY = (EVICT_CODE[e] for e in ("lfu", "lru", "crf", "belady"))
+
+
+@njit(cache=True, inline="always")
+def _victim(slot_expert, cap, key, pin, stamp):
+    """Slot of the resident with the smallest key (ties: lower id) whose pin != stamp; -1 if none."""
+    best = -1
+    bk = 0.0
+    be = 0
+    for s in range(cap):
+        if pin[s] == stamp:
+            continue
+        e = slot_expert[s]
+        kk = key[e]
+        if best < 0 or kk < bk or (kk == bk and e < be):
+            best = s
+            bk = kk
+            be = e
+    return best
+
+
+_IMAX = np.iinfo(np.int64).max
+
+
+@njit(cache=True, inline="always")
+def _victim_int(skey, cap):
+    """Fast path: slot of the smallest composite key (key * E + id); pinned slots hold _IMAX."""
+    m = _IMAX
+    for s in range(cap):
+        v = skey[s]
+        m = v if v < m else m
+    if m == _IMAX:
+        return -1
+    for s in range(cap):
+        if skey[s] == m:
+            return s
+    return -1
+
+
+@njit(cache=True, inline="always")
+def _ikey(evict, key, e, E):
+    """Composite integer key for lfu (gamma=1) and lru: smallest key, ties lower id, in one int64."""
+    if evict == K_LRU:
+        return (np.int64(key[e]) + 1) * E + e
+    return np.int64(key[e]) * E + e
+
+
+@njit(cache=True, inline="always")
+def _free_slot(slot_expert, cap):
+    for s in range(cap):
+        if slot_expert[s] < 0:
+            return s
+    return -1
+
+
+@njit(cache=True)
+def run_layer(
+    ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
+    rule, tau, beta, evict, gamma, decay, delay, cap, nxt,  # params; nxt [T, k] float64 next use (belady) or [0, k]
+    slot_expert, expert_slot, key, skey, acc, queued, pin, used, qstate, q_exp, q_due,  # layer state
+    counters, mass,  # int64 [8], float64 [1]
+    out_kind, out_served, out_slot, ev, adm_log, q_log, n_logs,  # outputs
+):
+    """Run one layer's cache over tokens t0 .. t0+T-1. Mutates the layer state in place."""
+    T, k = ids.shape
+    M = rank.shape[1]
+    E = expert_slot.shape[0]
+    qcap = q_exp.shape[0]
+    use_adm = beta > 0.0
+    fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU  # integer keys: skey mirrors them
+    cand = np.empty(k, np.int64)
+    if fast:
+        for s in range(cap):
+            e = slot_expert[s]
+            skey[s] = _ikey(evict, key, e, E) if e >= 0 else _IMAX
+    for i in range(T):
+        if not valid[i]:
+            for j in range(k):
+                out_kind[i, j] = -1
+                out_served[i, j] = -1
+                out_slot[i, j] = -1
+            continue
+        t = t0 + i
+        # 0. admissions due before this token, batch by batch (a batch = same due token)
+        while qstate[1] > 0 and q_due[qstate[0]] <= t:
+            due = q_due[qstate[0]]
+            qstate[2] += 1
+            bstamp = qstate[2]
+            while qstate[1] > 0 and q_due[qstate[0]] == due:
+                e = q_exp[qstate[0]]
+                qstate[0] = (qstate[0] + 1) % qcap
+                qstate[1] -= 1
+                queued[e] = False
+                ev[i, EV_ADM_POPPED] += 1
+                if expert_slot[e] >= 0:
+                    counters[C_ADM_SKIPPED] += 1
+                    continue
+                s = _free_slot(slot_expert, cap) if qstate[3] < cap else -1
+                if s < 0:
+                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, bstamp)
+                    if s < 0:
+                        counters[C_ADM_SKIPPED] += 1
+                        continue
+                    expert_slot[slot_expert[s]] = -1
+                else:
+                    qstate[3] += 1
+                slot_expert[s] = e
+                expert_slot[e] = s
+                pin[s] = bstamp
+                if fast:
+                    skey[s] = _IMAX  # protected from the rest of its batch
+                acc[e] = 0.0
+                counters[C_ADM] += 1
+                n = n_logs[0]
+                if n < adm_log.shape[0]:
+                    adm_log[n, 0] = t
+                    adm_log[n, 1] = e
+                    adm_log[n, 2] = s
+                n_logs[0] = n + 1
+            if fast:
+                for s in range(cap):
+                    if pin[s] == bstamp:
+                        skey[s] = _ikey(evict, key, slot_expert[s], E)
+        qstate[2] += 1
+        st = qstate[2]
+        counters[C_CALLS] += k
+        # 1. hits
+        for j in range(k):
+            e = ids[i, j]
+            s = expert_slot[e]
+            if s >= 0:
+                out_kind[i, j] = HIT
+                out_served[i, j] = e
+                out_slot[i, j] = s
+                pin[s] = st
+                used[e] = st
+                counters[C_HITS] += 1
+                if fast:
+                    skey[s] = _IMAX
+            else:
+                out_kind[i, j] = _MISS
+        # 2.+3. miss rule; fetches in rank order
+        nf = 0
+        nh = 0
+        for j in range(k):
+            if out_kind[i, j] != _MISS:
+                continue
+            e = ids[i, j]
+            if rule == R_FETCH_ALL or ((rule == R_THRESHOLD or rule == R_FIRST_CHOICE) and (j == 0 or w[i, j] >= tau)):
+                s = _free_slot(slot_expert, cap) if qstate[3] < cap else -1
+                if s < 0:
+                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, st)
+                    expert_slot[slot_expert[s]] = -1
+                else:
+                    qstate[3] += 1
+                slot_expert[s] = e
+                expert_slot[e] = s
+                pin[s] = st
+                if fast:
+                    skey[s] = _IMAX
+                used[e] = st
+                acc[e] = 0.0
+                out_kind[i, j] = FETCH
+                out_served[i, j] = e
+                out_slot[i, j] = s
+                nf += 1
+            elif rule == R_CPU:
+                out_kind[i, j] = HOST
+                out_served[i, j] = e
+                out_slot[i, j] = -1
+                nh += 1
+            else:
+                out_kind[i, j] = SUB
+        counters[C_FETCHES] += nf
+        counters[C_HOST] += nh
+        # 4. substitutes in rank order, after all fetches
+        nsub = 0
+        nc = 0
+        m = 0  # entries before m are non-resident or used: residency is fixed from here on
+        for j in range(k):
+            if out_kind[i, j] != SUB:
+                continue
+            found = -1
+            while m < M:
+                c = rank[i, m]
+                m += 1
+                if expert_slot[c] >= 0 and used[c] != st:
+                    found = c
+                    break
+            e = ids[i, j]
+            if found >= 0:
+                out_served[i, j] = found
+                out_slot[i, j] = expert_slot[found]
+                used[found] = st
+                counters[C_SUBS] += 1
+                nsub += 1
+            else:
+                out_kind[i, j] = DROP
+                out_served[i, j] = -1
+                out_slot[i, j] = -1
+                counters[C_DROPS] += 1
+            mass[0] += w[i, j]
+            acc[e] += w[i, j]
+            cand[nc] = e
+            nc += 1
+        # 5. keys
+        if evict == K_LFU:
+            if gamma != 1.0:
+                for e in range(E):
+                    key[e] = gamma * key[e]
+            for j in range(k):
+                key[ids[i, j]] += 1.0
+        elif evict == K_LRU:
+            for j in range(k):
+                if out_served[i, j] >= 0 and out_kind[i, j] != HOST:
+                    key[out_served[i, j]] = t
+        elif evict == K_CRF:
+            for e in range(E):
+                key[e] = decay * key[e]
+            for j in range(k):
+                if out_served[i, j] >= 0 and out_kind[i, j] != HOST:
+                    key[out_served[i, j]] += 1.0
+        else:  # belady: minus the next use
+            for j in range(k):
+                key[ids[i, j]] = -nxt[i, j]
+        if fast:  # re-key this token's pinned and used slots
+            for j in range(k):
+                s = out_slot[i, j]
+                if s >= 0:
+                    skey[s] = _ikey(evict, key, slot_expert[s], E)
+        ev[i, EV_DEV] += k - nh - (nc - nsub)
+        ev[i, EV_FETCH] += nf
+        ev[i, EV_HOST] += nh
+        # 6. queue admissions: largest a first, ties lower id
+        if use_adm and nc > 0:
+            nq = 0
+            for c_ in range(nc):
+                e = cand[c_]
+                if expert_slot[e] < 0 and not queued[e] and acc[e] >= beta:
+                    # insertion sort by (-acc, id)
+                    p = nq
+                    while p > 0 and (acc[cand[p - 1]] < acc[e] or (acc[cand[p - 1]] == acc[e] and cand[p - 1] > e)):
+                        cand[p] = cand[p - 1]
+                        p -= 1
+                    cand[p] = e
+                    nq += 1
+            for c_ in range(nq):
+                e = cand[c_]
+                tail = (qstate[0] + qstate[1]) % qcap
+                q_exp[tail] = e
+                q_due[tail] = t + delay
+                qstate[1] += 1
+                queued[e] = True
+                acc[e] = 0.0
+                n = n_logs[1]
+                if n < q_log.shape[0]:
+                    q_log[n, 0] = t
+                    q_log[n, 1] = e
+                n_logs[1] = n + 1
+            ev[i, EV_ADM_QUEUED] += nq
+
+
+@njit(cache=True)
+def next_use(ids, valid, E, t0):
+    """Belady helper for one layer. ids [T, k], valid [T]. Returns nxt [T, k] (next valid token index
+    > t selecting ids[t, j], inf if none) and first [E] (first valid token selecting e, inf if none)."""
+    T, k = ids.shape
+    nxt = np.full((T, k), np.inf)
+    last = np.full(E, np.inf)
+    for i in range(T - 1, -1, -1):
+        if not valid[i]:
+            continue
+        for j in range(k):
+            nxt[i, j] = last[ids[i, j]]
+        for j in range(k):
+            last[ids[i, j]] = t0 + i
+    return nxt, last
+
+
+@dataclass
+class StepResult:
+    kind: np.ndarray  # int8 [T, k]: HIT/FETCH/SUB/DROP/HOST, -1 for invalid cells
+    served: np.ndarray  # int32 [T, k]: expert that computes slot j (-1 drop/invalid)
+    slot: np.ndarray  # int32 [T, k]: device slot used (-1 drop/host/invalid)
+    events: np.ndarray  # int32 [T, 5]: EV_* counts per token
+    admitted: np.ndarray  # int64 [n, 3]: (token, expert, slot) admissions applied
+    queued: np.ndarray  # int64 [n, 2]: (token, expert) admissions queued
+
+
+def warm_residency(topk_ids: np.ndarray, valid: np.ndarray | None, num_experts: int, capacities: np.ndarray) -> list[np.ndarray]:
+    """Per layer the C_l most frequently selected experts of a calibration trace (ties: lower id). topk_ids [T, L, k]."""
+    T, L, k = topk_ids.shape
+    out = []
+    for l_ in range(L):
+        ids = topk_ids[:, l_, :] if valid is None else topk_ids[valid[:, l_], l_, :]
+        counts = np.bincount(ids.ravel(), minlength=num_experts)[:num_experts]
+        order = np.lexsort((np.arange(num_experts), -counts))
+        out.append(order[: int(capacities[l_])].astype(np.int32))
+    return out
+
+
+class PolicyCache:
+    """State of every layer's cache under one policy; `step` drives the kernel for one layer."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        num_experts: int,
+        top_k: int,
+        capacities: np.ndarray,
+        initial_residency: list[np.ndarray] | np.ndarray | None = None,
+        belady_first_use: list[np.ndarray] | None = None,
+    ) -> None:
+        policy.validate()
+        self.policy = policy
+        self.E, self.k = int(num_experts), int(top_k)
+        self.caps = np.asarray(capacities, dtype=np.int64)
+        L = self.L = len(self.caps)
+        cmax = int(self.caps.max())
+        E = self.E
+        self.slot_expert = np.full((L, cmax), -1, np.int32)
+        self.expert_slot = np.full((L, E), -1, np.int32)
+        self.key = np.zeros((L, E))
+        self.skey = np.zeros((L, cmax), np.int64)
+        if policy.evict == "lru":
+            self.key[:] = -1.0
+        if policy.evict == "belady":
+            if belady_first_use is None:
+                raise InputError("evict = 'belady' needs the whole trace in advance (simulator only)")
+            for l_ in range(L):
+                self.key[l_] = -np.asarray(belady_first_use[l_], dtype=np.float64)[:E]
+        self.acc = np.zeros((L, E))
+        self.queued = np.zeros((L, E), np.bool_)
+        self.pin = np.zeros((L, cmax), np.int64)
+        self.used = np.zeros((L, E), np.int64)
+        self.qstate = np.zeros((L, 4), np.int64)  # head, len, stamp, n_resident
+        self.q_exp = np.zeros((L, E + 1), np.int32)
+        self.q_due = np.zeros((L, E + 1), np.int64)
+        self.counters = np.zeros((L, len(COUNTER_NAMES)), np.int64)
+        self.mass = np.zeros((L, 1))
+        self.next_t = np.zeros(L, np.int64)
+        if initial_residency is not None:
+            if len(initial_residency) != L:
+                raise InputError(f"initial residency has {len(initial_residency)} layers, expected {L}")
+            for l_ in range(L):
+                res = np.asarray(initial_residency[l_]).ravel()
+                res = res[res >= 0]
+                if len(res) > self.caps[l_]:
+                    raise InputError(f"initial residency: layer {l_} holds {len(res)} experts > capacity {self.caps[l_]}")
+                if len(res) and (res.min() < 0 or res.max() >= E):
+                    raise InputError(f"initial residency: layer {l_} has expert id {int(res.max())} outside [0, {E})")
+                if len(np.unique(res)) != len(res):
+                    raise InputError(f"initial residency: layer {l_} repeats an expert id")
+                self.slot_expert[l_, : len(res)] = res
+                self.expert_slot[l_, res] = np.arange(len(res), dtype=np.int32)
+                self.qstate[l_, 3] = len(res)
+        p = policy
+        self._params = (
+            RULE_CODE[p.rule],
+            float(p.tau_value),
+            float(p.beta) if p.beta is not None else -1.0,
+            EVICT_CODE[p.evict],
+            float(p.gamma),
+            float(2.0 ** (-1.0 / p.half_life)),
+            int(p.admission_delay),
+        )
+
+    def step(
+        self,
+        layer: int,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        ranking: np.ndarray | None = None,
+        valid: np.ndarray | None = None,
+        t0: int | None = None,
+        nxt: np.ndarray | None = None,
+        events: np.ndarray | None = None,
+    ) -> StepResult:
+        """Decide tokens t0.. of one layer. ids [T, k], weights [T, k], ranking [T, M] (defaults to ids)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        T, k = ids.shape
+        w = np.ascontiguousarray(weights, dtype=np.float64)
+        rank = ids if ranking is None else np.ascontiguousarray(ranking, dtype=np.int32)
+        valid = np.ones(T, np.bool_) if valid is None else np.ascontiguousarray(valid, dtype=np.bool_)
+        t0 = int(self.next_t[layer]) if t0 is None else int(t0)
+        self.next_t[layer] = t0 + T
+        nxt = np.zeros((0, k)) if nxt is None else nxt
+        l_ = layer
+        kind = np.empty((T, k), np.int8)
+        served = np.empty((T, k), np.int32)
+        slot = np.empty((T, k), np.int32)
+        ev = np.zeros((T, N_EV), np.int32) if events is None else events
+        adm_log = np.zeros((min(T * k, 1 << 20) + self.E, 3), np.int64)
+        q_log = np.zeros((min(T * k, 1 << 20), 2), np.int64)
+        n_logs = np.zeros(2, np.int64)
+        rule, tau, beta, evict, gamma, decay, delay = self._params
+        run_layer(
+            ids, w, rank, valid, t0,
+            rule, tau, beta, evict, gamma, decay, delay, int(self.caps[l_]), nxt,
+            self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_],
+            self.pin[l_], self.used[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
+            self.counters[l_], self.mass[l_],
+            kind, served, slot, ev, adm_log, q_log, n_logs,
+        )  # fmt: skip
+        na, nq = (int(x) for x in n_logs)
+        return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))])
+
+    def resident(self, layer: int) -> np.ndarray:
+        """Sorted ids of the experts resident in one layer."""
+        return np.flatnonzero(self.expert_slot[layer] >= 0)
+
+    def counter_totals(self) -> dict:
+        tot = {n: int(self.counters[:, i].sum()) for i, n in enumerate(COUNTER_NAMES)}
+        tot["substituted_mass"] = float(self.mass.sum())
+        return tot
+
+    def per_layer(self) -> list[dict]:
+        rows = []
+        for l_ in range(self.L):
+            row = {n: int(self.counters[l_, i]) for i, n in enumerate(COUNTER_NAMES)}
+            row["substituted_mass"] = float(self.mass[l_, 0])
+            rows.append(row)
+        return rows

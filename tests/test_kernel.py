@@ -1,0 +1,145 @@
+"""The compiled kernel against the plain reference of the spec (tests/reference.py) on random traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.errors import InputError
+from runtime.kernel import PolicyCache, next_use, warm_residency
+from runtime.policy import PRESETS, PolicyConfig, resolve_capacities
+from tests.reference import reference_replay, warm_residency_reference
+
+
+def random_case(seed: int, T: int, L: int, E: int, k: int, M: int, p_valid: float):
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(E, 0.5), size=L)  # skewed popularity per layer
+    ranking = np.empty((T, L, M), np.int32)
+    for t in range(T):
+        for l_ in range(L):
+            ranking[t, l_] = rng.choice(E, size=M, replace=False, p=pop[l_])
+    ids = ranking[:, :, :k].copy()
+    w = rng.dirichlet(np.full(k + 2, 0.7), size=(T, L))[..., :k]
+    w = -np.sort(-w, axis=-1)
+    w = w.astype(np.float32)
+    valid = rng.random((T, L)) < p_valid
+    return ids, w, ranking, valid
+
+
+def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks):
+    T, L, k = ids.shape
+    first_use, nxts = None, [None] * L
+    if policy.evict == "belady":
+        first_use = []
+        for l_ in range(L):
+            nxt, first = next_use(np.ascontiguousarray(ids[:, l_]), np.ascontiguousarray(valid[:, l_]), E, 0)
+            nxts[l_] = nxt
+            first_use.append(first)
+    cache = PolicyCache(policy, E, k, caps, init, belady_first_use=first_use)
+    kind = np.full((T, L, k), -1)
+    served = np.full((T, L, k), -1)
+    for l_ in range(L):
+        bounds = [0, *sorted(set(chunks)), T] if chunks else [0, T]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if b <= a:
+                continue
+            nxt = None if nxts[l_] is None else nxts[l_][a:b]
+            r = cache.step(l_, ids[a:b, l_], w[a:b, l_], ranking[a:b, l_], valid[a:b, l_], t0=a, nxt=nxt)
+            kind[a:b, l_] = r.kind
+            served[a:b, l_] = r.served
+    return cache, kind, served
+
+
+policies = st.builds(
+    lambda rule, tau, beta, evict, gamma, h, d: PolicyConfig(
+        rule=rule if evict != "belady" else "fetch_all",
+        tau=tau if rule == "threshold" else None,
+        beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d),
+    rule=st.sampled_from(["fetch_all", "threshold", "first_choice", "substitute_all", "cpu"]),
+    tau=st.sampled_from([0.0, 0.05, 0.15, 0.3, 0.9]),
+    beta=st.sampled_from([None, None, 0.05, 0.2, 0.5, 1.0]),
+    evict=st.sampled_from(["lfu", "lfu", "lru", "crf", "belady"]),
+    gamma=st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.73]),
+    h=st.sampled_from([1.0, 4.0, 32.0]),
+    d=st.integers(1, 3),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    T=st.integers(1, 40),
+    L=st.integers(1, 3),
+    E=st.integers(3, 12),
+    data=st.data(),
+    policy=policies,
+)
+def test_kernel_matches_reference(seed, T, L, E, data, policy):
+    k = data.draw(st.integers(1, min(4, E - 1)))
+    M = data.draw(st.integers(k, E))
+    caps = [data.draw(st.integers(k, E - 1)) for _ in range(L)]
+    p_valid = data.draw(st.sampled_from([1.0, 1.0, 0.8]))
+    ids, w, ranking, valid = random_case(seed, T, L, E, k, M, p_valid)
+    rng = np.random.default_rng(seed + 1)
+    init = [rng.choice(E, size=int(rng.integers(0, c + 1)), replace=False).astype(np.int32) for c in caps]
+    chunks = data.draw(st.lists(st.integers(1, max(T - 1, 1)), max_size=3))
+    cache, kind, served = drive_kernel(policy, ids, w, ranking, valid, E, np.array(caps), init, chunks)
+    ref = reference_replay(
+        ids.tolist(), w.tolist(), ranking.tolist(), valid.tolist(), E, caps, [list(map(int, x)) for x in init],
+        policy.rule, tau=policy.tau, beta=policy.beta, evict=policy.evict, gamma=policy.gamma,
+        half_life=policy.half_life, admission_delay=policy.admission_delay,
+    )
+    for t in range(T):
+        for l_ in range(L):
+            if not valid[t, l_]:
+                continue
+            assert list(kind[t, l_]) == list(ref["kind"][t][l_]), (t, l_)
+            assert list(served[t, l_]) == list(ref["served"][t][l_]), (t, l_)
+    for l_, row in enumerate(cache.per_layer()):
+        for key, val in ref["counters"][l_].items():
+            assert row[key] == val, (l_, key, row[key], val)
+        assert set(cache.resident(l_).tolist()) == set(ref["final_resident"][l_])
+
+
+def test_warm_residency_matches_reference():
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 9, size=(50, 2, 3)).astype(np.int32)
+    caps = np.array([4, 6])
+    ours = warm_residency(ids, None, 9, caps)
+    ref = warm_residency_reference(ids.tolist(), [[True, True]] * 50, 9, caps.tolist())
+    assert [list(x) for x in ours] == [list(x) for x in ref]
+
+
+def test_rule_invariants_on_a_skewed_trace():
+    ids, w, ranking, valid = random_case(0, 200, 2, 16, 4, 16, 1.0)
+    caps = np.array([6, 6])
+    init = warm_residency(ids[:50], valid[:50], 16, caps)
+    got = {}
+    for name, pol in PRESETS.items():
+        cache, kind, _ = drive_kernel(pol, ids, w, ranking, valid, 16, caps, init, [])
+        got[name] = tot = cache.counter_totals()
+        assert tot["calls"] == 200 * 2 * 4
+        assert tot["hits"] + tot["fetches"] + tot["substitutions"] + tot["drops"] + tot["host_computes"] == tot["calls"]
+        if name == "host-compute":  # no cache change at all
+            assert [set(cache.resident(l_)) for l_ in range(2)] == [set(x.tolist()) for x in init]
+    assert got["fetch-every-miss"]["substitutions"] == got["fetch-every-miss"]["drops"] == 0
+    assert got["substitute-all"]["fetches"] == 0
+    assert got["first-choice"]["fetches"] < got["rule-0.15"]["fetches"] < got["fetch-every-miss"]["fetches"]
+    assert got["quality-first"]["admissions"] > 0 and got["rule-0.15"]["admissions"] == 0
+
+
+@pytest.mark.parametrize("bad", [dict(capacity=1), dict(capacity=8), dict(capacity=[3, 3, 3])])
+def test_capacity_errors(bad):
+    with pytest.raises(InputError, match="capacity"):
+        resolve_capacities(bad["capacity"], 2, 8, 2)
+
+
+@pytest.mark.parametrize("field,value", [("tau", -0.1), ("beta", 0.0), ("beta", -1.0), ("admission_delay", 0),
+                                         ("gamma", 0.0), ("gamma", 1.5), ("rule", "nope"), ("evict", "mru")])
+def test_policy_errors_name_the_field(field, value):
+    base = {"rule": "threshold", "tau": 0.15}
+    base[field] = value
+    with pytest.raises(InputError, match=field):
+        PolicyConfig(**base).validate()
