@@ -95,7 +95,7 @@ def _free_slot(slot_expert, cap):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def run_layer(
     ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
     rule, tau, beta, evict, gamma, decay, delay, cap, nxt,  # params; nxt [T, k] float64 next use (belady) or [0, k]
@@ -218,6 +218,7 @@ def run_layer(
         # 4. substitutes in rank order, after all fetches
         nsub = 0
         nc = 0
+        mtok = 0.0  # substituted mass of this token-layer
         m = 0  # entries before m are non-resident or used: residency is fixed from here on
         for j in range(k):
             if out_kind[i, j] != SUB:
@@ -241,21 +242,31 @@ def run_layer(
                 out_served[i, j] = -1
                 out_slot[i, j] = -1
                 counters[C_DROPS] += 1
-            mass[0] += w[i, j]
+            mtok += w[i, j]
             acc[e] += w[i, j]
             cand[nc] = e
             nc += 1
-        # 5. keys
-        if evict == K_LFU:
-            if gamma != 1.0:
-                for e in range(E):
-                    key[e] = gamma * key[e]
+        mass[0] += mtok
+        # 5. keys (the fast paths also re-key this token's pinned slots)
+        if evict == K_LFU and gamma == 1.0:
+            for j in range(k):
+                e = ids[i, j]
+                kv = key[e] + 1.0
+                key[e] = kv
+                kd = out_kind[i, j]
+                if kd == HIT or kd == FETCH:
+                    skey[out_slot[i, j]] = np.int64(kv) * E + e
+        elif evict == K_LFU:
+            for e in range(E):
+                key[e] = gamma * key[e]
             for j in range(k):
                 key[ids[i, j]] += 1.0
         elif evict == K_LRU:
             for j in range(k):
-                if out_served[i, j] >= 0 and out_kind[i, j] != HOST:
-                    key[out_served[i, j]] = t
+                e = out_served[i, j]
+                if e >= 0 and out_kind[i, j] != HOST:
+                    key[e] = t
+                    skey[out_slot[i, j]] = np.int64(t + 1) * E + e
         elif evict == K_CRF:
             for e in range(E):
                 key[e] = decay * key[e]
@@ -265,11 +276,6 @@ def run_layer(
         else:  # belady: minus the next use
             for j in range(k):
                 key[ids[i, j]] = -nxt[i, j]
-        if fast:  # re-key this token's pinned and used slots
-            for j in range(k):
-                s = out_slot[i, j]
-                if s >= 0:
-                    skey[s] = _ikey(evict, key, slot_expert[s], E)
         ev[i, EV_DEV] += k - nh - (nc - nsub)
         ev[i, EV_FETCH] += nf
         ev[i, EV_HOST] += nh
@@ -317,6 +323,12 @@ def next_use(ids, valid, E, t0):
         for j in range(k):
             last[ids[i, j]] = t0 + i
     return nxt, last
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) the kernel before anything is timed."""
+    pc = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5), 4, 1, np.array([1]), [np.array([0])])
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), nxt=np.zeros((2, 1)))
 
 
 @dataclass

@@ -20,7 +20,7 @@ import numpy as np
 
 from runtime import costmodel
 from runtime.errors import InputError, cli_main
-from runtime.kernel import N_EV, PolicyCache, next_use, warm_residency
+from runtime.kernel import N_EV, PolicyCache, next_use, warm_residency, warmup
 from runtime.policy import PRESETS, PolicyConfig, preset, resolve_capacities
 from runtime.trace import Trace, load_trace
 
@@ -52,6 +52,7 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     ws = [np.ascontiguousarray(trace.topk_weights[:, l_], dtype=np.float64) for l_ in range(L)]
     ranks = [np.ascontiguousarray(trace.ranking[:, l_]) for l_ in range(L)]
     valids = [np.ascontiguousarray(trace.valid[:, l_]) for l_ in range(L)]
+    warmup()
     t_start = time.perf_counter()
     for l_ in range(L):
         cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_])
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.out:
         from runtime.errors import atomic_write
 
-        atomic_write(a.out, lambda f: f.write(text.encode()))
+        atomic_write(a.out, lambda tmp: Path(tmp).write_text(text))
     if a.json:
         print(text)
     else:

@@ -1,0 +1,201 @@
+"""Model adapters: put the policy kernel between a Hugging Face MoE router and its experts.
+
+Every supported family (transformers 5.x) has a sparse block that calls
+`router(x) -> (router_logits, weights, indices)` and then `experts(x, indices, weights)`.
+`attach()` wraps both modules of every MoE layer: the router tap keeps the logits, the
+experts wrapper sorts the selection by score (the spec's rank order), asks the shared
+`PolicyCache` for the decisions of these tokens at this layer, and calls the original
+experts module with the served experts and weights. Shared experts and their gates are
+untouched. With no cache attached the wrapper is the identity (exact model), and it can
+record the router's choices as a trace.
+
+Decisions to tensors: HIT/FETCH/HOST compute the selected expert with `w_j` (exact); SUB
+computes the substitute with `w_j` (or, with `substitute_weight="own"`, with the weight the
+router would have given the substitute: `w_j * p[sub] / p[e_j]`); DROP computes nothing
+(the slot's weight is 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.errors import InputError
+from runtime.kernel import DROP, SUB, PolicyCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Family:
+    router_attr: str  # attribute of the sparse block holding the router
+    experts_attr: str
+    score: str  # how candidate scores derive from router_logits: softmax | sigmoid_bias
+    weight_norm: str  # how the model's gate weights are normalised (trace metadata)
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family("gate", "experts", "softmax", "softmax_all|topk"),
+    "qwen2_moe": Family("gate", "experts", "softmax", "softmax_all|topk"),
+    "qwen3_next": Family("gate", "experts", "softmax", "softmax_all|topk"),
+    "mixtral": Family("gate", "experts", "softmax", "softmax_topk"),
+    "olmoe": Family("gate", "experts", "softmax", "softmax_all|topk"),
+    "deepseek_v3": Family("gate", "experts", "sigmoid_bias", "sigmoid_topk"),
+    "gpt_oss": Family("router", "experts", "softmax", "softmax_topk"),
+}
+
+
+def family_of(config) -> Family:
+    mt = getattr(config, "model_type", None)
+    if mt not in FAMILIES:
+        raise InputError(f"config.json: model_type = {mt!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[mt]
+
+
+def weight_norm_of(config) -> str:
+    fam = family_of(config)
+    if "|" in fam.weight_norm:
+        return "softmax_topk" if getattr(config, "norm_topk_prob", False) else "softmax_all"
+    return fam.weight_norm
+
+
+def moe_blocks(model: nn.Module, fam: Family) -> list[nn.Module]:
+    """The sparse MoE blocks in layer order (modules holding both a router and an experts module)."""
+    blocks = []
+    for _, mod in model.named_modules():
+        r, e = getattr(mod, fam.router_attr, None), getattr(mod, fam.experts_attr, None)
+        if isinstance(r, nn.Module) and isinstance(e, nn.Module) and not isinstance(r, RouterTap):
+            blocks.append(mod)
+    return blocks
+
+
+@dataclass
+class Recorder:
+    """Router choices as seen by the experts wrappers, per MoE layer, in stream order."""
+
+    depth: int  # ranking depth M
+    ids: list[list[np.ndarray]] = field(default_factory=list)  # [L] of list of [N, k]
+    weights: list[list[np.ndarray]] = field(default_factory=list)
+    ranking: list[list[np.ndarray]] = field(default_factory=list)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids int32 [T, L, k], weights float32 [T, L, k], ranking int32 [T, L, M]."""
+        cat = [np.stack([np.concatenate(x) for x in part], axis=1) for part in (self.ids, self.weights, self.ranking)]
+        return cat[0].astype(np.int32), cat[1].astype(np.float32), cat[2].astype(np.int32)
+
+
+class Context:
+    """What the wrappers share: the cache (None = exact model), the recorder, options."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.cache: PolicyCache | None = None
+        self.recorder: Recorder | None = None
+        self.substitute_weight = "missed"
+        self.num_layers = num_layers
+        self.last: list[dict | None] = [None] * num_layers  # last step's decisions per layer (tests)
+
+    def start_recording(self, depth: int) -> Recorder:
+        self.recorder = Recorder(depth, [[] for _ in range(self.num_layers)], [[] for _ in range(self.num_layers)],
+                                 [[] for _ in range(self.num_layers)])
+        return self.recorder
+
+
+class RouterTap(nn.Module):
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.router = router
+        self.logits: torch.Tensor | None = None
+
+    def forward(self, hidden_states):
+        out = self.router(hidden_states)
+        self.logits = out[0]
+        return out
+
+
+class PolicyExperts(nn.Module):
+    def __init__(self, experts: nn.Module, tap: RouterTap, layer: int, ctx: Context, fam: Family) -> None:
+        super().__init__()
+        self.experts, self.tap, self.layer, self.ctx, self.fam = experts, tap, layer, ctx, fam
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Candidate scores [N, E] whose order is the router's preference."""
+        if self.fam.score == "sigmoid_bias":
+            return logits.float().sigmoid() + self.tap.router.e_score_correction_bias
+        return logits.float()
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        ctx = self.ctx
+        if ctx.cache is None and ctx.recorder is None:
+            return self.experts(hidden_states, top_k_index, top_k_weights)
+        logits = self.tap.logits.reshape(top_k_index.shape[0], -1)
+        if not torch.isfinite(logits).all():
+            bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
+            raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token {bad[0]} of this batch")
+        score = self.scores(logits)  # [N, E]
+        sel = torch.gather(score, 1, top_k_index)  # [N, k]
+        # rank order: descending score, ties lower id (stable sort over ids sorted ascending)
+        ids_sorted_by_id, perm_id = torch.sort(top_k_index, dim=1)
+        order = torch.sort(-torch.gather(sel, 1, perm_id), dim=1, stable=True).indices
+        perm = torch.gather(perm_id, 1, order)
+        ids = torch.gather(top_k_index, 1, perm)  # [N, k]
+        w = torch.gather(top_k_weights, 1, perm)  # [N, k]
+        N, k = ids.shape
+        depth = ctx.recorder.depth if ctx.cache is None else score.shape[1]
+        # candidate ranking: the selection, then the others by descending score (stable: lower id first)
+        rest = score.scatter(1, ids, float("-inf"))
+        others = torch.sort(-rest, dim=1, stable=True).indices[:, : max(depth - k, 0)]
+        ranking = torch.cat([ids, others], dim=1)  # [N, M]
+        ids_np = ids.numpy().astype(np.int32)
+        w_np = w.detach().float().numpy()
+        if ctx.recorder is not None:
+            r = ctx.recorder
+            r.ids[self.layer].append(ids_np)
+            r.weights[self.layer].append(w_np.astype(np.float32))
+            r.ranking[self.layer].append(ranking[:, : r.depth].numpy().astype(np.int32))
+        if ctx.cache is None:
+            return self.experts(hidden_states, top_k_index, top_k_weights)
+        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float32).astype(np.float64), ranking.numpy())
+        ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
+        kind = torch.from_numpy(res.kind.astype(np.int64))
+        served = torch.from_numpy(res.served.astype(np.int64))
+        new_w = w.clone()
+        if ctx.substitute_weight == "own":
+            sub = kind == SUB
+            if sub.any():
+                p = torch.softmax(logits.float(), dim=-1) if self.fam.score == "softmax" else logits.float().sigmoid()
+                ratio = torch.gather(p, 1, served.clamp(min=0)) / torch.gather(p, 1, ids)
+                new_w = torch.where(sub, w * ratio.to(w.dtype), w)
+        drop = kind == DROP
+        if drop.any():
+            new_w = new_w.masked_fill(drop, 0.0)
+            served = torch.where(drop, ids, served)
+        return self.experts(hidden_states, served, new_w)
+
+
+def attach(model: nn.Module) -> Context:
+    """Wrap every MoE layer of `model` once; returns the shared context (cache None = exact)."""
+    if hasattr(model, "_expertsweep_ctx"):
+        return model._expertsweep_ctx
+    fam = family_of(model.config)
+    blocks = moe_blocks(model, fam)
+    if not blocks:
+        raise InputError(f"model {type(model).__name__}: no MoE layers found")
+    ctx = Context(len(blocks))
+    for layer, blk in enumerate(blocks):
+        tap = RouterTap(getattr(blk, fam.router_attr))
+        setattr(blk, fam.router_attr, tap)
+        setattr(blk, fam.experts_attr, PolicyExperts(getattr(blk, fam.experts_attr), tap, layer, ctx, fam))
+    model._expertsweep_ctx = ctx
+    return ctx
+
+
+def moe_geometry(model: nn.Module) -> tuple[int, int, int]:
+    """(num MoE layers, E, k) of an attached model."""
+    ctx = attach(model)
+    cfg = model.config
+    E = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or cfg.n_routed_experts
+    return ctx.num_layers, int(E), int(cfg.num_experts_per_tok)

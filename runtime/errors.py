@@ -1,0 +1,63 @@
+"""User-facing errors and safe output writing shared by every ExpertSweep entry point.
+
+`InputError` is raised for anything the user got wrong (a bad file, field, flag or value);
+`cli_main` turns it into a one-line `expertsweep: error: ...` message and exit status 2
+instead of a traceback. `atomic_write` makes sure a failed or interrupted run never leaves
+a partial output file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class InputError(ValueError):
+    """Bad user input; str() is one line naming the file/field/flag and the value."""
+
+    def __init__(self, message: object) -> None:
+        # Keep the message on one line whatever was passed in (e.g. a library's multi-line error).
+        super().__init__(" ".join(str(message).split()))
+
+
+def cli_main(fn: Callable[[], Any]) -> None:
+    """Run `fn()`; on InputError print `expertsweep: error: <msg>` to stderr and exit with status 2."""
+    try:
+        fn()
+    except InputError as e:
+        print(f"expertsweep: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | os.PathLike[str], write_fn: Callable[[str], Any]) -> None:
+    """Create or replace `path` atomically.
+
+    `write_fn(tmp_path)` is called with the name (a str) of a fresh temporary file in the same
+    directory as `path` and must write the complete content there (it may open it itself or hand
+    the name to a library writer). On success the temporary file is renamed over `path`
+    (os.replace, atomic on POSIX); on any exception it is removed and the exception re-raised,
+    so `path` is either the old file (or absent) or the complete new one, never a partial one.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,715 @@
+"""Router traces: what the simulator replays.
+
+A trace records, for every token of a stream and every traced MoE layer, the router's top-k
+selection (in router order), the gate weights the model applied, and the first M entries of the
+candidate ranking (M >= k; M = E keeps it exact). This module holds the in-memory `Trace`, its
+on-disk formats (Parquet / Arrow IPC, one row per (token, layer); `.npz` import of recorder dumps),
+the validation every loaded trace goes through (one-line `InputError`s naming file, field, value
+and location), and a synthetic generator with realistic MoE routing statistics.
+
+The file formats are documented in docs/traces.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from runtime.errors import InputError, atomic_write
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_KEY = b"expertsweep"
+WEIGHT_NORMS = ("softmax_topk", "softmax_all", "unknown")
+SUFFIXES = (".parquet", ".arrow", ".npz")
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    model: str  # e.g. "Qwen/Qwen3-Next-80B-A3B" or "synthetic"
+    num_experts: int  # E
+    top_k: int  # k
+    ranking_depth: int  # M >= k
+    layer_ids: tuple[int, ...]  # model layer index of each trace layer
+    weight_norm: str  # "softmax_topk" (renormalised) | "softmax_all" | "unknown"
+    text_sha256: str = ""  # digest of the text the trace was recorded on
+    source: str = ""  # where the trace came from (file, recorder, generator settings)
+
+
+@dataclass
+class Trace:
+    topk_ids: np.ndarray  # int32 [T, L, k], router order (descending score)
+    topk_weights: np.ndarray  # float32 [T, L, k], gate weights as the model applied them
+    ranking: np.ndarray  # int32 [T, L, M], candidate ranking, ranking[..., :k] == topk_ids
+    valid: np.ndarray  # bool [T, L]; invalid cells are skipped by every backend
+    seq_id: np.ndarray  # int32 [T]
+    position: np.ndarray  # int32 [T], position within the sequence
+    meta: TraceMeta
+
+    @property
+    def T(self) -> int:
+        return int(self.topk_ids.shape[0])
+
+    @property
+    def L(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+    @property
+    def k(self) -> int:
+        return int(self.topk_ids.shape[2])
+
+    @property
+    def M(self) -> int:
+        return int(self.ranking.shape[2])
+
+    @property
+    def E(self) -> int:
+        return int(self.meta.num_experts)
+
+    def slice_tokens(self, a: int, b: int) -> Trace:
+        """Tokens [a, b) of the stream (numpy slice semantics); arrays are views, meta is shared."""
+        s = slice(a, b)
+        return Trace(self.topk_ids[s], self.topk_weights[s], self.ranking[s], self.valid[s],
+                     self.seq_id[s], self.position[s], self.meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _loc(idx: np.ndarray) -> str:
+    return ", ".join(str(int(i)) for i in idx)
+
+
+def _first(mask: np.ndarray) -> np.ndarray | None:
+    """Index tuple (as an array) of the first True of `mask` in C order, or None."""
+    if not mask.any():
+        return None
+    return np.array(np.unravel_index(int(np.argmax(mask)), mask.shape))
+
+
+def _fmt(v: object) -> str:
+    return repr(v.item()) if isinstance(v, np.generic) else repr(v)
+
+
+def _check_ids(where: str, name: str, ids: np.ndarray, valid: np.ndarray, E: int) -> None:
+    # ids [T, L, n] any integer dtype; only valid cells are checked
+    bad = ((ids < 0) | (ids >= E)) & valid[..., None]
+    i = _first(bad)
+    if i is not None:
+        raise InputError(f"{where}: {name}[{_loc(i)}] = {_fmt(ids[tuple(i)])} is out of range [0, {E})")
+    srt = np.sort(ids, axis=-1)  # [T, L, n]
+    dup = (srt[..., 1:] == srt[..., :-1]) & valid[..., None]
+    i = _first(dup)
+    if i is not None:
+        t, ly, _ = i
+        e = srt[t, ly, i[2]]
+        slots = np.flatnonzero(ids[t, ly] == e)
+        raise InputError(f"{where}: {name}[{t}, {ly}] repeats expert {int(e)} "
+                         f"(at {', '.join(str(int(j)) for j in slots)})")
+
+
+def _validate_arrays(where: str, topk_ids: np.ndarray, topk_weights: np.ndarray, ranking: np.ndarray,
+                     valid: np.ndarray, seq_id: np.ndarray, position: np.ndarray, E: int) -> None:
+    """Checks on the arrays alone (any numeric dtypes), vectorised. Raises InputError."""
+    if topk_ids.ndim != 3:
+        raise InputError(f"{where}: topk_ids has shape {tuple(topk_ids.shape)}, expected [T, L, k]")
+    T, L, k = topk_ids.shape
+    if T < 1 or L < 1 or k < 1:
+        raise InputError(f"{where}: topk_ids has shape {(T, L, k)}, every dimension must be >= 1")
+    for name, a, shape in (("topk_weights", topk_weights, (T, L, k)), ("valid", valid, (T, L)),
+                           ("seq_id", seq_id, (T,)), ("position", position, (T,))):
+        if tuple(a.shape) != shape:
+            raise InputError(f"{where}: {name} has shape {tuple(a.shape)}, expected {shape} "
+                             f"to match topk_ids {(T, L, k)}")
+    if ranking.ndim != 3 or tuple(ranking.shape[:2]) != (T, L):
+        raise InputError(f"{where}: ranking has shape {tuple(ranking.shape)}, expected [{T}, {L}, M]")
+    M = ranking.shape[2]
+    if M < k:
+        raise InputError(f"{where}: ranking depth M = {M} is smaller than top_k k = {k}")
+    if E < 1:
+        raise InputError(f"{where}: num_experts = {E} must be >= 1")
+    if M > E:
+        raise InputError(f"{where}: ranking depth M = {M} exceeds num_experts E = {E}")
+    for name, a, kinds in (("topk_ids", topk_ids, "iu"), ("ranking", ranking, "iu"),
+                           ("topk_weights", topk_weights, "f"), ("valid", valid, "b"),
+                           ("seq_id", seq_id, "iu"), ("position", position, "iu")):
+        if a.dtype.kind not in kinds:
+            want = {"iu": "integers", "f": "floats", "b": "bool"}[kinds]
+            raise InputError(f"{where}: {name} has dtype {a.dtype}, expected {want}")
+
+    _check_ids(where, "topk_ids", topk_ids, valid, E)
+    w = topk_weights
+    i = _first(~np.isfinite(w) & valid[..., None])
+    if i is not None:
+        raise InputError(f"{where}: topk_weights[{_loc(i)}] = {_fmt(w[tuple(i)])} is not finite")
+    i = _first((w < 0) & valid[..., None])
+    if i is not None:
+        raise InputError(f"{where}: topk_weights[{_loc(i)}] = {_fmt(w[tuple(i)])} is negative")
+    i = _first((ranking[..., :k] != topk_ids) & valid[..., None])
+    if i is not None:
+        raise InputError(f"{where}: ranking[{_loc(i)}] = {_fmt(ranking[tuple(i)])} but "
+                         f"topk_ids[{_loc(i)}] = {_fmt(topk_ids[tuple(i)])}: "
+                         f"the ranking must start with the top-k")
+    if M > k:
+        _check_ids(where, "ranking", ranking, valid, E)
+    for name, a in (("seq_id", seq_id), ("position", position)):
+        i = _first(a < 0)
+        if i is not None:
+            raise InputError(f"{where}: {name}[{_loc(i)}] = {_fmt(a[tuple(i)])} is negative")
+
+
+def _validate_meta(where: str, meta: TraceMeta, L: int, k: int, M: int) -> None:
+    if not isinstance(meta, TraceMeta):
+        raise InputError(f"{where}: meta is {type(meta).__name__}, expected TraceMeta")
+    if meta.top_k != k:
+        raise InputError(f"{where}: meta top_k = {meta.top_k} but topk_ids has k = {k} slots")
+    if meta.ranking_depth != M:
+        raise InputError(f"{where}: meta ranking_depth = {meta.ranking_depth} but ranking has M = {M}")
+    if len(meta.layer_ids) != L:
+        raise InputError(f"{where}: meta layer_ids has {len(meta.layer_ids)} entries "
+                         f"{list(meta.layer_ids)} but the trace has L = {L} layers")
+    if meta.weight_norm not in WEIGHT_NORMS:
+        raise InputError(f"{where}: meta weight_norm = {meta.weight_norm!r}, expected one of "
+                         f"{', '.join(WEIGHT_NORMS)}")
+
+
+def validate_trace(trace: Trace, path: str | os.PathLike[str] = "<trace>") -> None:
+    """Check shapes, dtypes, id ranges, repeats, weights and the ranking; raise a one-line InputError.
+
+    Cells with valid == False are not checked (they may hold -1 / NaN)."""
+    where = str(path)
+    _validate_arrays(where, trace.topk_ids, trace.topk_weights, trace.ranking, trace.valid,
+                     trace.seq_id, trace.position, trace.meta.num_experts)
+    for name, a, dt in (("topk_ids", trace.topk_ids, np.int32), ("ranking", trace.ranking, np.int32),
+                        ("topk_weights", trace.topk_weights, np.float32),
+                        ("valid", trace.valid, np.bool_), ("seq_id", trace.seq_id, np.int32),
+                        ("position", trace.position, np.int32)):
+        if a.dtype != dt:
+            raise InputError(f"{where}: {name} has dtype {a.dtype}, expected {np.dtype(dt)}")
+    _validate_meta(where, trace.meta, trace.L, trace.k, trace.M)
+
+
+def _normalise_invalid(trace: Trace) -> None:
+    """Invalid cells get ids 0..k-1 / ranking 0..M-1 in order and weight 0 (in place)."""
+    bad = ~trace.valid  # [T, L]
+    if bad.any():
+        trace.topk_ids[bad] = np.arange(trace.k, dtype=np.int32)
+        trace.ranking[bad] = np.arange(trace.M, dtype=np.int32)
+        trace.topk_weights[bad] = 0.0
+
+
+def _warn_order(where: str, trace: Trace) -> None:
+    w = trace.topk_weights
+    n = int(((w[..., 1:] > w[..., :-1] + 1e-6) & trace.valid[..., None]).any(-1).sum())
+    if n:
+        logger.warning("%s: topk_weights are not in descending order in %d of %d token-layers; "
+                       "ranks follow the stored order", where, n, trace.valid.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Parquet / Arrow IPC
+
+
+def _schema(meta: TraceMeta, k: int, M: int) -> pa.Schema:
+    fields = [
+        pa.field("token", pa.int32(), nullable=False),
+        pa.field("seq_id", pa.int32(), nullable=False),
+        pa.field("position", pa.int32(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("valid", pa.bool_(), nullable=False),
+        pa.field("topk_ids", pa.list_(pa.int32(), k), nullable=False),
+        pa.field("topk_weights", pa.list_(pa.float32(), k), nullable=False),
+        pa.field("ranking", pa.list_(pa.int32(), M), nullable=False),
+    ]
+    info = {"format_version": FORMAT_VERSION, **dataclasses.asdict(meta)}
+    info["layer_ids"] = [int(x) for x in meta.layer_ids]
+    return pa.schema(fields, metadata={META_KEY: json.dumps(info).encode()})
+
+
+def _to_table(trace: Trace) -> pa.Table:
+    T, L, k, M = trace.T, trace.L, trace.k, trace.M
+    if L > np.iinfo(np.int16).max:
+        raise InputError(f"cannot save a trace with L = {L} layers (the layer column is int16)")
+    n = T * L
+
+    def fsl(a: np.ndarray, width: int) -> pa.Array:
+        return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(a).reshape(n * width)), width)
+
+    cols = [
+        pa.array(np.repeat(np.arange(T, dtype=np.int32), L)),
+        pa.array(np.repeat(trace.seq_id, L)),
+        pa.array(np.repeat(trace.position, L)),
+        pa.array(np.tile(np.arange(L, dtype=np.int16), T)),
+        pa.array(np.ascontiguousarray(trace.valid).reshape(n)),
+        fsl(trace.topk_ids, k),
+        fsl(trace.topk_weights, k),
+        fsl(trace.ranking, M),
+    ]
+    return pa.Table.from_arrays(cols, schema=_schema(trace.meta, k, M))
+
+
+def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
+    """Write `trace` as Parquet (`.parquet`, zstd) or Arrow IPC file (`.arrow`), atomically.
+
+    The trace is validated first; any other suffix is an InputError (`.npz` is import-only)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".parquet", ".arrow"):
+        raise InputError(f"{path}: cannot save a trace as '{suffix or path.name}' "
+                         f"(use a .parquet or .arrow file name)")
+    validate_trace(trace, "<trace to save>")
+    table = _to_table(trace)
+
+    def write(tmp: str) -> None:
+        if suffix == ".parquet":
+            pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
+        else:
+            with pa.OSFile(tmp, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+                w.write_table(table)
+
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write trace: {e.strerror or e}") from e
+    logger.info("saved trace %s: T=%d L=%d k=%d M=%d E=%d", path, trace.T, trace.L, trace.k,
+                trace.M, trace.E)
+
+
+def _meta_from_json(where: str, raw: bytes | None) -> TraceMeta:
+    if raw is None:
+        raise InputError(f"{where}: not an ExpertSweep trace (no '{META_KEY.decode()}' schema metadata)")
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{where}: schema metadata '{META_KEY.decode()}' is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise InputError(f"{where}: schema metadata '{META_KEY.decode()}' is not a JSON object")
+    version = d.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InputError(f"{where}: format_version = {version!r} is not supported "
+                         f"(this version of ExpertSweep reads {FORMAT_VERSION})")
+    kw: dict = {}
+    for f in dataclasses.fields(TraceMeta):
+        if f.name not in d:
+            if f.default is dataclasses.MISSING:
+                raise InputError(f"{where}: metadata field '{f.name}' is missing")
+            continue
+        v = d[f.name]
+        if f.name in ("num_experts", "top_k", "ranking_depth"):
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif f.name == "layer_ids":
+            ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            v = tuple(v) if ok else v
+        else:
+            ok = isinstance(v, str)
+        if not ok:
+            raise InputError(f"{where}: metadata field '{f.name}' = {v!r} has the wrong type")
+        kw[f.name] = v
+    return TraceMeta(**kw)
+
+
+def _list_values(where: str, table: pa.Table, name: str, width: int) -> np.ndarray:
+    """A list column as a numpy array [n_rows, width] (no per-row Python work)."""
+    col = table.column(name)
+    if col.null_count:
+        raise InputError(f"{where}: column '{name}' has {col.null_count} null rows")
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_fixed_size_list(arr.type):
+        if arr.type.list_size != width:
+            raise InputError(f"{where}: column '{name}' holds lists of {arr.type.list_size}, expected {width}")
+    elif pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        lengths = arr.value_lengths().to_numpy(zero_copy_only=False)
+        i = _first(lengths != width)
+        if i is not None:
+            raise InputError(f"{where}: column '{name}' row {int(i[0])} has {int(lengths[i[0]])} "
+                             f"entries, expected {width}")
+    else:
+        raise InputError(f"{where}: column '{name}' has type {arr.type}, expected a list")
+    flat = arr.flatten()
+    if flat.null_count:
+        raise InputError(f"{where}: column '{name}' has {flat.null_count} null entries")
+    return flat.to_numpy(zero_copy_only=False).reshape(len(arr), width)
+
+
+def _scalar_column(where: str, table: pa.Table, name: str) -> np.ndarray:
+    col = table.column(name)
+    if col.null_count:
+        raise InputError(f"{where}: column '{name}' has {col.null_count} null rows")
+    return col.to_numpy()
+
+
+def _from_table(where: str, table: pa.Table, num_experts: int | None) -> Trace:
+    meta = _meta_from_json(where, (table.schema.metadata or {}).get(META_KEY))
+    if num_experts is not None:
+        meta = dataclasses.replace(meta, num_experts=int(num_experts))
+    names = set(table.column_names)
+    for name in ("token", "layer", "topk_ids", "topk_weights"):
+        if name not in names:
+            raise InputError(f"{where}: required column '{name}' is missing")
+    L, k, M = len(meta.layer_ids), meta.top_k, meta.ranking_depth
+    n = table.num_rows
+    if L < 1 or k < 1:
+        raise InputError(f"{where}: metadata gives L = {L} layers and top_k = {k}, both must be >= 1")
+    if n == 0 or n % L:
+        raise InputError(f"{where}: {n} rows is not a positive multiple of L = {L} layers")
+    T = n // L
+
+    token = _scalar_column(where, table, "token").astype(np.int64)
+    layer = _scalar_column(where, table, "layer").astype(np.int64)
+    want_t = np.repeat(np.arange(T), L)
+    want_l = np.tile(np.arange(L), T)
+    order = None
+    if not (np.array_equal(token, want_t) and np.array_equal(layer, want_l)):
+        order = np.lexsort((layer, token))  # rows may come in any order; sort by (token, layer)
+        token, layer = token[order], layer[order]
+        i = _first((token != want_t) | (layer != want_l))
+        if i is not None:
+            r = int(i[0])
+            raise InputError(f"{where}: rows must cover each (token, layer) with token in [0, {T}) "
+                             f"and layer in [0, {L}) exactly once; found (token {token[r]}, "
+                             f"layer {layer[r]}) where (token {want_t[r]}, layer {want_l[r]}) was expected")
+
+    def rows(a: np.ndarray) -> np.ndarray:
+        return a if order is None else a[order]
+
+    ids = rows(_list_values(where, table, "topk_ids", k)).reshape(T, L, k)
+    w = rows(_list_values(where, table, "topk_weights", k)).reshape(T, L, k)
+    if "ranking" in names:
+        ranking = rows(_list_values(where, table, "ranking", M)).reshape(T, L, M)
+    elif M == k:
+        ranking = ids.copy()
+    else:
+        raise InputError(f"{where}: column 'ranking' is missing but ranking_depth = {M} > top_k = {k}")
+    valid = rows(_scalar_column(where, table, "valid")).reshape(T, L) if "valid" in names \
+        else np.ones((T, L), dtype=bool)
+    per_token = {}
+    for name in ("seq_id", "position"):
+        if name not in names:
+            continue
+        a = rows(_scalar_column(where, table, name)).reshape(T, L)
+        i = _first(a != a[:, :1])
+        if i is not None:
+            raise InputError(f"{where}: column '{name}' differs between layers of token {int(i[0])} "
+                             f"({a[i[0], 0]} at layer 0, {a[tuple(i)]} at layer {int(i[1])})")
+        per_token[name] = a[:, 0]
+    seq_id = per_token.get("seq_id", np.zeros(T, dtype=np.int64))
+    position = per_token.get("position", _positions(seq_id))
+
+    return _build(where, ids, w, ranking, valid, seq_id, position, meta)
+
+
+def _build(where: str, ids: np.ndarray, w: np.ndarray, ranking: np.ndarray, valid: np.ndarray,
+           seq_id: np.ndarray, position: np.ndarray, meta: TraceMeta) -> Trace:
+    """Cast to the Trace dtypes (always copying: callers' arrays are never modified) and validate."""
+    arrays = (ids, w, ranking, valid, seq_id, position)
+    dtypes = (np.int32, np.float32, np.int32, np.bool_, np.int32, np.int32)
+    if any(a.dtype != dt for a, dt in zip(arrays, dtypes, strict=True)):
+        # check before casting so that e.g. int64 ids beyond the int32 range are reported as they are
+        _validate_arrays(where, *arrays, meta.num_experts)
+        if np.iinfo(np.int32).max < max(meta.num_experts, int(seq_id.max()), int(position.max())):
+            raise InputError(f"{where}: num_experts = {meta.num_experts}, seq_id or position "
+                             f"exceeds the int32 range")
+    trace = Trace(*(np.array(a, dtype=dt, order="C") for a, dt in zip(arrays, dtypes, strict=True)), meta)
+    validate_trace(trace, where)
+    return trace
+
+
+def _read_table(where: str, path: Path, suffix: str) -> pa.Table:
+    try:
+        if suffix == ".parquet":
+            # (pq.read_table would import pyarrow.dataset); page CRCs catch corrupted data pages
+            with pq.ParquetFile(path, page_checksum_verification=True) as f:
+                return f.read()
+        with pa.memory_map(str(path), "r") as src:
+            try:
+                return pa.ipc.open_file(src).read_all()
+            except pa.ArrowInvalid as e:
+                try:  # also accept the IPC stream format; report the file reader's error otherwise
+                    src.seek(0)
+                    return pa.ipc.open_stream(src).read_all()
+                except pa.ArrowException:
+                    raise e from None
+    except FileNotFoundError as e:
+        raise InputError(f"{where}: no such file") from e
+    except (pa.ArrowException, OSError, ValueError, EOFError) as e:
+        kind = "Parquet" if suffix == ".parquet" else "Arrow IPC"
+        raise InputError(f"{where}: not a readable {kind} file (truncated or corrupt?): {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# .npz import
+
+
+def _positions(seq_id: np.ndarray) -> np.ndarray:
+    """Index of each token among the earlier tokens of its sequence: [T] -> [T]."""
+    T = len(seq_id)
+    order = np.argsort(seq_id, kind="stable")
+    s = seq_id[order]
+    start = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])  # group starts in sorted order
+    group_start = np.repeat(start, np.diff(np.r_[start, T]))
+    pos = np.empty(T, dtype=np.int64)
+    pos[order] = np.arange(T) - group_start
+    return pos
+
+
+def _npz_scalar(where: str, z: dict[str, np.ndarray], name: str, kind: str = "iu") -> object:
+    a = z[name]
+    if a.ndim != 0 or a.dtype.kind not in kind:
+        raise InputError(f"{where}: field '{name}' has dtype {a.dtype} and shape {tuple(a.shape)}, "
+                         f"expected a scalar")
+    return a.item()
+
+
+def _load_npz(where: str, path: Path, num_experts: int | None) -> Trace:
+    try:
+        f = np.load(path, allow_pickle=False)
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise InputError(f"{where}: not an .npz archive (a single .npy array?)")
+        with f:
+            z = {name: f[name] for name in f.files}
+    except FileNotFoundError as e:
+        raise InputError(f"{where}: no such file") from e
+    except InputError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, OSError, ValueError, EOFError, KeyError) as e:
+        raise InputError(f"{where}: not a readable .npz file (truncated or corrupt?): {e}") from e
+
+    for name in ("topk_ids", "topk_weights"):
+        if name not in z:
+            raise InputError(f"{where}: required field '{name}' is missing (fields: {', '.join(sorted(z))})")
+    ids, w = z["topk_ids"], z["topk_weights"]
+    if ids.ndim != 3:
+        raise InputError(f"{where}: topk_ids has shape {tuple(ids.shape)}, expected [T, L, k]")
+    T, L, k = ids.shape
+    valid = z["valid"] if "valid" in z else np.ones((T, L), dtype=bool)
+    ranking = z["ranking"] if "ranking" in z else ids
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"{where}: topk_ids has dtype {ids.dtype}, expected integers")
+    if w.shape != ids.shape:
+        raise InputError(f"{where}: topk_weights has shape {tuple(w.shape)}, expected {(T, L, k)} "
+                         f"to match topk_ids")
+    if valid.dtype.kind != "b" or valid.shape != (T, L):
+        raise InputError(f"{where}: valid has dtype {valid.dtype} and shape {tuple(valid.shape)}, "
+                         f"expected bool [{T}, {L}]")
+
+    if "top_k" in z and _npz_scalar(where, z, "top_k") != k:
+        raise InputError(f"{where}: top_k = {_npz_scalar(where, z, 'top_k')} but topk_ids has "
+                         f"{k} slots per row")
+    file_E = _npz_scalar(where, z, "num_experts") if "num_experts" in z else None
+    if num_experts is not None:
+        E = int(num_experts)
+        if file_E is not None and file_E != E:
+            logger.warning("%s: using num_experts = %d (the file says %d)", where, E, file_E)
+    elif file_E is not None:
+        E = int(file_E)
+    else:
+        E = int(ids[valid].max()) + 1 if valid.any() else k
+        logger.info("%s: no num_experts given; using max id + 1 = %d", where, E)
+
+    if "layers" in z:
+        layers = z["layers"]
+        if layers.dtype.kind not in "iu" or layers.shape != (L,):
+            raise InputError(f"{where}: layers has dtype {layers.dtype} and shape "
+                             f"{tuple(layers.shape)}, expected integers [{L}]")
+        layer_ids = tuple(int(x) for x in layers)
+    else:
+        layer_ids = tuple(range(L))
+
+    if "call_idx" in z:
+        seq_id = z["call_idx"]
+        if seq_id.shape != (T,) or seq_id.dtype.kind not in "iu":
+            raise InputError(f"{where}: call_idx has dtype {seq_id.dtype} and shape "
+                             f"{tuple(seq_id.shape)}, expected integers [{T}]")
+    else:
+        seq_id = np.zeros(T, dtype=np.int64)
+    position = _positions(seq_id)
+
+    if "weight_norm" in z:
+        weight_norm = str(_npz_scalar(where, z, "weight_norm", "U"))
+    elif valid.any():
+        sums = w[valid].astype(np.float64).sum(-1)  # [n_valid]
+        weight_norm = "softmax_topk" if np.all(np.abs(sums - 1.0) <= 1e-3) else "softmax_all"
+    else:
+        weight_norm = "unknown"
+    model = str(_npz_scalar(where, z, "model", "U")) if "model" in z else "unknown"
+    extra = sorted(set(z) - {"topk_ids", "topk_weights", "ranking", "valid", "num_experts", "top_k",
+                             "layers", "call_idx", "weight_norm", "model"})
+    if extra:
+        logger.debug("%s: ignoring fields %s", where, ", ".join(extra))
+
+    meta = TraceMeta(model=model, num_experts=E, top_k=k, ranking_depth=int(ranking.shape[2]),
+                     layer_ids=layer_ids, weight_norm=weight_norm, source=path.name)
+    return _build(where, ids, w, ranking, valid, seq_id, position, meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+
+
+def load_trace(path: str | os.PathLike[str], num_experts: int | None = None) -> Trace:
+    """Load and validate a trace by suffix: `.parquet`, `.arrow` (Arrow IPC) or `.npz` (import).
+
+    `num_experts` overrides E from the file. Invalid cells come back normalised (ids 0..k-1,
+    ranking 0..M-1, weights 0). Every problem with the file is a one-line InputError."""
+    path = Path(path)
+    where = str(path)
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise InputError(f"{where}: unknown trace format '{suffix or path.name}' "
+                         f"(expected {', '.join(SUFFIXES)})")
+    if num_experts is not None:
+        try:
+            ok = not isinstance(num_experts, bool) and int(num_experts) == num_experts >= 1
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InputError(f"num_experts = {num_experts!r} must be a positive integer")
+        num_experts = int(num_experts)
+    if suffix == ".npz":
+        trace = _load_npz(where, path, num_experts)
+    else:
+        trace = _from_table(where, _read_table(where, path, suffix), num_experts)
+    _warn_order(where, trace)
+    _normalise_invalid(trace)
+    n_bad = int(trace.valid.size - trace.valid.sum())
+    logger.info("loaded trace %s: T=%d L=%d k=%d M=%d E=%d (%d invalid cells)", where, trace.T,
+                trace.L, trace.k, trace.M, trace.E, n_bad)
+    return trace
+
+
+def calibration_split(trace: Trace, fraction: float = 0.25) -> tuple[Trace, Trace]:
+    """Split a stream into (calibration, evaluation) parts for warm-cache initialisation.
+
+    The cut is the sequence boundary closest to `fraction * T` (the exact token if the trace is a
+    single sequence); both parts are non-empty views of `trace`."""
+    if not 0.0 < fraction < 1.0:
+        raise InputError(f"calibration fraction = {fraction!r} must be in (0, 1)")
+    T = trace.T
+    if T < 2:
+        raise InputError(f"cannot split a trace of {T} token(s) into calibration and evaluation parts")
+    target = min(max(int(round(fraction * T)), 1), T - 1)
+    starts = np.flatnonzero(trace.seq_id[1:] != trace.seq_id[:-1]) + 1  # sequence starts, in (0, T)
+    cut = int(starts[np.argmin(np.abs(starts - target))]) if starts.size else target
+    return trace.slice_tokens(0, cut), trace.slice_tokens(cut, T)
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic generator
+
+
+def _top_m_stable(scores: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-M indices of each row in descending score order, ties to the lower index.
+
+    scores [N, E] -> (idx int32 [N, M], vals [N, M]); argpartition, then an exact fix-up of rows
+    with ties at the cut."""
+    N, E = scores.shape
+    if M < E:
+        idx = np.argpartition(-scores, M - 1, axis=1)[:, :M]  # [N, M], unordered
+    else:
+        idx = np.broadcast_to(np.arange(E), (N, E)).copy()
+    vals = np.take_along_axis(scores, idx, axis=1)  # [N, M]
+    o = np.lexsort((idx, -vals), axis=1)  # descending score, then lower id
+    idx, vals = np.take_along_axis(idx, o, axis=1), np.take_along_axis(vals, o, axis=1)
+    if M < E:
+        tied = (scores >= vals[:, -1:]).sum(1) > M  # [N] ties straddle the cut: argpartition may be off
+        if tied.any():
+            o = np.argsort(-scores[tied], axis=1, kind="stable")[:, :M]
+            idx[tied] = o
+            vals[tied] = np.take_along_axis(scores[tied], o, axis=1)
+    return idx.astype(np.int32), vals
+
+
+def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: int,
+                    ranking_depth: int | None = None, *, seed: int = 0, skew: float = 1.0,
+                    num_topics: int = 8, topic_locality: float = 0.7, switch_prob: float = 0.01,
+                    seq_len: int = 512, weight_norm: str = "softmax_topk", temperature: float = 1.25,
+                    noise: float = 1.0, model: str = "synthetic") -> Trace:
+    """A synthetic MoE routing trace (see docs/traces.md for the model and its parameters).
+
+    Router scores per (token, layer, expert): Zipf popularity -skew*log(rank+1) (a random expert
+    order per layer) + a topic boost for the current topic's experts + noise * Gumbel noise. The
+    latent topic is shared by all layers of a token, redrawn at every sequence start (each
+    `seq_len` tokens) and with probability `switch_prob` per token. topic_locality in [0, 1) is,
+    for flat popularity and no noise scaling, the probability that a token's first choice lies in
+    its topic's expert set. Selection = top-k by score (ties: lower id), ranking = first
+    `ranking_depth` (default E) of the same order, gate weights = softmax(score / temperature) over
+    the top-k ("softmax_topk") or over all E ("softmax_all"). Deterministic for a seed."""
+    T, L, E, k = num_tokens, num_layers, num_experts, top_k
+    M = E if ranking_depth is None else ranking_depth
+    checks = [
+        ("num_tokens", T, T >= 1, ">= 1"), ("num_layers", L, L >= 1, ">= 1"),
+        ("num_experts", E, E >= 1, ">= 1"), ("top_k", k, 1 <= k <= E, "in [1, num_experts]"),
+        ("ranking_depth", M, k <= M <= E, "in [top_k, num_experts]"), ("skew", skew, skew >= 0, ">= 0"),
+        ("num_topics", num_topics, num_topics >= 1, ">= 1"),
+        ("topic_locality", topic_locality, 0 <= topic_locality < 1, "in [0, 1)"),
+        ("switch_prob", switch_prob, 0 <= switch_prob <= 1, "in [0, 1]"),
+        ("seq_len", seq_len, seq_len >= 1, ">= 1"),
+        ("weight_norm", weight_norm, weight_norm in ("softmax_topk", "softmax_all"),
+         "'softmax_topk' or 'softmax_all'"),
+        ("temperature", temperature, temperature > 0, "> 0"), ("noise", noise, noise >= 0, ">= 0"),
+    ]
+    for name, v, ok, need in checks:
+        if not ok:
+            raise InputError(f"synthetic trace: {name} = {v!r} must be {need}")
+    rng = np.random.default_rng(seed)
+
+    # latent topic per token: [T]
+    t = np.arange(T)
+    switch = rng.random(T) < switch_prob
+    switch[::seq_len] = True  # every sequence starts with a fresh topic
+    draws = rng.integers(num_topics, size=T)
+    topic = draws[np.maximum.accumulate(np.where(switch, t, 0))]  # [T]
+    seq_id = (t // seq_len).astype(np.int32)
+    position = (t % seq_len).astype(np.int32)
+
+    # topic expert sets: boost b such that (flat popularity) P(first choice in set) = topic_locality
+    n_topic = min(E, max(k, -(-E // num_topics)))
+    odds = topic_locality * (E - n_topic) / max((1.0 - topic_locality) * n_topic, 1e-30)
+    boost = float(np.log(odds)) if odds > 1.0 and n_topic < E else 0.0
+
+    ranks = np.log1p(np.arange(E, dtype=np.float64))
+    ids = np.empty((T, L, k), dtype=np.int32)
+    weights = np.empty((T, L, k), dtype=np.float32)
+    ranking = np.empty((T, L, M), dtype=np.int32)
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    for layer in range(L):
+        pop = np.empty(E, dtype=np.float32)  # [E]
+        pop[rng.permutation(E)] = -skew * ranks
+        sets = np.zeros((num_topics, E), dtype=np.float32)  # [n_topics, E]
+        for z in range(num_topics):
+            sets[z, rng.choice(E, size=n_topic, replace=False)] = boost
+        scores = sets[topic]  # [T, E]
+        scores += pop
+        if noise > 0:
+            u = rng.random((T, E), dtype=np.float32)
+            np.maximum(u, tiny, out=u)
+            g = -np.log(-np.log(u))  # Gumbel(0, 1)
+            scores += np.float32(noise) * g
+        idx, vals = _top_m_stable(scores, M)  # [T, M]
+        z = (vals[:, :k] - vals[:, :1]) / np.float32(temperature)  # [T, k], <= 0
+        ez = np.exp(z)
+        if weight_norm == "softmax_topk":
+            denom = ez.sum(1, keepdims=True)
+        else:
+            denom = np.exp((scores - vals[:, :1]) / np.float32(temperature)).sum(1, keepdims=True)
+        ids[:, layer] = idx[:, :k]
+        weights[:, layer] = ez / denom
+        ranking[:, layer] = idx
+
+    params = (f"seed={seed} skew={skew} num_topics={num_topics} topic_locality={topic_locality} "
+              f"switch_prob={switch_prob} seq_len={seq_len} temperature={temperature} noise={noise}")
+    meta = TraceMeta(model=model, num_experts=E, top_k=k, ranking_depth=M,
+                     layer_ids=tuple(range(L)), weight_norm=weight_norm, source=f"synthetic_trace({params})")
+    return Trace(ids, weights, ranking, np.ones((T, L), dtype=bool), seq_id, position, meta)

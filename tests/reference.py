@@ -1,0 +1,413 @@
+"""Plain, slow, obviously-correct pure-Python reference of docs/policies.md.
+
+This module is the oracle the compiled policy kernel (runtime/kernel.py) is
+checked against. It deliberately uses nothing but lists, dicts and sets and
+follows the numbered steps of the spec literally, one token-layer at a time.
+It imports nothing from the project, so it stays independent of the kernel.
+
+Choices where the spec is silent follow docs/design.md:
+
+- ``valid[t][layer] == False`` cells are skipped entirely (no decision, no
+  counters, no key update, no decay); the stream index ``t`` keeps counting.
+- ``gamma`` aging and ``crf`` decay happen once per processed token of a
+  layer, for every expert of that layer.
+- ``crf``: ``c[e] = 2**(-1/h) * c[e] + (1 if e computed here this token)``.
+- ``belady`` (``fetch_all`` only): key ``-(next token at which the layer's
+  router selects e)``, never again = ``+inf`` (key ``-inf``, evicted first).
+
+Further choices made here (documented so the kernel can match them):
+
+- Floats: weights are converted with ``float()`` (the exact float64 of a
+  float32), all sums are float64 in rank order ``j = 0..k-1``; the per
+  token-layer substituted mass ``m`` is summed first and then added to the
+  layer's running total.
+- Belady next use is the next *processed* (valid) token of that layer whose
+  top-k contains ``e``: strictly after ``t`` for a fetch at token ``t``; at or
+  after ``t'`` for an admission applied right before token ``t'``.
+- Admission batches due by a processed token ``t'`` (queued at ``tq`` with
+  ``tq + d <= t'``) are applied right before it, oldest batch first; batches
+  still pending at the end of the trace are never applied.
+- With ``beta`` set, "every expert" in step 6 means literally every expert of
+  the layer (so ``beta <= 0`` would queue every non-resident expert).
+"""
+
+from __future__ import annotations
+
+HIT, FETCH, SUB, DROP, HOST = 0, 1, 2, 3, 4
+
+RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu")
+EVICTS = ("lfu", "lru", "crf", "belady")
+
+COUNTER_KEYS = (
+    "calls",
+    "hits",
+    "fetches",
+    "substitutions",
+    "drops",
+    "host_computes",
+    "admissions",
+    "substituted_mass",
+)
+
+
+def _plain(x):
+    """numpy array -> nested Python lists (float32 -> exact float64); lists as they are."""
+    return x.tolist() if hasattr(x, "tolist") else x
+
+
+def _check_ids(ids, num_experts, what):
+    for e in ids:
+        if not (0 <= e < num_experts):
+            raise ValueError(f"{what}: expert id {e} outside [0, {num_experts})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{what}: repeated expert ids {ids}")
+
+
+def reference_replay(
+    topk_ids,
+    topk_weights,
+    ranking,
+    valid,
+    num_experts,
+    capacities,
+    initial_residency,
+    rule,
+    tau=None,
+    beta=None,
+    evict="lfu",
+    gamma=1.0,
+    half_life=None,
+    admission_delay=1,
+):
+    """Replay a router trace under one policy, literally as docs/policies.md says.
+
+    Arguments: ``topk_ids [T][L][k]`` ints, ``topk_weights [T][L][k]`` floats,
+    ``ranking [T][L][M]`` (starts with the top-k, ``M >= k``), ``valid [T][L]``
+    bools, ``capacities`` one int per layer, ``initial_residency`` one list of
+    expert ids per layer (may hold fewer than ``C_l``). ``rule`` in
+    fetch_all|threshold|first_choice|substitute_all|cpu; ``evict`` in
+    lfu|lru|crf|belady. numpy arrays are accepted anywhere.
+
+    Returns a dict:
+
+    - ``kind [T][L][k]``: HIT/FETCH/SUB/DROP/HOST, ``None`` for invalid cells
+      (the whole ``[k]`` row is ``None``).
+    - ``served [T][L][k]``: the expert computing slot j (the selected expert
+      for HIT/FETCH/HOST, the substitute for SUB, -1 for DROP); ``None`` rows
+      for invalid cells.
+    - ``mass [T][L]``: substituted mass m of the token-layer (``None`` if invalid).
+    - ``counters``: per layer a dict with COUNTER_KEYS.
+    - ``final_resident``: per layer the set of resident experts at the end.
+    - ``final_state``: per layer ``{"f", "a", "last", "crf"}`` lists (length E).
+    - ``admission_log``: per layer a list of ``(t, e, victim)``: ``e`` admitted
+      right before token ``t``, evicting ``victim`` (-1 if a free slot was used).
+    """
+    ids = _plain(topk_ids)
+    weights = _plain(topk_weights)
+    ranks = _plain(ranking)
+    ok = _plain(valid)
+    caps = [int(c) for c in _plain(capacities)]
+    init = [[int(e) for e in layer] for layer in _plain(initial_residency)]
+    E = int(num_experts)
+    T = len(ids)
+    L = len(caps)
+
+    # ---- configuration checks (a configuration error is reported as such) ----
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}")
+    if evict not in EVICTS:
+        raise ValueError(f"unknown evict {evict!r}")
+    if rule == "threshold" and tau is None:
+        raise ValueError("rule threshold needs tau")
+    if evict == "crf" and (half_life is None or not half_life > 0):
+        raise ValueError("evict crf needs half_life > 0")
+    if evict == "belady" and rule != "fetch_all":
+        raise ValueError("evict belady is only defined with rule fetch_all")
+    if int(admission_delay) != admission_delay or admission_delay < 1:
+        raise ValueError("admission_delay must be an integer >= 1")
+    if len(init) != L:
+        raise ValueError("initial_residency needs one list per layer")
+    for t in range(T):
+        if len(ids[t]) != L or len(weights[t]) != L or len(ranks[t]) != L or len(ok[t]) != L:
+            raise ValueError(f"token {t}: expected {L} layers")
+    k = len(ids[0][0]) if T else None
+    for layer in range(L):
+        # "k <= C_l < E; anything else is a configuration error"
+        if not (caps[layer] < E) or (k is not None and caps[layer] < k):
+            raise ValueError(f"layer {layer}: capacity {caps[layer]} outside [k={k}, E={E})")
+        _check_ids(init[layer], E, f"initial_residency[{layer}]")
+        if len(init[layer]) > caps[layer]:
+            raise ValueError(
+                f"layer {layer}: {len(init[layer])} initial residents > capacity {caps[layer]}"
+            )
+
+    kind = [[None] * L for _ in range(T)]
+    served = [[None] * L for _ in range(T)]
+    mass = [[None] * L for _ in range(T)]
+    counters, final_resident, final_state, admission_log = [], [], [], []
+
+    # Caches are per layer and independent: replay each layer on its own.
+    for layer in range(L):
+        out = _replay_layer(
+            [ids[t][layer] for t in range(T)],
+            [weights[t][layer] for t in range(T)],
+            [ranks[t][layer] for t in range(T)],
+            [bool(ok[t][layer]) for t in range(T)],
+            E,
+            k,
+            caps[layer],
+            init[layer],
+            rule,
+            tau,
+            beta,
+            evict,
+            gamma,
+            half_life,
+            int(admission_delay),
+        )
+        for t in range(T):
+            kind[t][layer] = out["kind"][t]
+            served[t][layer] = out["served"][t]
+            mass[t][layer] = out["mass"][t]
+        counters.append(out["counters"])
+        final_resident.append(out["resident"])
+        final_state.append(out["state"])
+        admission_log.append(out["log"])
+
+    return {
+        "kind": kind,
+        "served": served,
+        "mass": mass,
+        "counters": counters,
+        "final_resident": final_resident,
+        "final_state": final_state,
+        "admission_log": admission_log,
+    }
+
+
+def _replay_layer(
+    ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d
+):
+    """One layer's cache over the whole trace (lists indexed by token t)."""
+    T = len(ids)
+    resident = set(init)
+    f = [0.0] * E  # LFU count ("all counts f, a at 0")
+    a = [0.0] * E  # admission accumulator
+    last = [-1] * E  # LRU: "never-used residents count as token -1"
+    crf = [0.0] * E  # CRF value c[e]
+    decay = 2.0 ** (-1.0 / half_life) if evict == "crf" else None
+    pending = []  # admission batches, oldest first: (t_queued, [experts in queue order])
+    log = []
+    cnt = {key: 0 for key in COUNTER_KEYS}
+    cnt["substituted_mass"] = 0.0
+    kind_out = [None] * T
+    served_out = [None] * T
+    mass_out = [None] * T
+
+    def next_use(e, start):
+        """Next processed token >= start at which this layer's router selects e."""
+        for u in range(start, T):
+            if ok[u] and e in [int(x) for x in ids[u]]:
+                return float(u)
+        return float("inf")
+
+    def evict_key(e, belady_start):
+        if evict == "lfu":
+            return f[e]
+        if evict == "lru":
+            return last[e]
+        if evict == "crf":
+            return crf[e]
+        # belady: minus the next use; never again = +inf -> key -inf (evicted first)
+        return -next_use(e, belady_start)
+
+    def pick_victim(options, belady_start):
+        # "the resident expert with the smallest eviction key ...; ties go to the lower expert id"
+        best = None
+        for e in sorted(options):
+            if best is None or evict_key(e, belady_start) < evict_key(best, belady_start):
+                best = e
+        return best
+
+    for t in range(T):
+        if not ok[t]:
+            continue  # invalid cell: skipped entirely, t still advances
+
+        sel = [int(x) for x in ids[t]]
+        w = [float(x) for x in weights[t]]
+        cand = [int(x) for x in ranks[t]]
+        if len(sel) != k or len(w) != k:
+            raise ValueError(f"token {t}: expected k={k} selected experts and weights")
+        _check_ids(sel, E, f"token {t} topk_ids")
+        _check_ids(cand, E, f"token {t} ranking")
+        if cand[:k] != sel:
+            raise ValueError(f"token {t}: ranking {cand} does not start with top-k {sel}")
+
+        # ---- 6 (applying). "The experts queued at token t become resident, in
+        # queue order, before the layer is processed for token t + d." ----
+        while pending and pending[0][0] + d <= t:
+            _, batch = pending.pop(0)
+            admitted_in_batch = set()
+            for e in batch:
+                # "one that became resident meanwhile is skipped"
+                if e in resident:
+                    continue
+                victim = -1
+                if len(resident) >= C:
+                    # "Each evicts the resident with the smallest eviction key at
+                    # that moment, never one admitted in the same batch"
+                    options = [r for r in resident if r not in admitted_in_batch]
+                    if not options:
+                        continue  # design.md: no evictable victim -> skipped
+                    victim = pick_victim(options, t)
+                    resident.remove(victim)
+                resident.add(e)
+                admitted_in_batch.add(e)
+                a[e] = 0.0  # "reset to 0 ... whenever e becomes resident"
+                cnt["admissions"] += 1
+                log.append((t, e, victim))
+
+        # ---- 1. Hits and misses: "e_j is a hit if resident, else a miss." ----
+        is_hit = [e in resident for e in sel]
+
+        # ---- 2. Miss rule: one decision per miss, from its rank and weight only ----
+        decision = [None] * k
+        for j in range(k):
+            if is_hit[j]:
+                decision[j] = HIT
+            elif rule == "fetch_all":
+                decision[j] = FETCH  # "FETCH every miss"
+            elif rule == "threshold":
+                # "FETCH if j == 0 or w_j >= tau, else SUBSTITUTE"
+                decision[j] = FETCH if (j == 0 or w[j] >= tau) else SUB
+            elif rule == "first_choice":
+                decision[j] = FETCH if j == 0 else SUB  # "FETCH if j == 0, else SUBSTITUTE"
+            elif rule == "substitute_all":
+                decision[j] = SUB  # "SUBSTITUTE every miss, the first choice included"
+            else:  # cpu
+                decision[j] = HOST  # "compute the miss on the host, no cache change"
+
+        srv = [None] * k
+        used = set()  # experts used by this token: hits, fetches, substitutes
+        pinned = set()  # "this token's hits and the experts already fetched for it"
+        for j in range(k):
+            if decision[j] == HIT:
+                srv[j] = sel[j]
+                used.add(sel[j])
+                pinned.add(sel[j])
+            elif decision[j] == HOST:
+                srv[j] = sel[j]
+
+        # ---- 3. Fetches, in rank order ----
+        for j in range(k):
+            if decision[j] != FETCH:
+                continue
+            e = sel[j]
+            if len(resident) >= C:  # "If the layer is full"
+                options = [r for r in resident if r not in pinned]
+                if not options:
+                    raise AssertionError("no unpinned resident (needs k <= C)")
+                # a fetch at token t: Belady looks strictly after t
+                victim = pick_victim(options, t + 1)
+                resident.remove(victim)
+            resident.add(e)
+            a[e] = 0.0  # "reset to 0 ... whenever e becomes resident (by fetch ...)"
+            pinned.add(e)
+            used.add(e)
+            srv[j] = e
+
+        # ---- 4. Substitutes, in rank order of the substituted misses, after all fetches ----
+        for j in range(k):
+            if decision[j] != SUB:
+                continue
+            substitute = None
+            # "the highest expert in the candidate ranking that is resident and
+            # not already used by this token (as a hit, a fetch or an earlier substitute)"
+            for c in cand:
+                if c in resident and c not in used:
+                    substitute = c
+                    break
+            if substitute is None:
+                decision[j] = DROP  # "the miss is dropped: it contributes nothing"
+                srv[j] = -1
+            else:
+                srv[j] = substitute
+                used.add(substitute)
+
+        # ---- 5. Bookkeeping ----
+        m = 0.0
+        for j in range(k):
+            if decision[j] in (SUB, DROP):
+                m += w[j]  # "m = sum of w_j over its substituted and dropped misses"
+                a[sel[j]] += w[j]  # "a[e_j] += w_j for every substituted or dropped miss"
+        selected = set(sel)
+        for e in range(E):
+            # "f[e] = gamma * f[e] + (1 if e was selected else 0)" (router demand)
+            f[e] = gamma * f[e] + (1.0 if e in selected else 0.0)
+        # LRU: "the last token at which e was computed here (hit, fetch or substitute)"
+        for e in used:
+            last[e] = t
+        if evict == "crf":
+            for e in range(E):
+                crf[e] = decay * crf[e] + (1.0 if e in used else 0.0)
+
+        cnt["calls"] += k
+        for j in range(k):
+            if decision[j] == HIT:
+                cnt["hits"] += 1
+            elif decision[j] == FETCH:
+                cnt["fetches"] += 1
+            elif decision[j] == SUB:
+                cnt["substitutions"] += 1
+            elif decision[j] == DROP:
+                cnt["drops"] += 1
+            else:
+                cnt["host_computes"] += 1
+        cnt["substituted_mass"] += m
+
+        # ---- 6 (queueing). "after the token, every expert that is neither
+        # resident nor already queued and has a[e] >= beta is queued for
+        # admission, largest a[e] first (ties: lower id)" ----
+        if beta is not None:
+            queued = set()
+            for _, batch in pending:
+                queued.update(batch)
+            new = [e for e in range(E) if e not in resident and e not in queued and a[e] >= beta]
+            new.sort(key=lambda e: (-a[e], e))
+            for e in new:
+                a[e] = 0.0  # "a[e] is reset to 0 when e is queued"
+            if new:
+                pending.append((t, new))
+
+        kind_out[t] = decision
+        served_out[t] = srv
+        mass_out[t] = m
+
+    return {
+        "kind": kind_out,
+        "served": served_out,
+        "mass": mass_out,
+        "counters": cnt,
+        "resident": set(resident),
+        "state": {"f": list(f), "a": list(a), "last": list(last), "crf": list(crf)},
+        "log": log,
+    }
+
+
+def warm_residency_reference(calib_topk_ids, calib_valid, num_experts, capacities):
+    """Warm start: per layer the C_l most frequently selected experts over the
+    calibration trace (valid cells only), ties lower id, most frequent first."""
+    ids = _plain(calib_topk_ids)
+    ok = _plain(calib_valid)
+    caps = [int(c) for c in _plain(capacities)]
+    E = int(num_experts)
+    out = []
+    for layer in range(len(caps)):
+        count = {e: 0 for e in range(E)}
+        for t in range(len(ids)):
+            if ok[t][layer]:
+                for e in ids[t][layer]:
+                    count[int(e)] += 1
+        order = sorted(range(E), key=lambda e: (-count[e], e))
+        out.append(order[: caps[layer]])
+    return out
