@@ -65,17 +65,17 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Lo
         raise InputError(f"--model {d}/config.json: cannot be read: {str(exc).splitlines()[0][:200]}") from None
     adapters.family_of(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - safetensors/torch raise many types for a corrupt file
-        raise InputError(f"--model {d}: the weights cannot be loaded ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
-    try:
         tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"--model {d}: no usable tokenizer ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
     if len(tok) > cfg.vocab_size:
         raise InputError(f"--model {d}: tokenizer has {len(tok)} tokens but the model's vocab_size is {cfg.vocab_size} "
                          "(tokenizer does not match the model)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - safetensors/torch raise many types for a corrupt file
+        raise InputError(f"--model {d}: the weights cannot be loaded ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     model.eval()
     ctx = adapters.attach(model)
     L, E, k = adapters.moe_geometry(model)

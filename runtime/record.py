@@ -1,0 +1,55 @@
+"""Router-trace recording: the exact model's top-k, gate weights and candidate ranking for a text.
+
+`python -m runtime.record --model DIR --text FILE --out TRACE.parquet [--depth M] [--max-tokens N]`
+writes the trace format of docs/traces.md (one row per token and MoE layer), with a progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from runtime.emulate import default_window, load, make_trace, record, tokenize_file
+from runtime.errors import InputError, cli_main
+from runtime.trace import save_trace
+
+log = logging.getLogger(__name__)
+
+
+def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike,
+                 max_tokens: int | None = None, depth: int | None = None, window: int | None = None,
+                 batch_windows: int = 8, progress: bool = False) -> Path:
+    """Record the exact model's routing over a text into `out_path` (.parquet or .arrow)."""
+    out = Path(out_path)
+    if out.suffix not in (".parquet", ".arrow"):
+        raise InputError(f"--out {out}: use a .parquet or .arrow file name")
+    m = load(model_dir)
+    M = m.E if depth is None else depth
+    if not (m.k <= M <= m.E):
+        raise InputError(f"--depth = {M} must be between k={m.k} and E={m.E}")
+    windows, sha = tokenize_file(m, text_path, max_tokens, window or default_window(m))
+    ids, w, rank, _ = record(m, windows, M, batch_windows, progress)
+    save_trace(make_trace(m, ids, w, rank, windows, sha, f"runtime.record {Path(text_path).name}"), out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m runtime.record", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--text", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--depth", type=int, default=None, help="ranking depth M (default: E, exact)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--batch-windows", type=int, default=8)
+    a = p.parse_args(argv)
+    out = record_trace(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, a.batch_windows, progress=True)
+    print(out)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cli_main(main)
