@@ -237,7 +237,7 @@ def emulate(
         r["mass_per_token_layer"] = tot["substituted_mass"] / (T * m.num_layers)
         r["substituted_call_fraction"] = (tot["substitutions"] + tot["drops"]) / max(tot["calls"], 1)
         r["per_layer"] = cache.per_layer()
-        r.update({"capacity": caps.tolist(), "tokens": T, "seconds": secs, "initial_residency": init_src,
+        r.update({"capacity": caps.tolist(), "num_experts": m.E, "top_k": m.k, "tokens": T, "seconds": secs, "initial_residency": init_src,
                   "substitute_weight": substitute_weight})
         results[name] = r
         nll_cols[f"nll_{name}"] = nll.ravel()
