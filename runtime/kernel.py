@@ -111,6 +111,10 @@ def run_layer(
     use_adm = beta > 0.0
     fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU  # integer keys: skey mirrors them
     cand = np.empty(k, np.int64)
+    cnt = np.zeros(8, np.int64)  # counters, kept local so they stay in registers
+    n_res = qstate[3]
+    stamp = qstate[2]
+    msum = 0.0
     if fast:
         for s in range(cap):
             e = slot_expert[s]
@@ -126,8 +130,8 @@ def run_layer(
         # 0. admissions due before this token, batch by batch (a batch = same due token)
         while qstate[1] > 0 and q_due[qstate[0]] <= t:
             due = q_due[qstate[0]]
-            qstate[2] += 1
-            bstamp = qstate[2]
+            stamp += 1
+            bstamp = stamp
             while qstate[1] > 0 and q_due[qstate[0]] == due:
                 e = q_exp[qstate[0]]
                 qstate[0] = (qstate[0] + 1) % qcap
@@ -135,24 +139,24 @@ def run_layer(
                 queued[e] = False
                 ev[i, EV_ADM_POPPED] += 1
                 if expert_slot[e] >= 0:
-                    counters[C_ADM_SKIPPED] += 1
+                    cnt[C_ADM_SKIPPED] += 1
                     continue
-                s = _free_slot(slot_expert, cap) if qstate[3] < cap else -1
+                s = _free_slot(slot_expert, cap) if n_res < cap else -1
                 if s < 0:
                     s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, bstamp)
                     if s < 0:
-                        counters[C_ADM_SKIPPED] += 1
+                        cnt[C_ADM_SKIPPED] += 1
                         continue
                     expert_slot[slot_expert[s]] = -1
                 else:
-                    qstate[3] += 1
+                    n_res += 1
                 slot_expert[s] = e
                 expert_slot[e] = s
                 pin[s] = bstamp
                 if fast:
                     skey[s] = _IMAX  # protected from the rest of its batch
                 acc[e] = 0.0
-                counters[C_ADM] += 1
+                cnt[C_ADM] += 1
                 n = n_logs[0]
                 if n < adm_log.shape[0]:
                     adm_log[n, 0] = t
@@ -163,9 +167,9 @@ def run_layer(
                 for s in range(cap):
                     if pin[s] == bstamp:
                         skey[s] = _ikey(evict, key, slot_expert[s], E)
-        qstate[2] += 1
-        st = qstate[2]
-        counters[C_CALLS] += k
+        stamp += 1
+        st = stamp
+        cnt[C_CALLS] += k
         # 1. hits
         for j in range(k):
             e = ids[i, j]
@@ -176,7 +180,7 @@ def run_layer(
                 out_slot[i, j] = s
                 pin[s] = st
                 used[e] = st
-                counters[C_HITS] += 1
+                cnt[C_HITS] += 1
                 if fast:
                     skey[s] = _IMAX
             else:
@@ -189,12 +193,12 @@ def run_layer(
                 continue
             e = ids[i, j]
             if rule == R_FETCH_ALL or ((rule == R_THRESHOLD or rule == R_FIRST_CHOICE) and (j == 0 or w[i, j] >= tau)):
-                s = _free_slot(slot_expert, cap) if qstate[3] < cap else -1
+                s = _free_slot(slot_expert, cap) if n_res < cap else -1
                 if s < 0:
                     s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, st)
                     expert_slot[slot_expert[s]] = -1
                 else:
-                    qstate[3] += 1
+                    n_res += 1
                 slot_expert[s] = e
                 expert_slot[e] = s
                 pin[s] = st
@@ -213,8 +217,8 @@ def run_layer(
                 nh += 1
             else:
                 out_kind[i, j] = SUB
-        counters[C_FETCHES] += nf
-        counters[C_HOST] += nh
+        cnt[C_FETCHES] += nf
+        cnt[C_HOST] += nh
         # 4. substitutes in rank order, after all fetches
         nsub = 0
         nc = 0
@@ -235,18 +239,18 @@ def run_layer(
                 out_served[i, j] = found
                 out_slot[i, j] = expert_slot[found]
                 used[found] = st
-                counters[C_SUBS] += 1
+                cnt[C_SUBS] += 1
                 nsub += 1
             else:
                 out_kind[i, j] = DROP
                 out_served[i, j] = -1
                 out_slot[i, j] = -1
-                counters[C_DROPS] += 1
+                cnt[C_DROPS] += 1
             mtok += w[i, j]
             acc[e] += w[i, j]
             cand[nc] = e
             nc += 1
-        mass[0] += mtok
+        msum += mtok
         # 5. keys (the fast paths also re-key this token's pinned slots)
         if evict == K_LFU and gamma == 1.0:
             for j in range(k):
@@ -306,6 +310,11 @@ def run_layer(
                     q_log[n, 1] = e
                 n_logs[1] = n + 1
             ev[i, EV_ADM_QUEUED] += nq
+    qstate[3] = n_res
+    qstate[2] = stamp
+    mass[0] += msum
+    for c_ in range(8):
+        counters[c_] += cnt[c_]
 
 
 @njit(cache=True)
