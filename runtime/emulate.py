@@ -101,6 +101,7 @@ def tokenize_file(m: Loaded, text_path: str | os.PathLike, max_tokens: int | Non
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{flag} {p}: cannot be read as UTF-8 text ({type(exc).__name__})") from None
+    m.tokenizer.model_max_length = int(1e12)  # the stream is cut into windows below
     ids = m.tokenizer(text, add_special_tokens=False)["input_ids"]
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -158,6 +159,19 @@ def make_trace(m: Loaded, ids, w, rank, windows: np.ndarray, text_sha: str, sour
                  meta=meta)
 
 
+def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, max_tokens: int | None, window: int,
+                    batch_windows: int = 8, progress: bool = False) -> tuple[np.ndarray | None, str]:
+    """Router ids [T, L, k] of the warm-start text (--calib-text, else calib.txt beside the model) and
+    its name; (None, "evaluated text") when there is none (the caller then uses the evaluated text)."""
+    calib = Path(calib_text) if calib_text else (m.model_dir / "calib.txt")
+    if not calib.is_file():
+        log.warning("no calibration text (%s): warm residency from the evaluated text itself", calib)
+        return None, "evaluated text"
+    cwin, _ = tokenize_file(m, calib, max_tokens, window, flag="--calib-text")
+    cids, _, _, _ = record(m, cwin, m.k, batch_windows, progress, desc="calibration")
+    return cids, str(calib)
+
+
 def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float, float]:
     """Perplexity change in percent with a 95% interval, resampling windows (rows) with replacement."""
     se, sp = nll_exact.sum(1), nll_pol.sum(1)  # [n]
@@ -185,22 +199,20 @@ def emulate(
     trace_out: str | os.PathLike | None = None,
     residency_out: str | os.PathLike | None = None,
     progress: bool = False,
+    policy_runner=None,
 ) -> dict:
-    """Exact perplexity and per-policy perplexity/counters. Returns {"exact": {...}, name: {...}}."""
+    """Exact perplexity and per-policy perplexity/counters. Returns {"exact": {...}, name: {...}}.
+
+    `policy_runner(m, windows, cache, name) -> (nll [n, window-1], extra keys)`, when given, replaces
+    the batched forward of each policy (the engine backend decodes token by token instead).
+    """
     m = model_dir if isinstance(model_dir, Loaded) else load(model_dir)
     if substitute_weight not in ("missed", "own"):
         raise InputError(f"--substitute-weight = {substitute_weight!r} must be 'missed' or 'own'")
     W = window or default_window(m)
     windows, sha = tokenize_file(m, text_path, max_tokens, W)
     caps = resolve_capacities(capacity, m.num_layers, m.E, m.k, capacity_fraction)
-    calib = Path(calib_text) if calib_text else (m.model_dir / "calib.txt")
-    if calib.is_file():
-        cwin, _ = tokenize_file(m, calib, max_tokens, W, flag="--calib-text")
-        cids, _, _, _ = record(m, cwin, m.k, batch_windows, progress, desc="calibration")
-        init_src = str(calib)
-    else:
-        log.warning("no calibration text (%s): warm residency from the evaluated text itself", calib)
-        cids, init_src = None, "evaluated text"
+    cids, init_src = calibration_ids(m, calib_text, max_tokens, W, batch_windows, progress)
     t0 = time.perf_counter()
     ids, w, rank, nll_exact = record(m, windows, m.k, batch_windows, progress, desc="exact")
     exact_seconds = time.perf_counter() - t0
@@ -214,8 +226,11 @@ def emulate(
         cache = PolicyCache(pol, m.E, m.k, caps, init)
         m.ctx.substitute_weight = substitute_weight
         t0 = time.perf_counter()
+        extra: dict = {}
         try:
-            if trace_out is not None and len(policies) == 1:
+            if policy_runner is not None:
+                nll, extra = policy_runner(m, windows, cache, name)
+            elif trace_out is not None and len(policies) == 1:
                 pids, pw, prank, nll = record(m, windows, m.E, batch_windows, progress, cache=cache, desc=name)
                 tr = make_trace(m, pids, pw, prank, windows, sha, f"runtime.emulate policy={name}")
                 save_trace(tr, trace_out)
@@ -239,6 +254,7 @@ def emulate(
         r["per_layer"] = cache.per_layer()
         r.update({"capacity": caps.tolist(), "num_experts": m.E, "top_k": m.k, "tokens": T, "seconds": secs, "initial_residency": init_src,
                   "substitute_weight": substitute_weight})
+        r.update(extra)
         results[name] = r
         nll_cols[f"nll_{name}"] = nll.ravel()
     if residency_out is not None:

@@ -16,6 +16,7 @@ from runtime.policy import PRESETS
 
 ORDER = ("fetch-every-miss", "host-compute", "substitute-all", "rule-0.15", "first-choice", "quality-first",
          "speed-first")
+OWN = ("substitute-all", "rule-0.15", "quality-first")
 PAPER = {"fetch-every-miss": "0 (reference)", "host-compute": "0 (exact)", "substitute-all": "+5.67%",
          "rule-0.15": "+0.35%", "first-choice": "-", "quality-first": "+0.7 to +1.5%", "speed-first": "+0.7 to +1.5%"}
 
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--text", default=None)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--capacity-fraction", type=float, default=0.25)
+    ap.add_argument("--own-weight", action="store_true", help="also run substitutes with their own router weight")
     a = ap.parse_args()
     if a.model is None:
         from runtime.tinymodel import ensure_model
@@ -51,6 +53,15 @@ def main() -> None:
         print(f"| {n} | {r['perplexity']:.3f} | {r['ppl_change_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
               f"{r['substituted_call_fraction'] * 100:.2f}% | {r['drops']} | {r['mass_per_token']:.4f} | "
               f"{r['fetches'] / r['tokens']:.2f} | {PAPER[n]} |")
+    if a.own_weight:
+        own = emulate.emulate(a.model, text, {n: PRESETS[n] for n in OWN}, capacity_fraction=a.capacity_fraction,
+                              max_tokens=a.max_tokens, substitute_weight="own", progress=True)
+        for n in OWN:
+            r = own[n]
+            lo, hi = r["ppl_change_ci95"]
+            print(f"| {n} (own weight) | {r['perplexity']:.3f} | {r['ppl_change_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
+                  f"{r['substituted_call_fraction'] * 100:.2f}% | {r['drops']} | {r['mass_per_token']:.4f} | "
+                  f"{r['fetches'] / r['tokens']:.2f} | - |")
 
 
 if __name__ == "__main__":
