@@ -97,6 +97,9 @@ class Context:
         self.substitute_weight = "missed"
         self.num_layers = num_layers
         self.last: list[dict | None] = [None] * num_layers  # last step's decisions per layer (tests)
+        # engine hook (runtime/engine.py): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
+        # decisions: StepResult | None) computes the experts instead of the Hugging Face module
+        self.executor = None
 
     def start_recording(self, depth: int) -> Recorder:
         self.recorder = Recorder(depth, [[] for _ in range(self.num_layers)], [[] for _ in range(self.num_layers)],
@@ -130,7 +133,7 @@ class PolicyExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         ctx = self.ctx
         if ctx.cache is None and ctx.recorder is None:
-            return self.experts(hidden_states, top_k_index, top_k_weights)
+            return self.compute(hidden_states, top_k_index, top_k_weights, None)
         logits = self.tap.logits.reshape(top_k_index.shape[0], -1)
         if not torch.isfinite(logits).all():
             bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
@@ -149,19 +152,19 @@ class PolicyExperts(nn.Module):
         rest = score.scatter(1, ids, float("-inf"))
         others = torch.sort(-rest, dim=1, stable=True).indices[:, : max(depth - k, 0)]
         ranking = torch.cat([ids, others], dim=1)  # [N, M]
-        ids_np = ids.numpy().astype(np.int32)
-        w_np = w.detach().float().numpy()
+        ids_np = ids.cpu().numpy().astype(np.int32)
+        w_np = w.detach().float().cpu().numpy()
         if ctx.recorder is not None:
             r = ctx.recorder
             r.ids[self.layer].append(ids_np)
             r.weights[self.layer].append(w_np.astype(np.float32))
-            r.ranking[self.layer].append(ranking[:, : r.depth].numpy().astype(np.int32))
+            r.ranking[self.layer].append(ranking[:, : r.depth].cpu().numpy().astype(np.int32))
         if ctx.cache is None:
-            return self.experts(hidden_states, top_k_index, top_k_weights)
-        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float32).astype(np.float64), ranking.numpy())
+            return self.compute(hidden_states, top_k_index, top_k_weights, None)
+        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float32).astype(np.float64), ranking.cpu().numpy())
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
-        kind = torch.from_numpy(res.kind.astype(np.int64))
-        served = torch.from_numpy(res.served.astype(np.int64))
+        kind = torch.from_numpy(res.kind.astype(np.int64)).to(ids.device)
+        served = torch.from_numpy(res.served.astype(np.int64)).to(ids.device)
         new_w = w.clone()
         if ctx.substitute_weight == "own":
             sub = kind == SUB
@@ -173,7 +176,13 @@ class PolicyExperts(nn.Module):
         if drop.any():
             new_w = new_w.masked_fill(drop, 0.0)
             served = torch.where(drop, ids, served)
-        return self.experts(hidden_states, served, new_w)
+        return self.compute(hidden_states, served, new_w, res)
+
+    def compute(self, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, decisions):
+        """The experts' output: the Hugging Face module, or the engine's executor when one is attached."""
+        if self.ctx.executor is not None:
+            return self.ctx.executor(self.layer, hidden_states, ids, weights, decisions)
+        return self.experts(hidden_states, ids, weights)
 
 
 def attach(model: nn.Module) -> Context:

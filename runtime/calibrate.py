@@ -1,0 +1,230 @@
+"""Calibrate the cost model on this host: measure the engine's primitives and write a HostProfile YAML.
+
+`python -m runtime.calibrate --model DIR --out host.yaml [--device cpu|cuda] [--dtype bf16|fp32]`
+
+Measured with the engine itself (runtime/engine.py), at the model's shape and dtype, means of
+`--repeats` runs (means, like the engine's time per token, so both see a shared host's average load):
+- link bandwidth host -> device for a large buffer, from pinned and from pageable host memory
+  (CPU device mode: host -> host tensor copies; there is no pinned memory, both figures are plain
+  memcpy bandwidth);
+- one synchronous expert fetch (the engine's fetch path, host store -> slot);
+- one expert computed on the device from a slot, and on the host from the host store (CUDA: with
+  the activation's round trip), batch 1;
+- the dense time per layer *in context*: a teacher-forced decode with k slots per layer under
+  substitute-all (exactly k device experts per token-layer, nothing copied), minus L * k device expert
+  times, divided by the layers. It includes attention, norms, router, shared experts, the LM head, the
+  engine's per-layer bookkeeping (kernel call, decisions) and what streaming the experts' weights
+  through the CPU caches costs the rest. The same decode with the expert math switched off
+  (`Engine.null_compute`) is reported as `dense_isolated_layer_us` (and used if the difference is not
+  positive).
+
+The profile's calibrated fields (`device_expert_us`, `host_expert_us`, `dense_layer_us`) replace the
+cost model's formulas; `link_latency_us` is set so that the cost model's fetch time for this model's
+shape (runtime.costmodel.expert_bytes, bf16) equals the measured fetch. The profile is therefore only
+meaningful for this model and dtype: `python -m runtime.simulate --host host.yaml --model-shape DIR/config.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime import costmodel
+from runtime.engine import Engine, cpu_threads, engine_cli, expert_forward, load_engine
+from runtime.errors import InputError
+from runtime.kernel import PolicyCache
+from runtime.policy import PRESETS
+
+log = logging.getLogger(__name__)
+
+
+def _mean_s(fn, repeats: int, sync, inner: int = 1, clock=time.perf_counter) -> float:
+    """Mean over `repeats` of the time of `inner` calls of fn (synchronised), per call, in seconds.
+
+    The mean, like the engine's time per token (total / tokens): on a shared host both then see the
+    same average load (the minimum of short bursts would see the quietest moments only)."""
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(inner):
+            fn()
+        sync()
+        out.append((clock() - t0) / inner)
+    return sum(out) / len(out)
+
+
+def link_bandwidth(device: torch.device, nbytes: int, repeats: int, clock=time.perf_counter) -> dict:
+    """Host -> device copy bandwidth (GB/s) of an `nbytes` buffer from pinned and pageable memory."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pageable = torch.ones(nbytes, dtype=torch.uint8)
+    pinned = pageable.pin_memory() if cuda else pageable
+    res = {}
+    for name, src in (("pinned", pinned), ("pageable", pageable)):
+        s = _mean_s(lambda src=src: dst.copy_(src, non_blocking=True), repeats, sync, clock=clock)
+        res[f"{name}_GBps"] = nbytes / s / 1e9
+    res["pinned_available"] = cuda
+    return res
+
+
+@torch.inference_mode()
+def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 64, seed: int = 0,
+              windows_n: int = 3) -> tuple:
+    """Measure this host with `eng`; returns (HostProfile, details dict)."""
+    m, L, E, k = eng.m, eng.L, eng.E, eng.k
+    sync = eng.sync
+    link = link_bandwidth(eng.device, link_mib * 2**20, max(3, repeats // 4), eng.clock)
+    # a bound run: k slots per layer, substitute-all -> every call computes from a slot, no copies
+    cache = PolicyCache(PRESETS["substitute-all"], E, k, np.full(L, k), [np.arange(k)] * L)
+    eng.bind(cache)
+    rng = np.random.default_rng(seed)
+    cycle = iter(range(1 << 30))
+
+    def fetch():
+        i = next(cycle)
+        eng.fetch(i % L, (i // L) % E, 0)
+
+    fetch_s = _mean_s(fetch, repeats, sync, clock=eng.clock)
+    eng.bind(cache)  # restore slot 0 of every layer
+    x = torch.randn(1, eng.H, dtype=eng.dtype, device=eng.device)
+    w = torch.tensor(0.5, dtype=eng.dtype, device=eng.device)
+    out = torch.zeros(eng.H, dtype=eng.dtype, device=eng.device)
+    # cycle over the L * k slots and the L * E host experts, as a decode touches each expert once per token
+    # (a hot loop over one expert would measure it from the CPU caches)
+
+    def dev():
+        i = next(cycle)
+        buf = eng.slots[i % L][(i // L) % k]
+        out.add_((expert_forward(x, buf.gate_up, buf.down, eng.act[0]) * w)[0])
+
+    def host():
+        i = next(cycle)
+        out.add_((eng.host_expert(i % L, (i // L) % E, x) * w)[0])
+
+    dev_s = _mean_s(dev, repeats, sync, inner=L * k, clock=eng.clock)
+    host_s = _mean_s(host, repeats, sync, inner=L * k, clock=eng.clock)
+    tiny = (torch.randn(1, 8, dtype=eng.dtype, device=eng.device), torch.randn(2, 8, dtype=eng.dtype, device=eng.device),
+            torch.randn(8, 1, dtype=eng.dtype, device=eng.device))
+    dev_over = _mean_s(lambda: expert_forward(tiny[0], tiny[1], tiny[2], eng.act[0]), repeats, sync, inner=8, clock=eng.clock)
+    host_over = _mean_s(lambda: expert_forward(tiny[0].cpu(), tiny[1].cpu(), tiny[2].cpu(), eng.act[0]), repeats,
+                          lambda: None, inner=8)
+    vocab = min(int(m.model.config.vocab_size), len(m.tokenizer))
+    W = max(4, min(tokens, int(getattr(m.model.config, "max_position_embeddings", tokens))))
+    windows = rng.integers(0, vocab, size=(1 + windows_n, W)).astype(np.int64)  # the first one warms up
+    # decode with k slots under substitute-all: exactly k device experts per token-layer and no copies;
+    # once as it is, once with the expert math switched off (alternating, to share the host's load)
+    per_tok: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for r in range(windows.shape[0]):
+            for null in (False, True):
+                eng.null_compute = null
+                cache = PolicyCache(PRESETS["substitute-all"], E, k, np.full(L, k), [np.arange(k)] * L)
+                _, rep = eng.teacher_forced(m, windows[r : r + 1], cache)
+                if r > 0:
+                    per_tok[null].append(rep["time_per_token_s"])
+    finally:
+        eng.null_compute = False
+    full_s = sum(per_tok[False]) / len(per_tok[False])
+    isolated_s = sum(per_tok[True]) / len(per_tok[True]) / L
+    dense_s = (full_s - L * k * dev_s) / L  # the dense part in context (caches shared with the experts)
+    if dense_s <= 0:
+        log.warning("dense time per layer in context measured <= 0 (%.3g s): using the isolated %.3g s",
+                    dense_s, isolated_s)
+        dense_s = isolated_s
+    shape_bytes, shape_note = _shape_bytes(eng)
+    latency_s = max(fetch_s - shape_bytes / (link["pinned_GBps"] * 1e9), 1e-8)
+    dev_name = torch.cuda.get_device_name(eng.device) if eng.cuda else f"CPU device mode ({platform.processor() or platform.machine()}, {torch.get_num_threads()} intra-op threads)"
+    vram = (torch.cuda.get_device_properties(eng.device).total_memory if eng.cuda
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    details = {"link": link, "fetch_us": fetch_s * 1e6, "device_expert_us": dev_s * 1e6, "host_expert_us": host_s * 1e6,
+               "dense_layer_us": dense_s * 1e6, "dense_isolated_layer_us": isolated_s * 1e6,
+               "all_device_time_per_token_us": full_s * 1e6,
+               "device_overhead_us": dev_over * 1e6, "host_overhead_us": host_over * 1e6,
+               "expert_bytes_engine": eng.expert_bytes, "expert_bytes_cost_model": shape_bytes, "dtype": str(eng.dtype),
+               "device": str(eng.device), "model": str(m.model_dir), "layers": L, "experts": E, "top_k": k}
+    prof = costmodel.HostProfile(
+        name=f"calibrated-{platform.node() or 'host'}-{eng.device.type}", gpu=dev_name,
+        link_GBps=link["pinned_GBps"], link_pageable_GBps=link["pageable_GBps"], link_latency_us=latency_s * 1e6,
+        device_mem_GBps=eng.expert_bytes / dev_s / 1e9, device_overhead_us=dev_over * 1e6,
+        host_mem_GBps=eng.expert_bytes / host_s / 1e9, host_overhead_us=host_over * 1e6,
+        device_expert_us=dev_s * 1e6, host_expert_us=host_s * 1e6, dense_layer_us=dense_s * 1e6, vram_GiB=vram,
+        sources=(f"measured by runtime.calibrate on {when}, model {m.model_dir} ({eng.dtype}, L={L}, E={E}, k={k}), "
+                 f"device {eng.device}, means of {repeats} runs",
+                 f"link: {link_mib} MiB host->device copies; pinned memory {'used' if link['pinned_available'] else 'not available (CPU device mode): both figures are plain memcpy'}",
+                 f"link_latency_us = measured expert fetch ({fetch_s * 1e6:.1f} us, {eng.expert_bytes} B) minus "
+                 f"{shape_bytes} B ({shape_note}) / link_GBps",
+                 "device_mem_GBps / host_mem_GBps: expert bytes / measured expert time (effective, overhead included)",
+                 f"dense_layer_us: substitute-all decode with k slots ({full_s * 1e6:.1f} us/token) minus "
+                 f"L*k*device_expert, / L (isolated, expert math off: {isolated_s * 1e6:.1f} us)"))
+    return prof, details
+
+
+def _shape_bytes(eng: Engine) -> tuple[int, str]:
+    """Bytes of one expert as the cost model counts it for this model (bf16 shape from config.json)."""
+    try:
+        shape = costmodel.model_shape_from_hf_config(eng.m.model.config.to_dict(), name=str(eng.m.model_dir))
+        return costmodel.expert_bytes(shape), "the cost model's bf16 expert bytes for this shape"
+    except InputError as exc:
+        log.warning("no cost-model shape for this model (%s): latency from the engine's expert bytes", exc)
+        return eng.expert_bytes, "the engine's expert bytes"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True, help="HostProfile YAML to write (atomically)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16: the dtype the engine will run in")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=48, help="decoded tokens per dense-time window")
+    p.add_argument("--link-mib", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="CPU device mode: intra-op threads of the 'device'")
+    p.add_argument("--pageable", action="store_true", help="CUDA: host store in pageable memory")
+    p.add_argument("--clock", default="wall", choices=["wall", "thread"],
+                   help="thread: the main thread's CPU time (CPU device mode only)")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    for flag, v in (("--repeats", a.repeats), ("--tokens", a.tokens), ("--link-mib", a.link_mib)):
+        if v < 1:
+            raise InputError(f"{flag} = {v} must be >= 1")
+    eng = load_engine(a.model, a.device, a.dtype, pinned=not a.pageable)
+    if a.clock == "thread":
+        if eng.cuda:
+            raise InputError("--clock thread is for CPU device mode only (--device cpu)")
+        eng.clock = time.thread_time
+    try:
+        with cpu_threads(eng.device, a.threads):
+            prof, details = calibrate(eng, a.repeats, a.tokens, a.link_mib)
+    finally:
+        eng.close()
+    costmodel.save_host_profile(prof, a.out)
+    if a.json:
+        print(json.dumps(details, indent=2))
+    else:
+        print(f"wrote {Path(a.out)}: link {details['link']['pinned_GBps']:.2f} GB/s pinned, "
+              f"{details['link']['pageable_GBps']:.2f} GB/s pageable; fetch {details['fetch_us']:.1f} us, "
+              f"expert {details['device_expert_us']:.1f} us device / {details['host_expert_us']:.1f} us host, "
+              f"dense {details['dense_layer_us']:.1f} us per layer")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    engine_cli(main)

@@ -1,0 +1,259 @@
+"""The offloading engine versus the emulation: same logits, same counters; CLIs, budget, faults.
+
+Runs in CPU device mode; EXPERTSWEEP_ENGINE_DEVICE=cuda runs the engine on the GPU
+(scripts/gpu_checks.sh) while the emulation reference stays on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import calibrate, costmodel, emulate, generate
+from runtime.engine import Engine, device_errors, emulate_engine, engine_cli
+from runtime.errors import InputError
+from runtime.kernel import PolicyCache, warm_residency
+from runtime.policy import PRESETS, PolicyConfig
+from runtime.prefill import prefill
+from tests.tiny_hf import build_tiny
+
+DEVICE = os.environ.get("EXPERTSWEEP_ENGINE_DEVICE", "cpu")
+TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eng")
+    return {"e8": build_tiny("qwen3_moe", d / "e8"), "e16": build_tiny("qwen3_moe", d / "e16", num_experts=16, top_k=4),
+            "mixtral": build_tiny("mixtral", d / "mixtral")}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    p = tmp_path_factory.mktemp("text") / "t.txt"
+    p.write_text(TEXT)
+    return p
+
+
+@pytest.fixture(scope="module")
+def pair(ckpts):
+    """(emulation model, engine) per checkpoint, loaded once."""
+    out = {}
+    for name in ("e8", "e16"):
+        out[name] = (emulate.load(ckpts[name]), Engine(emulate.load(ckpts[name]), DEVICE, debug=True))
+    yield out
+    for _, eng in out.values():
+        eng.close()
+
+
+def emulation_logits(m, windows: np.ndarray, cache: PolicyCache) -> torch.Tensor:
+    m.ctx.cache = cache
+    try:
+        with torch.inference_mode():
+            return m.model(input_ids=torch.from_numpy(windows), use_cache=False).logits.float()
+    finally:
+        m.ctx.cache = None
+
+
+def compare(pair_, pol: PolicyConfig, cap: int, seed: int = 0, W: int = 20, n: int = 2) -> PolicyCache:
+    me, eng = pair_
+    windows = np.random.default_rng(seed).integers(0, 90, size=(n, W)).astype(np.int64)
+    ids, _, _, _ = emulate.record(me, windows, me.k)
+    caps = np.full(me.num_layers, cap)
+    init = warm_residency(ids, None, me.E, caps)
+    ce, cg = PolicyCache(pol, me.E, me.k, caps, init), PolicyCache(pol, me.E, me.k, caps, init)
+    ref = emulation_logits(me, windows, ce)
+    nll, rep = eng.teacher_forced(eng.m, windows, cg, keep_logits=True)
+    got = torch.stack(eng.logits)
+    assert (got - ref).abs().max().item() <= 1e-4, pol.label()
+    for a, b in zip(ce.per_layer(), cg.per_layer(), strict=True):
+        ma, mb = a.pop("substituted_mass"), b.pop("substituted_mass")
+        assert a == b, pol.label()
+        assert ma == pytest.approx(mb, rel=1e-5, abs=1e-6)
+    lp = torch.log_softmax(ref[:, :-1], dim=-1)
+    ref_nll = -torch.gather(lp, 2, torch.from_numpy(windows)[:, 1:, None])[..., 0]
+    assert np.allclose(nll, ref_nll.double().numpy(), atol=1e-4)
+    assert rep["time_per_token_s"] > 0 and rep["peak_device_bytes"] > 0
+    return cg
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_engine_logits_and_counters_equal_emulation(pair, name):
+    cg = compare(pair["e8"], PRESETS[name], cap=3)
+    tot = cg.counter_totals()
+    if name in ("fetch-every-miss", "rule-0.15", "first-choice", "quality-first", "speed-first"):
+        assert tot["fetches"] > 0
+    if name == "host-compute":
+        assert tot["host_computes"] > 0
+
+
+ADMISSION_POLICIES = {
+    "quality-first-beta0.05": replace(PRESETS["quality-first"], beta=0.05),  # the tiny model's subs weigh little
+    "speed-first": PRESETS["speed-first"],
+    "speed-first-d2-lru": replace(PRESETS["speed-first"], admission_delay=2, evict="lru"),
+    "substitute-all-beta": PolicyConfig(rule="substitute_all", beta=0.3, admission_delay=3),
+}
+
+
+@pytest.mark.parametrize("name", list(ADMISSION_POLICIES))
+def test_engine_admissions_equal_emulation(pair, name):
+    cg = compare(pair["e16"], ADMISSION_POLICIES[name], cap=5, W=32)
+    assert cg.counter_totals()["admissions"] > 0
+    eng = pair["e16"][1]
+    assert eng.stats["admission_copies"] >= eng.stats["admissions_applied"] == cg.counter_totals()["admissions"]
+
+
+def test_emulate_backend_engine_same_keys(ckpts, text, capsys):
+    args = ["--model", str(ckpts["e8"]), "--text", str(text), "--policy", "quality-first", "--policy", "host-compute",
+            "--window", "24", "--max-tokens", "48", "--capacity", "3", "--json"]
+    emulate.main(args + ["--backend", "engine"])
+    eng_res = json.loads(capsys.readouterr().out)
+    emulate.main(args)
+    emu_res = json.loads(capsys.readouterr().out)
+    assert set(eng_res) == set(emu_res)
+    for name in ("quality-first", "host-compute"):
+        a, b = emu_res[name], eng_res[name]
+        assert set(b) - set(a) == {"time_per_token_s", "peak_device_bytes", "engine"}
+        assert set(a) <= set(b)
+        for key in ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions"):
+            assert a[key] == b[key], key
+        assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-4)
+        assert b["time_per_token_s"] > 0 and b["peak_device_bytes"] > 0
+    assert eng_res["exact"]["perplexity"] == pytest.approx(emu_res["exact"]["perplexity"], rel=1e-5)
+
+
+def test_vram_budget_sizes_pools_and_reports_peak(ckpts, text):
+    eng = Engine(emulate.load(ckpts["e8"]), DEVICE)
+    try:
+        def need(c: int, staging: int = 2) -> float:  # bytes: docs/engine.md, "VRAM budget"
+            return (eng.nonexpert_bytes + (staging + c * eng.L) * eng.expert_bytes) / (1 - 0.05)
+
+        caps = eng.capacities_for_budget((need(5) + 1) / 2**30)
+        assert caps.tolist() == [5] * eng.L
+        with pytest.raises(InputError, match=r"--vram-budget = .* fewer than k = 2"):
+            eng.capacities_for_budget(need(1) / 2**30)
+        assert eng.capacities_for_budget(1.0).tolist() == [eng.E - 1] * eng.L  # clamped to E - 1
+    finally:
+        eng.close()
+    if DEVICE == "cpu":
+        budget = (need(4, staging=2 + eng.L * eng.k) + 1) / 2**30  # quality-first: admission staging too
+        res = emulate_engine(ckpts["e8"], text, {"quality-first": PRESETS["quality-first"]}, max_tokens=48, window=24,
+                             vram_budget=budget)
+        r = res["quality-first"]
+        assert r["capacity"] == [4] * eng.L
+        assert 0 < r["peak_device_bytes"] <= budget * 2**30
+
+
+def test_prefill_and_exact_generation_equal_the_model(ckpts):
+    ref = emulate.load(ckpts["e8"])
+    eng = Engine(emulate.load(ckpts["e8"]), DEVICE, debug=True)
+    try:
+        prompt = torch.randint(0, 90, (1, 11), generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            full = ref.model(input_ids=prompt, use_cache=False).logits[0, -1].float()
+        for chunk in (3, 256):
+            last, _ = prefill(eng, prompt, chunk=chunk)
+            assert (last.float() - full).abs().max().item() <= 1e-4
+        # greedy without the engine, recomputing the whole sequence each step
+        seq = prompt[0].tolist()
+        with torch.inference_mode():
+            for _ in range(8):
+                seq.append(int(ref.model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+        g = generate.greedy(eng, prompt[0].tolist(), 8, None, chunk=4)
+        assert g["tokens"] == seq[11:]
+        res = generate.run_generate(eng, ["hello world", "world hello hello"], "fetch-every-miss", 10, capacity=3)
+        assert res["agreement"] == 1.0 and res["identical_prompts"] == 2  # fetching every miss is exact
+        res = generate.run_generate(eng, ["hello world", "world hello hello"], "substitute-all", 10, capacity=2)
+        assert 0.0 <= res["agreement"] <= 1.0 and len(res["per_prompt"]) == 2
+        for r in res["per_prompt"]:
+            assert (r["first_divergence"] is None) == (r["agreement"] == 1.0)
+            assert r["time_per_token_s"] > 0
+    finally:
+        eng.close()
+
+
+def run_cli(main, argv, capsys) -> tuple[int, str]:
+    """Exit status and the error line (stderr may also hold transformers' loading progress bars)."""
+    with pytest.raises(SystemExit) as ex:
+        engine_cli(lambda: main(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("expertsweep: error:")]
+    assert len(lines) == 1, err
+    return ex.value.code, lines[0]
+
+
+def test_generate_cli(ckpts, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "gen.json"
+    base = ["--model", str(ckpts["e8"]), "--prompt", "hello world", "--policy", "quality-first", "--max-new-tokens", "6",
+            "--device", DEVICE]
+    generate.main(base + ["--capacity", "3", "--out", str(out), "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == res and res["prompts"] == 1
+    code, err = run_cli(generate.main, base + ["--vram-budget", "0.00001"], capsys)
+    assert code == 2 and "--vram-budget" in err
+    # an interrupted run writes nothing and ends with one line
+    out2 = tmp_path / "gen2.json"
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "greedy", interrupted)
+    code, err = run_cli(generate.main, base + ["--capacity", "3", "--out", str(out2)], capsys)
+    assert code == 2 and "interrupted" in err
+    assert not out2.exists() and not list(tmp_path.glob(".gen2.json.*"))
+
+
+def test_oom_is_a_one_line_error():
+    with pytest.raises(InputError, match="CUDA out of memory"):
+        with device_errors():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
+
+
+def test_calibrate_writes_a_profile_the_simulator_reads(ckpts, tmp_path, capsys):
+    out = tmp_path / "host.yaml"
+    calibrate.main(["--model", str(ckpts["e8"]), "--out", str(out), "--dtype", "fp32", "--repeats", "2", "--tokens", "8",
+                    "--link-mib", "1", "--device", DEVICE, "--json"])
+    details = json.loads(capsys.readouterr().out)
+    prof = costmodel.load_host_profile(out)
+    assert prof.device_expert_us and prof.host_expert_us and prof.dense_layer_us and prof.link_GBps > 0
+    assert details["dense_layer_us"] == pytest.approx(prof.dense_layer_us)
+    shape = costmodel.load_model_shape(str(Path(ckpts["e8"]) / "config.json"))
+    params = costmodel.cost_params(prof, shape)
+    assert params.fetch_s == pytest.approx(details["fetch_us"] * 1e-6, rel=1e-6)  # latency absorbs the dtype
+    code, err = run_cli(calibrate.main, ["--model", str(ckpts["e8"]), "--out", str(out), "--repeats", "0"], capsys)
+    assert code == 2 and "--repeats" in err
+
+
+@pytest.mark.parametrize("family", ["e8", "mixtral"])
+def test_mmap_host_store_equals_ram(ckpts, family):
+    windows = np.random.default_rng(5).integers(0, 90, size=(1, 16)).astype(np.int64)
+    logits = {}
+    for store in ("ram", "mmap"):
+        eng = Engine(emulate.load(ckpts[family]), DEVICE, host_store=store, debug=True)
+        try:
+            caps = np.full(eng.L, 3)
+            cache = PolicyCache(PRESETS["rule-0.15"], eng.E, eng.k, caps, [np.arange(3)] * eng.L)
+            eng.teacher_forced(eng.m, windows, cache, keep_logits=True)
+            logits[store] = torch.stack(eng.logits)
+            assert eng.store.kind == store
+        finally:
+            eng.close()
+    assert (logits["ram"] - logits["mmap"]).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "qwen3_next", "deepseek_v3"])
+def test_other_families_equal_emulation(tmp_path, family):
+    d = build_tiny(family, tmp_path / family)
+    me = emulate.load(d)
+    eng = Engine(emulate.load(d), DEVICE, debug=True)
+    try:
+        compare((me, eng), PRESETS["speed-first"], cap=3, W=16, n=1)
+    finally:
+        eng.close()
