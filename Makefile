@@ -24,5 +24,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_simulator.py
 
+# Tiny reference Qwen3-MoE models (docs/tiny_models.md), cached under $EXPERTSWEEP_CACHE.
+model: $(STAMP)
+	$(BIN)/python -m runtime.tinymodel --size all
+
 clean:
 	rm -rf $(VENV) .pytest_cache
