@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# ExpertSweep's MLflow tracking server (or UI) on one store.
+#
+#   bash mlflow/start.sh          # tracking server: sweeps log with --mlflow-uri http://HOST:PORT
+#   bash mlflow/start.sh ui       # the UI alone over the same store (make mlflow-ui)
+#
+# Configuration comes from the environment, else from mlflow/server.env (copy server.env.example),
+# else the single-machine defaults below: the SQLite store the sweep writes by default and its
+# artifact folder, served on 127.0.0.1:5000. For a shared server used by several hosts, point
+# MLFLOW_BACKEND_STORE_URI at PostgreSQL and MLFLOW_ARTIFACTS_DESTINATION at a shared location
+# (see docs/sweep.md, "Shared MLflow server").
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(dirname "$here")"
+if [ -f "$here/server.env" ]; then
+  set -a; . "$here/server.env"; set +a
+fi
+: "${MLFLOW_BACKEND_STORE_URI:=sqlite:///$here/mlflow.db}"
+: "${MLFLOW_ARTIFACTS_DESTINATION:=$here/mlruns}"
+: "${MLFLOW_HOST:=127.0.0.1}"
+: "${MLFLOW_PORT:=5000}"
+: "${MLFLOW_WORKERS:=1}"
+export MLFLOW_DISABLE_TELEMETRY=true
+mlflow="$repo/.venv/bin/mlflow"
+[ -x "$mlflow" ] || mlflow="$(command -v mlflow)"
+mode="${1:-server}"
+case "$mode" in
+  server)
+    exec "$mlflow" server --backend-store-uri "$MLFLOW_BACKEND_STORE_URI" \
+      --artifacts-destination "$MLFLOW_ARTIFACTS_DESTINATION" --serve-artifacts \
+      --host "$MLFLOW_HOST" --port "$MLFLOW_PORT" --workers "$MLFLOW_WORKERS" ;;
+  ui)
+    exec "$mlflow" ui --backend-store-uri "$MLFLOW_BACKEND_STORE_URI" \
+      --host "$MLFLOW_HOST" --port "$MLFLOW_PORT" ;;
+  *)
+    echo "usage: bash mlflow/start.sh [server|ui]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,698 @@
+"""Tiny reference Qwen3-MoE models that the project trains itself, offline, on CPU.
+
+``python -m runtime.tinymodel --size demo|test|all [--force]`` (``make model``) builds the models
+that are not cached yet and prints their folders and evaluation texts; ``ensure_model(size)`` is
+what the rest of the project calls when it needs one.
+
+Each model is a ``Qwen3MoeForCausalLM`` (64 experts, top-8, every layer sparse) with a byte-level
+BPE tokenizer trained by ``tokenizers`` on the same corpus (``runtime.corpus``: the running
+Python's standard library by default). Training is a fixed number of AdamW steps with warmup and
+cosine decay over packed sequences of the train documents, including the router's load-balancing
+loss, and is deterministic given the spec's seed. A build goes to a temporary folder that is
+renamed into place only when complete, under ``$EXPERTSWEEP_CACHE`` (default
+``~/.cache/expertsweep``) as ``models/<name>-<digest>``, where the digest covers the spec, the
+corpus text and the builder version. The folder holds a standard checkpoint that
+``from_pretrained`` loads offline (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json), the calibration and evaluation texts (calib.txt, eval.txt: documents
+each followed by ``<|endoftext|>``) and train_log.json (steps, losses, validation perplexity,
+gate-weight statistics, wall time, corpus digest). See docs/tiny_models.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.corpus import EOS, CorpusSplit, join_documents, load_corpus
+from runtime.errors import InputError, cli_main
+
+logger = logging.getLogger(__name__)
+
+BUILD_VERSION = 2
+"""Bump when the build procedure changes so cached models are rebuilt."""
+
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "calib.txt",
+    "eval.txt",
+    "train_log.json",
+)
+GATE_THRESHOLD = 0.15
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Everything that determines a tiny model (all of it goes into the cache key)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP width (unused while every layer is sparse)
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    seed: int
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    router_aux_loss_coef: float = 0.01
+    norm_topk_prob: bool = True
+    corpus: str = "stdlib"
+    train_bytes: int = 6_000_000
+    heldout_bytes: int = 150_000
+    eval_max_tokens: int = 0  # 0: the whole eval.txt
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise InputError(f"TinySpec.name: invalid {self.name!r}")
+        positive = (
+            "num_layers",
+            "hidden_size",
+            "moe_intermediate_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "seq_len",
+            "batch_size",
+            "steps",
+        )
+        for f in positive:
+            if getattr(self, f) <= 0:
+                raise InputError(f"TinySpec.{f}: must be > 0, got {getattr(self, f)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise InputError(
+                f"TinySpec.num_experts_per_tok: {self.num_experts_per_tok} > num_experts "
+                f"{self.num_experts}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise InputError(
+                f"TinySpec.num_key_value_heads: {self.num_key_value_heads} does not divide "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.vocab_size < 257 + 1:
+            raise InputError(f"TinySpec.vocab_size: must be >= 258, got {self.vocab_size}")
+
+
+SPECS: dict[str, TinySpec] = {
+    # ~28M parameters (4 x 64 experts of 3 x 256 x 128), ~6M active per token.
+    "demo": TinySpec(
+        name="demo",
+        num_layers=4,
+        hidden_size=256,
+        intermediate_size=1024,
+        moe_intermediate_size=128,
+        num_experts=64,
+        num_experts_per_tok=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=4096,
+        seq_len=256,
+        batch_size=8,
+        steps=750,
+        lr=2e-3,
+        seed=0,
+    ),
+    # ~1.3M parameters, for tests and quick end-to-end runs.
+    "test": TinySpec(
+        name="test",
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=256,
+        moe_intermediate_size=32,
+        num_experts=64,
+        num_experts_per_tok=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=4096,
+        seq_len=128,
+        batch_size=8,
+        steps=2400,
+        lr=3e-3,
+        seed=0,
+    ),
+}
+
+
+# --------------------------------------------------------------------------- paths and keys
+
+
+def cache_dir() -> Path:
+    """``$EXPERTSWEEP_CACHE``, default ``~/.cache/expertsweep`` (not created here)."""
+    env = os.environ.get("EXPERTSWEEP_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "expertsweep"
+
+
+def resolve_spec(size: str | TinySpec) -> TinySpec:
+    """A spec by size name (``demo``, ``test``), or the spec itself."""
+    if isinstance(size, TinySpec):
+        return size
+    try:
+        return SPECS[size]
+    except KeyError:
+        raise InputError(
+            f"--size: unknown model size {size!r} (choose from {', '.join(SPECS)})"
+        ) from None
+
+
+def _corpus(spec: TinySpec) -> CorpusSplit:
+    return load_corpus(spec.corpus, spec.train_bytes, spec.heldout_bytes)
+
+
+def model_digest(spec: TinySpec, corpus_digest: str | None = None) -> str:
+    """Cache key: spec, corpus text and builder version."""
+    if corpus_digest is None:
+        corpus_digest = _corpus(spec).digest
+    payload = json.dumps(
+        {"spec": dataclasses.asdict(spec), "corpus": corpus_digest, "build": BUILD_VERSION},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def model_dir(size: str | TinySpec) -> Path:
+    """``cache_dir()/models/<name>-<digest>`` (may not exist yet)."""
+    spec = resolve_spec(size)
+    return cache_dir() / "models" / f"{spec.name}-{model_digest(spec)}"
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and all((path / f).is_file() for f in REQUIRED_FILES)
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
+    """Byte-level BPE (``tokenizers``), ``<|endoftext|>`` as its only special token (id 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def hf_tokenizer(tok: Any, spec: TinySpec) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        model_max_length=spec.seq_len,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def make_config(spec: TinySpec, vocab_size: int, eos_id: int) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=spec.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,  # training asks for them explicitly
+        router_aux_loss_coef=spec.router_aux_loss_coef,
+        max_position_embeddings=spec.seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+
+
+def _lr_factor(step: int, spec: TinySpec) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at the last step."""
+    warm = min(spec.warmup_steps, max(spec.steps - 1, 1))
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(spec.steps - warm, 1)
+    return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _batches(tokens: Any, spec: TinySpec, generator: Any) -> Iterator[Any]:
+    """Packed windows of ``seq_len`` tokens, reshuffled every epoch, ``batch_size`` at a time."""
+    import torch
+
+    n = tokens.numel() // spec.seq_len
+    if n < 1:
+        raise InputError(
+            f"corpus: train split has {tokens.numel()} tokens < seq_len {spec.seq_len}"
+        )
+    windows = tokens[: n * spec.seq_len].view(n, spec.seq_len)
+    order = torch.randperm(n, generator=generator)
+    pos = 0
+    while True:
+        idx = []
+        while len(idx) < spec.batch_size:
+            if pos == n:
+                order, pos = torch.randperm(n, generator=generator), 0
+            take = min(spec.batch_size - len(idx), n - pos)
+            idx.extend(order[pos : pos + take].tolist())
+            pos += take
+        yield windows[idx]
+
+
+def train_model(model: Any, tokens: Any, spec: TinySpec, progress: bool = True) -> dict[str, Any]:
+    """Fixed-step AdamW training with the router load-balancing loss; returns its log."""
+    import torch
+    from tqdm.auto import tqdm
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": spec.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, spec))
+    gen = torch.Generator().manual_seed(spec.seed)
+    batches = _batches(tokens, spec, gen)
+    model.train()
+    lm_losses: list[float] = []
+    aux_losses: list[float] = []
+    curve: list[dict[str, float]] = []
+    every = max(spec.steps // 20, 1)
+    t0 = time.perf_counter()
+    bar = tqdm(
+        range(spec.steps),
+        desc=f"train {spec.name}",
+        disable=not progress,
+        unit="step",
+        mininterval=1.0,
+    )
+    for step in bar:
+        x = next(batches)
+        out = model(input_ids=x, labels=x, output_router_logits=True)
+        aux = out.aux_loss.detach().item()
+        lm = out.loss.detach().item() - spec.router_aux_loss_coef * aux
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        if not math.isfinite(lm):
+            raise RuntimeError(f"train {spec.name}: loss became {lm} at step {step}")
+        lm_losses.append(lm)
+        aux_losses.append(aux)
+        if step % every == 0 or step == spec.steps - 1:
+            curve.append({"step": step + 1, "loss": round(lm, 4), "aux_loss": round(aux, 4)})
+            bar.set_postfix(loss=f"{lm:.3f}", aux=f"{aux:.3f}", refresh=False)
+    wall = time.perf_counter() - t0
+    tail = max(min(20, spec.steps // 10), 1)
+    return {
+        "steps": spec.steps,
+        "tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
+        "train_tokens": int(tokens.numel()),
+        "final_train_loss": sum(lm_losses[-tail:]) / tail,
+        "final_aux_loss": sum(aux_losses[-tail:]) / tail,
+        "first_train_loss": lm_losses[0],
+        "train_wall_s": wall,
+        "steps_per_s": spec.steps / wall if wall > 0 else float("inf"),
+        "tokens_per_s": spec.steps * spec.batch_size * spec.seq_len / wall
+        if wall > 0
+        else float("inf"),
+        "epochs": spec.steps * spec.batch_size * spec.seq_len / max(int(tokens.numel()), 1),
+        "loss_curve": curve,
+    }
+
+
+def evaluate(model: Any, tokens: Any, spec: TinySpec, batch: int = 8) -> dict[str, Any]:
+    """Teacher-forced perplexity over non-overlapping ``seq_len`` windows, plus router statistics.
+
+    Gate weights are the ones the model applies: softmax over all experts, top-k, renormalised
+    over the top-k only when ``norm_topk_prob``. Also reported: what they would be if renormalised.
+    """
+    import torch
+
+    model.eval()
+    k, n_exp, n_layers = spec.num_experts_per_tok, spec.num_experts, spec.num_layers
+    nll, count = 0.0, 0
+    n_cells = 0
+    ge = torch.zeros(k, dtype=torch.float64)
+    ge_renorm = torch.zeros(k, dtype=torch.float64)
+    rank_sum = torch.zeros(k, dtype=torch.float64)
+    topk_sum = 0.0
+    load = torch.zeros(n_layers, n_exp, dtype=torch.float64)
+    full = tokens.numel() // spec.seq_len
+    batches = [
+        tokens[i * spec.seq_len : min(i + batch, full) * spec.seq_len].view(-1, spec.seq_len)
+        for i in range(0, full, batch)
+    ]
+    if tokens.numel() - full * spec.seq_len >= 2:
+        batches.append(tokens[full * spec.seq_len :][None])
+    with torch.no_grad():
+        for w in batches:
+            out = model(input_ids=w, output_router_logits=True)
+            logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+            nll -= float(logp.gather(-1, w[:, 1:, None]).sum())
+            count += w[:, 1:].numel()
+            for layer, logits in enumerate(out.router_logits):
+                probs = torch.softmax(logits.float(), dim=-1)
+                top, idx = torch.topk(probs, k, dim=-1)
+                renorm = top / top.sum(-1, keepdim=True)
+                weights = renorm if spec.norm_topk_prob else top
+                ge += (weights >= GATE_THRESHOLD).double().sum(0)
+                ge_renorm += (renorm >= GATE_THRESHOLD).double().sum(0)
+                rank_sum += weights.double().sum(0)
+                topk_sum += float(weights.sum())
+                load[layer] += torch.bincount(idx.flatten(), minlength=n_exp).double()
+                n_cells += weights.shape[0]
+    share = load / load.sum(-1, keepdim=True)
+    return {
+        "val_ppl": math.exp(nll / count),
+        "val_nll": nll / count,
+        "val_tokens": count,
+        "gate_stats": {
+            "token_layers": n_cells,
+            "threshold": GATE_THRESHOLD,
+            "frac_topk_ge_threshold": float(ge.sum() / (n_cells * k)),
+            "frac_nonfirst_ge_threshold": float(ge[1:].sum() / (n_cells * (k - 1)))
+            if k > 1
+            else 0.0,
+            "frac_ge_threshold_by_rank": [round(float(v / n_cells), 4) for v in ge],
+            "mean_weight_by_rank": [round(float(v / n_cells), 4) for v in rank_sum],
+            "mean_first_choice_weight": float(rank_sum[0] / n_cells),
+            "mean_topk_mass": topk_sum / n_cells,
+            "if_renormalised_frac_topk_ge_threshold": float(ge_renorm.sum() / (n_cells * k)),
+            "expert_share_max": float(share.max()),
+            "expert_share_min": float(share.min()),
+            "experts_never_selected": int((load == 0).sum()),
+        },
+    }
+
+
+def _encode(tok: Any, texts: Sequence[str]) -> Any:
+    import torch
+
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch(list(texts), add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _check_reload(out_dir: Path, model: Any, sample: Any) -> float:
+    """Reload from disk like a user would (offline) and compare logits; returns max |diff|."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    if tok.eos_token != EOS:
+        raise RuntimeError(f"{out_dir}: reloaded tokenizer has eos {tok.eos_token!r}")
+    reloaded.eval()
+    model.eval()
+    with torch.no_grad():
+        a = model(input_ids=sample).logits
+        b = reloaded(input_ids=sample).logits
+    diff = float((a - b).abs().max())
+    if diff > 1e-4:
+        raise RuntimeError(
+            f"{out_dir}: reloaded model differs from the trained one (max |dlogit| {diff})"
+        )
+    return diff
+
+
+@contextlib.contextmanager
+def _torch_state(seed: int, threads: int = 2) -> Iterator[None]:
+    """Seed torch, pin its thread count and turn on deterministic algorithms; restore all after.
+
+    Deterministic algorithms matter on CPU too: the backward of the experts' token gather
+    (``index_put_`` with accumulation) is otherwise summed in a thread-timing-dependent order.
+    """
+    import torch
+
+    threads_before = torch.get_num_threads()
+    det_before = torch.are_deterministic_algorithms_enabled()
+    warn_before = torch.is_deterministic_algorithms_warn_only_enabled()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(det_before, warn_only=warn_before)
+            torch.set_num_threads(threads_before)
+
+
+def build(spec: TinySpec, out_dir: Path, progress: bool = True) -> dict[str, Any]:
+    """Train tokenizer and model for ``spec`` and write every REQUIRED_FILES entry to ``out_dir``."""
+    import tokenizers
+    import torch
+    import transformers
+    from transformers import Qwen3MoeForCausalLM
+
+    t_start = time.perf_counter()
+    corpus = _corpus(spec)
+    train_texts = [d.text for d in corpus.train]
+    tok = train_tokenizer(train_texts, spec.vocab_size)
+    hf_tok = hf_tokenizer(tok, spec)
+    eos_id = tok.token_to_id(EOS)
+    calib_text = join_documents(corpus.calib)
+    eval_text = join_documents(corpus.evaluation)
+    train_tokens = _encode(tok, train_texts)
+    eval_tokens = torch.tensor(
+        tok.encode(eval_text, add_special_tokens=False).ids, dtype=torch.long
+    )
+    if spec.eval_max_tokens:
+        eval_tokens = eval_tokens[: spec.eval_max_tokens]
+
+    with _torch_state(spec.seed):
+        config = make_config(spec, tok.get_vocab_size(), eos_id)
+        model = Qwen3MoeForCausalLM(config)
+        n_params = sum(p.numel() for p in model.parameters())
+        expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        active = n_params - expert_params * (1 - spec.num_experts_per_tok / spec.num_experts)
+        logger.info(
+            "%s: %.2fM parameters (%.2fM active per token), %d train tokens, %d steps",
+            spec.name,
+            n_params / 1e6,
+            active / 1e6,
+            train_tokens.numel(),
+            spec.steps,
+        )
+        train_log = train_model(model, train_tokens, spec, progress=progress)
+        ev = evaluate(model, eval_tokens, spec)
+
+    model.config.output_router_logits = False
+    model.save_pretrained(out_dir)
+    hf_tok.save_pretrained(out_dir)
+    (out_dir / "calib.txt").write_text(calib_text, encoding="utf-8")
+    (out_dir / "eval.txt").write_text(eval_text, encoding="utf-8")
+    sample = eval_tokens[: spec.seq_len][None]
+    reload_diff = _check_reload(out_dir, model, sample)
+
+    log: dict[str, Any] = {
+        "name": spec.name,
+        "digest": model_digest(spec, corpus.digest),
+        "build_version": BUILD_VERSION,
+        "spec": dataclasses.asdict(spec),
+        "parameters": n_params,
+        "active_parameters_per_token": int(active),
+        **{k: v for k, v in train_log.items()},
+        **ev,
+        "reload_max_abs_logit_diff": reload_diff,
+        "build_wall_s": time.perf_counter() - t_start,
+        "corpus_digest": corpus.digest,
+        "corpus": corpus.summary(),
+        "vocab_size": tok.get_vocab_size(),
+        "eos_token": EOS,
+        "eos_token_id": eos_id,
+        "threads": 2,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+    }
+    (out_dir / "train_log.json").write_text(json.dumps(log, indent=2) + "\n", encoding="utf-8")
+    return log
+
+
+def _publishable(folder: Path) -> None:
+    """Give the build folder and its files the usual permissions (mkdtemp makes 0700)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit (so cleanup runs) unless the process set its own handler."""
+    install = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    )
+    if install:
+
+        def _exit(signum: int, _frame: object) -> None:
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        if install:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def ensure_model(size: str | TinySpec, progress: bool = True, force: bool = False) -> Path:
+    """Return the folder of a complete model for ``size``, building it first if needed.
+
+    Concurrent callers wait on a lock file instead of building twice. The build goes to a
+    temporary sibling folder that is renamed into place only once every file is written, so the
+    final folder is either absent or complete; a failed build leaves nothing behind (and a killed
+    one's leftovers are removed by the next build). ``progress`` shows a tqdm bar while training.
+    """
+    spec = resolve_spec(size)
+    final = model_dir(spec)
+    if is_complete(final) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(final.parent / f".{final.name}.lock"), _sigterm_as_exit():
+        if is_complete(final) and not force:
+            return final
+        # Holding the lock, any temporary folder of this model is a killed build's leftover.
+        for stale in final.parent.glob(f".{final.name}.*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        try:
+            logger.info("building %s model into %s", spec.name, final)
+            log = build(spec, tmp, progress=progress)
+            missing = [f for f in REQUIRED_FILES if not (tmp / f).is_file()]
+            if missing:
+                raise RuntimeError(f"build {spec.name}: missing {', '.join(missing)}")
+            _publishable(tmp)
+            if final.exists():  # stale or forced: move it aside first, then drop it
+                old = final.with_name(f".{final.name}.old-{os.getpid()}.tmp")
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info(
+        "%s: val ppl %.2f after %d steps (%.0f s training)",
+        spec.name,
+        log["val_ppl"],
+        spec.steps,
+        log["train_wall_s"],
+    )
+    return final
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m runtime.tinymodel --size demo|test|all [--force]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m runtime.tinymodel",
+        description="Build (if not cached) the tiny reference Qwen3-MoE models and print their paths.",
+    )
+    parser.add_argument("--size", choices=[*SPECS, "all"], default="all")
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument(
+        "--corpus",
+        choices=["stdlib", "shakespeare"],
+        default=None,
+        help="training corpus (default: the spec's, stdlib)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="override the number of steps")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+
+    def run() -> None:
+        sizes = list(SPECS) if args.size == "all" else [args.size]
+        for size in sizes:
+            spec = SPECS[size]
+            if args.corpus:
+                spec = dataclasses.replace(spec, corpus=args.corpus)
+            if args.steps is not None:
+                spec = dataclasses.replace(spec, steps=args.steps)
+            path = ensure_model(spec, progress=not args.quiet, force=args.force)
+            print(f"{size} model: {path}")
+            print(f"{size} calib text: {path / 'calib.txt'}")
+            print(f"{size} eval text: {path / 'eval.txt'}", flush=True)
+
+    cli_main(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Sweep configuration: a YAML file (search_spaces/*.yaml) -> a validated, frozen `SweepConfig`.
+
+Top-level keys (all optional except `space`):
+
+    name: demo                # results go to results/<name>/ unless --out
+    model: demo               # tiny model size (demo | test) or a model folder; records its traces
+    text: null                # evaluated text (default: the model's eval.txt)
+    trace: null               # a router trace file instead of a model, or {synthetic: {...}}
+    calib_trace: null         # warm-start calibration trace (default: the model's calib.txt trace)
+    model_shape: null         # cost-model shape preset/YAML; null = from the trace (runtime.simulate)
+    max_tokens: null          # tokens of each text recorded and emulated (null: the whole text)
+    hosts: [rtx3090, rtx4090] # host names, or {name, profile: preset | preset:NAME | calibrate | FILE}
+    trials: 40                # simulator trials per host, after the baselines
+    sampler: tpe              # tpe | nsga2
+    population: 16            # nsga2 population size
+    seed: 0
+    objectives: [time_per_token_s, mass_per_token]   # + device_memory_GiB
+    batch: auto               # simulator evaluations per Ray task (auto: about task_seconds each)
+    task_seconds: 2.0
+    max_failures: 2           # retries of a failing trial before it is recorded failed
+    baselines: {policies: [fetch-every-miss, ...], capacity_fraction: 0.25}
+    remeasure: {emulation: true, max_policies: 10, engine: true}
+    space: {...}              # sweep/space.py
+
+Unknown keys, bad types and values are one-line `InputError`s naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.errors import InputError
+from runtime.policy import PRESETS
+from sweep.space import Space, parse_space
+
+OBJECTIVES = ("time_per_token_s", "mass_per_token", "device_memory_GiB")
+SAMPLERS = ("tpe", "nsga2")
+SYNTHETIC_KEYS = {"num_tokens", "num_layers", "num_experts", "top_k", "ranking_depth", "seed", "skew",
+                  "num_topics", "topic_locality", "switch_prob", "seq_len", "weight_norm", "temperature",
+                  "noise", "calib_seed"}
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    name: str
+    profile: str = "preset"  # preset | preset:NAME | calibrate | path to a host YAML
+
+    @property
+    def resource(self) -> str:
+        return f"host:{self.name}"
+
+
+@dataclass(frozen=True)
+class Remeasure:
+    emulation: bool = True
+    max_policies: int = 10  # front policies re-measured (besides the baselines)
+    engine: bool = True  # on hosts whose profile is calibrated (a real GPU)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    space: Space
+    name: str = "sweep"
+    model: str | None = None
+    text: str | None = None
+    trace: str | dict | None = None
+    calib_trace: str | None = None
+    model_shape: str | None = None
+    max_tokens: int | None = None
+    hosts: tuple[HostSpec, ...] = (HostSpec("rtx3090"), HostSpec("rtx4090"))
+    trials: int = 40
+    sampler: str = "tpe"
+    population: int = 16
+    seed: int = 0
+    objectives: tuple[str, ...] = ("time_per_token_s", "mass_per_token")
+    batch: int | str = "auto"
+    task_seconds: float = 2.0
+    max_failures: int = 2
+    baseline_policies: tuple[str, ...] = tuple(PRESETS)
+    baseline_capacity_fraction: float | None = None
+    remeasure: Remeasure = field(default_factory=Remeasure)
+    source: str = "<config>"
+
+    def baseline_capacity(self) -> dict[str, float]:
+        """The capacity the named baselines run at: the space's fixed one, else the configured one."""
+        p = self.space[self.space.capacity_field]
+        if p.kind == "fixed":
+            return {p.name: p.value}
+        if self.baseline_capacity_fraction is not None:
+            return {"capacity_fraction": self.baseline_capacity_fraction}
+        if p.name == "capacity_fraction":
+            v = 0.25 if p.contains(0.25) else (p.values()[0] if p.kind == "choice" else (p.low + p.high) / 2)
+            return {"capacity_fraction": v}
+        return {"vram_budget_GiB": p.values()[0] if p.kind == "choice" else (p.low * p.high) ** 0.5}
+
+
+def _int(where: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise InputError(f"{where} = {v!r} must be an integer >= {lo}")
+    return v
+
+
+def _hosts(where: str, v: Any) -> tuple[HostSpec, ...]:
+    if isinstance(v, str):
+        v = [h.strip() for h in v.split(",") if h.strip()]
+    if not isinstance(v, list) or not v:
+        raise InputError(f"{where} = {v!r} must be a non-empty list of host names")
+    out = []
+    for i, h in enumerate(v):
+        if isinstance(h, str):
+            h = {"name": h}
+        if not isinstance(h, dict) or set(h) - {"name", "profile"} or not isinstance(h.get("name"), str):
+            raise InputError(f"{where}[{i}] = {h!r}: expected a name or {{name, profile}}")
+        name = h["name"].strip()
+        if not name or any(c in name for c in ' :/,"{}'):
+            raise InputError(f"{where}[{i}].name = {name!r}: use letters, digits, - and _")
+        prof = h.get("profile", "preset")
+        if not isinstance(prof, str) or not prof:
+            raise InputError(f"{where}[{i}].profile = {prof!r}: expected preset, preset:NAME, calibrate or a file")
+        out.append(HostSpec(name, prof))
+    names = [h.name for h in out]
+    if len(set(names)) != len(names):
+        raise InputError(f"{where} = {names}: a host is listed twice")
+    return tuple(out)
+
+
+def _trace(where: str, v: Any) -> str | dict | None:
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, dict) and set(v) == {"synthetic"} and isinstance(v["synthetic"], dict):
+        bad = set(v["synthetic"]) - SYNTHETIC_KEYS
+        if bad:
+            raise InputError(f"{where}.synthetic: unknown key {sorted(bad)[0]!r} "
+                             f"(choose from {', '.join(sorted(SYNTHETIC_KEYS))})")
+        for k in ("num_tokens", "num_layers", "num_experts", "top_k"):
+            if k not in v["synthetic"]:
+                raise InputError(f"{where}.synthetic: {k} is required")
+        return v
+    raise InputError(f"{where} = {v!r}: expected a trace file or {{synthetic: {{num_tokens, ...}}}}")
+
+
+_KEYS = {"name", "model", "text", "trace", "calib_trace", "model_shape", "max_tokens", "hosts", "trials", "sampler",
+         "population", "seed", "objectives", "batch", "task_seconds", "max_failures", "baselines",
+         "remeasure", "space"}
+
+
+def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
+    """Validate a parsed sweep YAML document."""
+    if not isinstance(data, dict):
+        raise InputError(f"{source}: expected a mapping at the top level (got {type(data).__name__})")
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise InputError(f"{source}: unknown key {sorted(unknown)[0]!r} (choose from {', '.join(sorted(_KEYS))})")
+    if "space" not in data:
+        raise InputError(f"{source}: space is required")
+    kw: dict[str, Any] = {"source": source, "space": parse_space(data["space"], f"{source}: space")}
+    for key in ("name", "model", "text", "calib_trace", "model_shape"):
+        if data.get(key) is not None:
+            if not isinstance(data[key], str) or not data[key]:
+                raise InputError(f"{source}: {key} = {data[key]!r} must be a non-empty string")
+            kw[key] = data[key]
+    if "name" in kw and any(c in kw["name"] for c in ' /\\:"'):
+        raise InputError(f"{source}: name = {kw['name']!r}: use letters, digits, ., - and _")
+    if "trace" in data:
+        kw["trace"] = _trace(f"{source}: trace", data["trace"])
+    if "hosts" in data:
+        kw["hosts"] = _hosts(f"{source}: hosts", data["hosts"])
+    if data.get("max_tokens") is not None:
+        kw["max_tokens"] = _int(f"{source}: max_tokens", data["max_tokens"], 2)
+    for key, lo in (("trials", 0), ("population", 2), ("seed", 0), ("max_failures", 0)):
+        if key in data:
+            kw[key] = _int(f"{source}: {key}", data[key], lo)
+    if "sampler" in data:
+        if data["sampler"] not in SAMPLERS:
+            raise InputError(f"{source}: sampler = {data['sampler']!r} (choose from {', '.join(SAMPLERS)})")
+        kw["sampler"] = data["sampler"]
+    if "objectives" in data:
+        obj = data["objectives"]
+        if not isinstance(obj, list) or any(o not in OBJECTIVES for o in obj) or obj[:2] != list(OBJECTIVES[:2]):
+            raise InputError(f"{source}: objectives = {obj!r} must be [time_per_token_s, mass_per_token] "
+                             f"optionally followed by device_memory_GiB")
+        kw["objectives"] = tuple(obj)
+    if "batch" in data:
+        b = data["batch"]
+        kw["batch"] = b if b == "auto" else _int(f"{source}: batch", b, 1)
+    if "task_seconds" in data:
+        ts = data["task_seconds"]
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not (0 < ts < math.inf):
+            raise InputError(f"{source}: task_seconds = {ts!r} must be a positive number")
+        kw["task_seconds"] = float(ts)
+    if "baselines" in data:
+        b = data["baselines"] or {}
+        if not isinstance(b, dict) or set(b) - {"policies", "capacity_fraction"}:
+            raise InputError(f"{source}: baselines = {b!r}: expected {{policies: [...], capacity_fraction: F}}")
+        pols = b.get("policies", list(PRESETS))
+        if not isinstance(pols, list) or any(p not in PRESETS for p in pols):
+            raise InputError(f"{source}: baselines.policies = {pols!r} (choose from {', '.join(PRESETS)})")
+        kw["baseline_policies"] = tuple(pols)
+        cf = b.get("capacity_fraction")
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf < 1):
+            raise InputError(f"{source}: baselines.capacity_fraction = {cf!r} must be in (0, 1)")
+        kw["baseline_capacity_fraction"] = cf
+    if "remeasure" in data:
+        r = data["remeasure"] or {}
+        if not isinstance(r, dict) or set(r) - {"emulation", "max_policies", "engine"}:
+            raise InputError(f"{source}: remeasure = {r!r}: expected {{emulation, max_policies, engine}}")
+        for k in ("emulation", "engine"):
+            if k in r and not isinstance(r[k], bool):
+                raise InputError(f"{source}: remeasure.{k} = {r[k]!r} must be true or false")
+        mp = _int(f"{source}: remeasure.max_policies", r.get("max_policies", 10), 1)
+        kw["remeasure"] = Remeasure(r.get("emulation", True), mp, r.get("engine", True))
+    return SweepConfig(**kw)
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InputError(f"--config {path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    cfg = from_dict(data, str(path))
+    if "name" not in (data or {}):
+        cfg = replace(cfg, name=path.stem)
+    return cfg
+
+
+def with_overrides(cfg: SweepConfig, **kw: Any) -> SweepConfig:
+    """Apply command-line overrides (None = keep), validated like the file."""
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if "hosts" in kw:
+        kw["hosts"] = _hosts("--hosts", kw["hosts"])
+    if "trials" in kw:
+        kw["trials"] = _int("--trials", kw["trials"], 0)
+    if "batch" in kw and kw["batch"] != "auto":
+        kw["batch"] = _int("--batch", int(kw["batch"]) if str(kw["batch"]).isdigit() else kw["batch"], 1)
+    return replace(cfg, **kw)

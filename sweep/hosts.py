@@ -1,0 +1,112 @@
+"""Hosts of a sweep: Ray nodes carrying a custom resource `host:NAME`, and their cost profiles.
+
+A simulated host takes its profile from a preset (`hosts/NAME.yaml`, or `preset:OTHER`, or a
+YAML file); a real host (`profile: calibrate`) is measured by `runtime.calibrate.calibrate_host`
+run as a Ray task pinned to that host's node with one GPU. Trials request a sliver
+(`HOST_SLIVER`) of `host:NAME` besides their CPU, so they run only on that host's nodes while
+the CPUs there bound how many run at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from runtime import costmodel
+from runtime.errors import InputError
+from sweep.config import HostSpec
+
+log = logging.getLogger(__name__)
+
+HOST_SLIVER = 0.001  # of host:NAME per trial; a node offers host:NAME = 1
+
+
+def resource(name: str) -> str:
+    return f"host:{name}"
+
+
+def local_resources(hosts: tuple[HostSpec, ...]) -> dict[str, float]:
+    """Custom resources of an embedded single-node cluster that simulates every host."""
+    return {resource(h.name): 1.0 for h in hosts}
+
+
+def check_cluster(hosts: tuple[HostSpec, ...], cluster_resources: dict[str, float]) -> None:
+    """One-line InputError for the first host that no node of the cluster offers."""
+    offered = sorted(k for k in cluster_resources if k.startswith("host:"))
+    for h in hosts:
+        if cluster_resources.get(h.resource, 0) <= 0:
+            raise InputError(f"host {h.name}: no Ray node has the resource {h.resource} (the cluster offers "
+                             f"{', '.join(offered) or 'no host:NAME resources'}; start a node with "
+                             f"ray start --resources '{{\"{h.resource}\": 1}}')")
+
+
+def profile_to_dict(profile: costmodel.HostProfile) -> dict[str, Any]:
+    d = dataclasses.asdict(profile)
+    d["sources"] = list(profile.sources)
+    return d
+
+
+def preset_profile(spec: HostSpec) -> costmodel.HostProfile | None:
+    """The profile of a simulated host (None for `calibrate`)."""
+    prof = spec.profile
+    if prof == "calibrate":
+        return None
+    where = f"host {spec.name}: profile"
+    if prof == "preset":
+        target = spec.name
+    elif prof.startswith("preset:"):
+        target = prof[len("preset:"):]
+    else:
+        target = str(Path(prof).expanduser().resolve())
+        if not Path(target).is_file():
+            raise InputError(f"{where} = {prof!r}: no such file (give preset, preset:NAME, calibrate or a host YAML)")
+    if "/" not in target and target not in costmodel.list_host_profiles():
+        raise InputError(f"{where}: no preset named {target!r} (presets: {', '.join(costmodel.list_host_profiles())}; "
+                         f"give profile: preset:NAME, a host YAML or calibrate)")
+    try:
+        return costmodel.load_host_profile(target)
+    except InputError as exc:
+        raise InputError(f"{where}: {exc}") from None
+
+
+def _calibrate(model_dir: str) -> dict[str, Any]:
+    """Ray task body: measure this node's host profile (issue 4's calibration)."""
+    from runtime.calibrate import calibrate_host
+
+    return profile_to_dict(calibrate_host(model_dir))
+
+
+def resolve_profiles(hosts: tuple[HostSpec, ...], model_dir: str | None) -> dict[str, dict[str, Any]]:
+    """name -> profile dict; presets read here, calibrations run as Ray tasks on their hosts (in parallel)."""
+    out: dict[str, dict[str, Any]] = {}
+    pending = {}
+    for h in hosts:
+        prof = preset_profile(h)
+        if prof is not None:
+            out[h.name] = profile_to_dict(prof)
+            continue
+        if model_dir is None:
+            raise InputError(f"host {h.name}: profile calibrate needs a model (set model: in the sweep config)")
+        try:
+            import runtime.calibrate  # noqa: F401
+        except ImportError:
+            raise InputError(f"host {h.name}: profile calibrate needs runtime.calibrate, which this "
+                             f"checkout lacks; give profile: preset:NAME or a host YAML") from None
+        import ray
+
+        task = ray.remote(_calibrate).options(num_gpus=1, num_cpus=1, resources={h.resource: HOST_SLIVER},
+                                              name=f"calibrate:{h.name}")
+        pending[h.name] = task.remote(model_dir)
+    if pending:
+        import ray
+
+        log.info("calibrating %s on their nodes", ", ".join(pending))
+        for name, ref in pending.items():
+            out[name] = ray.get(ref)
+    return out
+
+
+def simulated(spec: HostSpec) -> bool:
+    return spec.profile != "calibrate"

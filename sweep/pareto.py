@@ -1,0 +1,343 @@
+"""The sweep driver: `python sweep/pareto.py [--config FILE]`, also as `ray job submit -- python sweep/pareto.py`.
+
+Joins the Ray cluster named by `--ray-address` (default `auto`: `RAY_ADDRESS`, else a running
+local cluster, else an embedded one; `local` always embeds one whose single node carries every
+host's `host:NAME` resource). Sweeps each host with Ray Tune + Optuna over the config's space
+(simulator fidelity: time per token and substituted mass), records every trial as it finishes
+(`<out>/trials.jsonl`, MLflow child runs, refreshed Pareto tables), re-measures the fronts by
+exact emulation, then writes the report (sweep/report.py) and prints the per-host tables.
+
+`--resume` continues a sweep whose driver stopped (Tuner.restore, Optuna studies in
+`<out>/optuna.db`, the ledger and the MLflow parent run in `<out>/state.json`); without it a
+sweep in the same `--out` starts over. Every bad input is a one-line error before any trial.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: import the project, not sweep/ modules as top-level names
+    _ROOT = Path(__file__).resolve().parent.parent
+    sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "sweep"]
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from runtime.errors import InputError, atomic_write, cli_main  # noqa: E402
+from runtime.policy import PRESETS  # noqa: E402
+from sweep import config as sweep_config  # noqa: E402
+from sweep import data, hosts, report, tracking  # noqa: E402
+from sweep.space import complete  # noqa: E402
+
+log = logging.getLogger("sweep.pareto")
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "search_spaces" / "demo.yaml"
+STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python sweep/pareto.py", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep YAML (default search_spaces/demo.yaml)")
+    p.add_argument("--out", help="output folder (default results/<sweep name>/)")
+    p.add_argument("--name", help="override the sweep name")
+    p.add_argument("--trials", type=int, help="simulator trials per host after the baselines")
+    p.add_argument("--hosts", help="comma-separated host names (profiles from presets of the same name)")
+    p.add_argument("--trace", help="router trace file instead of the config's model/trace")
+    p.add_argument("--model", help="model (demo, test or a folder) instead of the config's")
+    p.add_argument("--batch", help="simulator trials per Ray task: auto or N")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--mlflow-uri", help="http://HOST:PORT or sqlite:///PATH (default sqlite under mlflow/)")
+    p.add_argument("--mlflow-experiment", default=tracking.EXPERIMENT)
+    p.add_argument("--ray-address", default="auto", help="auto | local | HOST:PORT (default auto)")
+    p.add_argument("--num-cpus", type=int, help="CPUs of an embedded Ray (default: all)")
+    p.add_argument("--no-remeasure", action="store_true", help="skip the emulation of the fronts")
+    p.add_argument("--resume", action="store_true", help="continue the sweep in --out after its driver stopped")
+    return p
+
+
+def load(args: argparse.Namespace) -> sweep_config.SweepConfig:
+    cfg = sweep_config.load_config(args.config)
+    trace = model = None
+    if args.trace:
+        trace = str(Path(args.trace).expanduser().resolve())
+    if args.model:
+        model = args.model if args.model in ("demo", "test") else str(Path(args.model).expanduser().resolve())
+    cfg = sweep_config.with_overrides(cfg, name=args.name, trials=args.trials, hosts=args.hosts, batch=args.batch,
+                                      seed=args.seed, trace=trace, model=model)
+    if args.trace and not args.model:
+        cfg = dataclasses.replace(cfg, model=None, calib_trace=None)
+    return cfg
+
+
+def connect_ray(address: str, host_specs, num_cpus: int | None) -> bool:  # noqa: ANN001
+    """Join or start Ray; True when this driver started (and owns) an embedded cluster."""
+    import ray
+
+    env = os.environ.get("RAY_ADDRESS")
+    if address == "auto" and env:
+        address = env
+    if address not in ("auto", "local"):
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise InputError(f"--ray-address {address}: cannot join the Ray cluster "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        return False
+    if address == "auto":
+        try:
+            ray.init(address="auto", logging_level=logging.WARNING)
+            return False
+        except ConnectionError:
+            pass
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-node cluster on 127.0.0.1
+    ray.init(num_cpus=num_cpus or os.cpu_count(), resources=hosts.local_resources(host_specs),
+             include_dashboard=False, object_store_memory=256 * 2**20, logging_level=logging.WARNING,
+             _node_ip_address="127.0.0.1")
+    return True
+
+
+def _faults() -> list[dict[str, Any]]:
+    text = os.environ.get("EXPERTSWEEP_FAULTS")
+    if not text:
+        return []
+    try:
+        faults = json.loads(text)
+        assert isinstance(faults, list) and all(f["action"] in ("raise", "kill", "sleep") for f in faults)
+    except (ValueError, AssertionError, KeyError, TypeError):
+        raise InputError(f"EXPERTSWEEP_FAULTS = {text!r}: expected a JSON list of {{match, action, seconds}}") from None
+    return faults
+
+
+def _out_dir(args: argparse.Namespace, cfg: sweep_config.SweepConfig) -> Path:
+    return Path(args.out).expanduser().resolve() if args.out else (Path.cwd() / "results" / cfg.name).resolve()
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    state: dict[str, Any] = {}
+    if args.resume:
+        out = Path(args.out).expanduser().resolve() if args.out else _out_dir(args, load(args))
+        if not (out / "state.json").is_file():
+            raise InputError(f"--resume: no sweep state in {out} (state.json is missing)")
+        state = json.loads((out / "state.json").read_text())
+        saved = build_parser().parse_args(state["argv"])
+        for k in ("ray_address", "num_cpus"):  # where to run may change, what to run may not
+            if getattr(args, k) != build_parser().get_default(k):
+                setattr(saved, k, getattr(args, k))
+        saved.resume, argv_used = True, state["argv"]
+        args = saved
+    else:
+        argv_used = list(argv if argv is not None else sys.argv[1:])
+    args.config = str(Path(args.config).expanduser().resolve())
+    cfg = load(args)
+    out = Path(args.out).expanduser().resolve() if args.out else _out_dir(args, cfg)
+    faults = _faults()
+
+    # -- inputs, MLflow and hosts are checked before anything is scheduled
+    if not args.resume:
+        for name in STATE_FILES:
+            p = out / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    inputs = data.prepare(cfg, out)
+    from runtime import costmodel
+    from runtime.simulate import shape_for_trace
+    from runtime.trace import load_trace
+
+    shape = shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
+    data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
+    uri = tracking.resolve_uri(args.mlflow_uri or state.get("mlflow_uri"))
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "10")  # the ledger covers the gap
+    os.environ.setdefault("TUNE_MAX_PENDING_TRIALS_PG", str(max(8, 4 * len(cfg.hosts))))
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on stdout
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)  # no result.json: by design
+    import ray
+
+    owns_ray = connect_ray(args.ray_address, cfg.hosts, args.num_cpus)
+    try:
+        hosts.check_cluster(cfg.hosts, ray.cluster_resources())
+        profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir)
+        return _sweep(args, cfg, out, inputs, uri, profiles, state, argv_used, faults)
+    finally:
+        ray.shutdown()
+        if owns_ray:
+            log.info("embedded Ray stopped")
+
+
+def _sweep(args, cfg, out, inputs, uri, profiles, state, argv_used, faults) -> dict[str, Any]:  # noqa: ANN001
+    import ray
+    from ray import tune
+
+    from sweep.recorder import Ledger, Session, SweepRecorder
+    from sweep.search import BatchOptunaSearch, HostSearch, journal_storage, make_sampler
+    from sweep.worker import TraceStore, run_task, trial_name, trial_resources
+
+    host_names = [h.name for h in cfg.hosts]
+    gpus = {h: profiles[h]["gpu"] for h in host_names}
+    tracker = tracking.Tracker(uri, args.mlflow_experiment)
+    parent = tracker.start_parent(
+        cfg.name, params={"config": args.config, "trace": inputs.trace, "model": inputs.model_dir,
+                          "hosts": ",".join(host_names), "trials": cfg.trials, "sampler": cfg.sampler,
+                          "objectives": ",".join(cfg.objectives), "space": json.dumps(
+                              {p.name: p.kind for p in cfg.space.params})},
+        tags={"sweep": cfg.name, "fidelity": "sweep", "hosts": ",".join(host_names)},
+        run_id=state.get("parent_run_id"))
+    state = {"argv": argv_used, "name": cfg.name, "mlflow_uri": uri, "experiment": args.mlflow_experiment,
+             "parent_run_id": parent, "started": state.get("started", time.time())}
+    atomic_write(out / "state.json", lambda tmp: Path(tmp).write_text(json.dumps(state, indent=2)))
+    ledger = Ledger(out / "trials.jsonl")
+    if args.resume:  # children a killed driver recorded but never sent to MLflow
+        logged = tracker.logged_keys()
+        for row in ledger.rows:
+            if row["key"] not in logged:
+                tracker.log_child(row, gpus.get(row["host"], "-"))
+    session = Session(out, ledger, tracker, host_names, gpus, cfg.objectives)
+
+    # nodes on other machines may not see the trace files: serve them from a named actor
+    store_name = store = None
+    here = ray.util.get_node_ip_address()
+    if any(n["Alive"] and n["NodeManagerAddress"] != here for n in ray.nodes()):
+        store_name = f"expertsweep-traces-{cfg.name}"  # stable: a resumed sweep's trials name it too
+        store = ray.remote(TraceStore).options(name=store_name, num_cpus=0).remote(
+            [p for p in (inputs.trace, inputs.calib_trace) if p])
+    ctx = {"trace": inputs.trace, "calib_trace": inputs.calib_trace, "model_shape": cfg.model_shape,
+           "profiles": profiles, "max_failures": cfg.max_failures, "faults": faults,
+           "ledger": str(ledger.path), "report_s": 1.0, "store": store_name}
+    # the context goes to the object store once, not into every trial's config
+    trainable = tune.with_resources(tune.with_parameters(run_task, ctx=ctx), trial_resources)
+    exp_dir = out / "tune"
+    t0, cpu0 = time.time(), time.process_time()
+    fit_window = [t0]
+    if args.resume and tune.Tuner.can_restore(str(exp_dir)):
+        log.warning("resuming the sweep in %s", out)
+        tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True,
+                                   resume_errored=False, restart_errored=False)
+    else:
+        storage = journal_storage(out / "optuna.journal")
+        searchers = {h: BatchOptunaSearch(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i,
+                                                                                   cfg.population),
+                                          storage, f"{cfg.name}:{h}") for i, h in enumerate(host_names)}
+        base_params = [(n, complete({**PRESETS[n].to_dict(), **cfg.baseline_capacity()}))
+                       for n in cfg.baseline_policies]
+        baselines = {h: [{"key": f"{h}:baseline:{n}", "number": None, "baseline": n, "params": p}
+                         for n, p in base_params if f"{h}:baseline:{n}" not in ledger.keys] for h in host_names}
+        search = HostSearch(searchers, baselines, cfg.trials, cfg.batch, cfg.task_seconds,
+                            int(ray.cluster_resources().get("CPU", 1)))
+        search.sync_from_storage()
+        tuner = tune.Tuner(
+            trainable,
+            tune_config=tune.TuneConfig(search_alg=search, num_samples=-1, reuse_actors=True,
+                                        trial_name_creator=trial_name, trial_dirname_creator=trial_name),
+            run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=0,
+                                      failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
+                                      callbacks=[SweepRecorder(str(out))]))
+    status = "FAILED"
+    try:
+        tuner.fit()
+        fit_window.append(time.time())
+        sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
+        session.refresh()
+        notes = []
+        if cfg.remeasure.emulation and not args.no_remeasure:
+            notes += _remeasure(cfg, inputs, session, ledger)
+        else:
+            notes.append("Re-measurement by emulation was switched off for this sweep.")
+        calibrated = [h.name for h in cfg.hosts if not hosts.simulated(h)]
+        notes.append(f"Engine re-measurement: hosts with a GPU here: {', '.join(calibrated)}; the engine run is "
+                     "not wired into the sweep yet." if calibrated else
+                     "Engine re-measurement: no host of this sweep has a GPU (all profiles are presets), so "
+                     "time per token is the cost model's.")
+        meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
+                "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
+                "gpus": gpus, "notes": notes}
+        rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
+        tracker.flush()
+        stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
+        stats["fit_window"] = fit_window
+        atomic_write(out / "stats.json", lambda tmp: Path(tmp).write_text(json.dumps(stats, indent=2)))
+        files = [p for p in rep["paths"].values() if Path(p).is_file()]
+        for h in host_names:
+            files += [out / f"pareto_{h}.parquet"]
+        tracker.log_artifacts(out, [f for f in files if f.is_file()] + [out / "stats.json"])
+        hyp = rep["hypothesis"]
+        tracker.log_parent_metrics({**{f"front_size_{h}": len(rep["fronts"].get(h, [])) for h in host_names},
+                                    "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],
+                                    **({"mass_ppl_pearson_r": hyp["r"]} if hyp["r"] == hyp["r"] else {})})
+        status = "FINISHED"
+        _print(rep, host_names, gpus, out, stats)
+        return {"out": out, "stats": stats, "report": rep, "parent_run_id": parent, "trace": inputs.trace}
+    finally:
+        tracker.close(status)
+        ledger.close()
+        if store is not None:
+            ray.kill(store)
+
+
+def _remeasure(cfg, inputs, session, ledger) -> list[str]:  # noqa: ANN001
+    from sweep import remeasure
+    from sweep.worker import Evaluator
+
+    if inputs.model_dir is None:
+        return ["Re-measurement by emulation needs a model; this sweep ran on a trace only."]
+    _, fronts = report.write_tables(session.out, ledger.rows, session.hosts, cfg.objectives)
+    baselines = [r for r in ledger.rows if r.get("baseline") and r["status"] == "ok"
+                 and r.get("fidelity") == "simulator" and r["host"] == session.hosts[0]]
+    cands = remeasure.candidates(fronts, baselines, cfg.remeasure.max_policies)
+    ev = Evaluator(inputs.trace, None, cfg.model_shape)
+
+    def fraction(params: dict[str, Any]) -> float:
+        return float(ev.capacities(params)[0]) / inputs.dims[1]
+
+    n = remeasure.run_emulation(cands, ledger.keys, inputs.model_dir, inputs.text, inputs.calib_text,
+                                cfg.max_tokens, fraction, session.record)
+    return [f"Re-measured {len(cands)} policies by exact emulation ({n} run now) on {inputs.text}."]
+
+
+def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[str, float]) -> dict[str, Any]:  # noqa: ANN001
+    rows = [r for r in session.ledger.rows if r.get("fidelity") == "simulator"]
+    slots = int(resources.get("CPU", 1))
+    ok = sum(r["status"] == "ok" for r in rows)
+    busy = session.eval_seconds
+    return {"trials_ok": ok, "trials_failed": len(rows) - ok, "trials_this_run": session.new_rows,
+            "trials_evaluated_twice": session.repeated,
+            "sweep_seconds": sweep_s, "trials_per_hour": session.new_rows / max(sweep_s, 1e-9) * 3600,
+            "simulator_seconds": busy, "slots": slots,
+            "overhead_fraction": 1 - busy / max(sweep_s * slots, 1e-9),
+            "driver_cpu_seconds": driver_cpu, "mlflow_cpu_seconds": tracker.cpu_seconds,
+            "mlflow_children_written": tracker.written, "mlflow_errors": tracker.errors}
+
+
+def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out: Path, stats: dict) -> None:
+    for h in host_names:
+        fr = rep["fronts"].get(h)
+        if fr is not None and not fr.empty:
+            print(report.host_table_text(h, fr, gpus.get(h, "")) + "\n")
+    hyp = rep["hypothesis"]
+    if hyp["r"] == hyp["r"]:
+        print(f"mass hypothesis: Pearson r = {hyp['r']:.3f} [{hyp['ci_low']:.3f}, {hyp['ci_high']:.3f}] "
+              f"over {hyp['n']} policies\n")
+    print(f"{stats['trials_ok']} trials ok, {stats['trials_failed']} failed; "
+          f"{stats['trials_per_hour']:.0f} trials/hour this run")
+    for k, p in rep["paths"].items():
+        if k.startswith("plot") or k == "summary":
+            print(f"{k}: {p}")
+    print(f"outputs: {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    run(argv)
+
+
+if __name__ == "__main__":
+    cli_main(main)

@@ -1,0 +1,160 @@
+"""The driver's record of a sweep: the ledger file, MLflow children and tables, fed by a Tune callback.
+
+`Ledger` is `trials.jsonl` in the output folder: one JSON row per finished trial (simulator,
+emulation or engine; ok or failed), appended and flushed as results arrive, keyed by
+`key` (`HOST:NUMBER` for Optuna trials, `HOST:baseline:NAME` for baselines). A key is written
+once, so a task that is retried or resumed never records a trial twice. `Session` adds the MLflow
+child run and refreshes the Pareto tables at most every `refresh_s` seconds. `SweepRecorder` is
+the Tune callback; it is pickled with the experiment, so it holds only the output folder and finds
+the live `Session` of this driver in `SESSIONS`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ray.tune import Callback
+
+from sweep import report
+
+log = logging.getLogger(__name__)
+
+SESSIONS: dict[str, Session] = {}
+
+
+class Ledger:
+    """Append-only JSON-lines record of finished trials."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+        self.keys: set[str] = set()
+        if path.exists():
+            with open(path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue  # the last line of a killed driver may be cut short
+                    if row.get("key") not in self.keys:
+                        self.rows.append(row)
+                        self.keys.add(row["key"])
+        self._f = open(path, "a")
+
+    def add(self, row: dict[str, Any]) -> bool:
+        if row["key"] in self.keys:
+            return False
+        self._f.write(json.dumps(row, default=_json_default) + "\n")
+        self._f.flush()
+        self.rows.append(row)
+        self.keys.add(row["key"])
+        return True
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _json_default(v: Any) -> Any:
+    if hasattr(v, "item"):
+        return v.item()
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    raise TypeError(f"not JSON serialisable: {type(v).__name__}")
+
+
+class Session:
+    """Live state of one sweep in the driver."""
+
+    def __init__(self, out: Path, ledger: Ledger, tracker, hosts: list[str], gpus: dict[str, str],
+                 objectives: tuple[str, ...], refresh_s: float = 5.0):
+        self.out, self.ledger, self.tracker = out, ledger, tracker
+        self.hosts, self.gpus, self.objectives = hosts, gpus, objectives
+        self.refresh_s = refresh_s
+        self._last_refresh = 0.0
+        self._last_progress = time.monotonic()
+        self.new_rows = 0
+        self.repeated = 0  # rows reported again for a key already recorded (work done twice)
+        self.eval_seconds = 0.0
+        SESSIONS[str(out)] = self
+
+    def record(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            if self.ledger.add(row):
+                self.new_rows += 1
+                self.eval_seconds += row.get("eval_seconds", 0.0)
+                if self.tracker is not None:
+                    self.tracker.log_child(row, self.gpus.get(row["host"], "-"))
+            elif "eval_seconds" in row:
+                self.repeated += 1
+        now = time.monotonic()
+        if now - self._last_refresh >= self.refresh_s:
+            self.refresh()
+        if now - self._last_progress >= 15:
+            self._last_progress = now
+            self.progress()
+
+    def refresh(self) -> None:
+        self._last_refresh = time.monotonic()
+        try:
+            report.write_tables(self.out, self.ledger.rows, self.hosts, self.objectives)
+        except Exception as exc:  # noqa: BLE001 - the tables are refreshed again later
+            log.warning("could not refresh the Pareto tables: %s", exc)
+
+    def progress(self) -> None:
+        counts = {h: [0, 0] for h in self.hosts}
+        for r in self.ledger.rows:
+            if r.get("fidelity") == "simulator" and r["host"] in counts:
+                counts[r["host"]][0 if r["status"] == "ok" else 1] += 1
+        log.warning("progress: %s", ", ".join(f"{h} {ok} ok/{bad} failed" for h, (ok, bad) in counts.items()))
+
+    def missing(self, items: list[dict[str, Any]], host: str, error: str) -> list[dict[str, Any]]:
+        """Failed rows for the items of a task that never reported them."""
+        return [{"key": it["key"], "number": it["number"], "baseline": it["baseline"], "params": it["params"],
+                 "host": host, "fidelity": "simulator", "status": "failed", "error": error,
+                 "finished_at": time.time()} for it in items if it["key"] not in self.ledger.keys]
+
+
+class SweepRecorder(Callback):
+    """Tune callback: hands each reported batch of trial rows to this driver's `Session`."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    @property
+    def session(self) -> Session | None:
+        return SESSIONS.get(self.out)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:  # noqa: ANN001 - Tune's hook
+        if self.session is not None:
+            self.session.record(result.get("items") or [])
+            # recorded (and told to Optuna before this hook): keep them out of Tune's saved trial state
+            result["items"] = []
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:  # noqa: ANN001
+        s = self.session
+        if s is None:
+            return
+        s.record((trial.last_result or {}).get("items") or [])
+        s.record(s.missing(trial.config.get("items", []), trial.config.get("host", "?"),
+                           "the task ended without reporting this trial"))
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:  # noqa: ANN001
+        s = self.session
+        if s is None:
+            return
+        s.record((trial.last_result or {}).get("items") or [])
+        s.record(s.missing(trial.config.get("items", []), trial.config.get("host", "?"), _error_text(trial)))
+
+
+def _error_text(trial) -> str:  # noqa: ANN001 - a Tune Trial
+    path = getattr(trial, "error_file", None)
+    text = ""
+    if path and os.path.exists(path):
+        lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+        text = lines[-1] if lines else ""
+    return f"the Ray task failed {trial.num_failures} time(s): {text or 'worker died'}"[:2000]

@@ -1,0 +1,272 @@
+"""Trial execution on the Ray workers: one Ray Tune trial evaluates a batch of policies on one host.
+
+`run_task` is the Tune trainable. Its config holds the host, the batch (`items`: Optuna trial
+numbers or named baselines with their policy config and capacity) and the sweep context `ctx`
+(absolute trace paths, the host profile, retry and report settings). The trace is loaded once
+per worker process and kept (`_EVALUATORS`): with `reuse_actors` a Tune actor serves many trials.
+The fetch-every-miss and host-compute replays, the same for every policy at one capacity, are
+cached per (host, capacity). Results go back with `tune.report` every `report_s` seconds, so the
+driver records them as they finish and a killed task loses only what it had not reported.
+
+An item that raises is retried in place up to `max_failures` times, then reported failed (an
+`InputError`, a bad configuration, fails at once). A task whose process dies is retried by Tune
+(`FailureConfig`); on a retry, items already in the driver's ledger are skipped when the ledger
+file is reachable from this node. `EXPERTSWEEP_FAULTS` (read by the driver) injects faults for
+tests: a JSON list of `{"match": {param: value}, "action": "raise" | "kill" | "sleep",
+"seconds": s}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime import costmodel
+from runtime.errors import InputError
+from runtime.kernel import warm_residency
+from runtime.policy import PRESETS, resolve_capacities
+from runtime.simulate import shape_for_trace, simulate
+from runtime.trace import Trace, load_trace
+from sweep.space import policy_of
+
+log = logging.getLogger(__name__)
+
+GiB = 2.0**30
+METRICS = ("time_per_token_s", "mass_per_token", "mass_per_token_layer", "substituted_call_fraction",
+           "speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute", "speed_ratio_vs_all_resident",
+           "fetch_all_time_per_token_s", "host_compute_time_per_token_s", "all_resident_time_per_token_s",
+           "device_memory_GiB", "calls", "hits", "fetches", "substitutions", "drops", "host_computes",
+           "admissions")
+
+
+class Evaluator:
+    """A loaded trace (and calibration trace) with the caches that make repeated trials cheap."""
+
+    def __init__(self, trace_path: str, calib_path: str | None, model_shape: str | None):
+        self.trace: Trace = load_trace(trace_path)
+        self.calib: Trace | None = load_trace(calib_path, num_experts=self.trace.E) if calib_path else None
+        self.shape = shape_for_trace(self.trace, model_shape)
+        self.expert_bytes = costmodel.expert_bytes(self.shape)
+        self._residency: dict[tuple, list] = {}
+        self._baselines: dict[tuple, tuple[float, float]] = {}
+        self._profiles: dict[str, costmodel.HostProfile] = {}
+
+    def profile(self, data: dict[str, Any]) -> costmodel.HostProfile:
+        key = json.dumps(data, sort_keys=True)
+        if key not in self._profiles:
+            self._profiles[key] = costmodel.host_profile_from_dict(data, f"host {data.get('name')}")
+        return self._profiles[key]
+
+    def capacities(self, cfg: dict[str, Any]) -> np.ndarray:
+        t = self.trace
+        if cfg.get("vram_budget_GiB") is not None:
+            slots = int(cfg["vram_budget_GiB"] * GiB // (t.L * self.expert_bytes))
+            return resolve_capacities(slots, t.L, t.E, t.k, flag=f"vram_budget_GiB = {cfg['vram_budget_GiB']:g}: capacity")
+        return resolve_capacities(None, t.L, t.E, t.k, capacity_fraction=cfg["capacity_fraction"])
+
+    def residency(self, caps: np.ndarray) -> list:
+        key = tuple(caps.tolist())
+        if key not in self._residency:
+            src = self.calib or self.trace
+            self._residency[key] = warm_residency(src.topk_ids, src.valid, self.trace.E, caps)
+        return [r.copy() for r in self._residency[key]]
+
+    def _time(self, policy, caps, profile) -> float:
+        res = simulate(self.trace, policy, caps, initial_residency=self.residency(caps), host=profile,
+                       model_shape=self.shape, baselines=False)
+        return res["time_per_token_s"]
+
+    def baselines(self, caps: np.ndarray, profile: costmodel.HostProfile) -> tuple[float, float]:
+        key = (profile, tuple(caps.tolist()))
+        if key not in self._baselines:
+            self._baselines[key] = (self._time(PRESETS["fetch-every-miss"], caps, profile),
+                                    self._time(PRESETS["host-compute"], caps, profile))
+        return self._baselines[key]
+
+    def evaluate(self, cfg: dict[str, Any], profile: costmodel.HostProfile) -> dict[str, Any]:
+        """Simulate one policy at one capacity on one host; the sweep's metrics."""
+        policy = policy_of(cfg).validate(where="trial")
+        caps = self.capacities(cfg)
+        res = simulate(self.trace, policy, caps, initial_residency=self.residency(caps), host=profile,
+                       model_shape=self.shape, baselines=False)
+        t_fetch, t_host = self.baselines(caps, profile)
+        t = res["time_per_token_s"]
+        res.update(fetch_all_time_per_token_s=t_fetch, host_compute_time_per_token_s=t_host,
+                   speed_ratio_vs_fetch_all=t_fetch / t, speed_ratio_vs_host_compute=t_host / t,
+                   speed_ratio_vs_all_resident=res["all_resident_time_per_token_s"] / t,
+                   device_memory_GiB=float(caps.sum()) * self.expert_bytes / GiB)
+        out = {k: float(res[k]) for k in METRICS}
+        out["capacity_slots"] = res["capacity"]
+        out["policy"] = policy.label()
+        return out
+
+
+_EVALUATORS: dict[tuple, Evaluator] = {}
+
+
+def evaluator(ctx: dict[str, Any]) -> Evaluator:
+    key = (ctx["trace"], ctx.get("calib_trace"), ctx.get("model_shape"))
+    if key not in _EVALUATORS:
+        trace = local_copy(ctx["trace"], ctx.get("store"))
+        calib = local_copy(ctx["calib_trace"], ctx.get("store")) if ctx.get("calib_trace") else None
+        _EVALUATORS.clear()  # one sweep per process at a time; free the previous trace
+        _EVALUATORS[key] = Evaluator(trace, calib, ctx.get("model_shape"))
+    return _EVALUATORS[key]
+
+
+def local_copy(path: str, store: str | None) -> str:
+    """`path` if this node sees it, else a cached copy fetched from the driver's TraceStore actor."""
+    if os.path.exists(path) or not store:
+        return path
+    import ray
+
+    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+    dest = Path.home() / ".cache" / "expertsweep" / "traces" / f"{digest}-{Path(path).name}"
+    if not dest.exists():
+        data = ray.get(ray.get_actor(store).get.remote(path))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(dest.suffix + f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+    return str(dest)
+
+
+class TraceStore:
+    """Serves the sweep's trace files to nodes that do not share the driver's file system."""
+
+    def __init__(self, paths: list[str]):
+        self._paths = set(paths)
+
+    def get(self, path: str) -> bytes:
+        if path not in self._paths:
+            raise KeyError(path)
+        return Path(path).read_bytes()
+
+
+def _matches(fault: dict[str, Any], host: str, params: dict[str, Any]) -> bool:
+    return all((host if k == "host" else params.get(k)) == v for k, v in fault.get("match", {}).items())
+
+
+def inject_faults(faults: list[dict[str, Any]], host: str, params: dict[str, Any]) -> None:
+    for f in faults:
+        if not _matches(f, host, params):
+            continue
+        if f["action"] == "sleep":
+            time.sleep(float(f.get("seconds", 1.0)))
+        elif f["action"] == "raise":
+            raise RuntimeError(f"injected fault for {params}")
+        elif f["action"] == "kill":
+            os._exit(17)
+
+
+def run_item(ev: Evaluator, item: dict[str, Any], profile: costmodel.HostProfile, ctx: dict[str, Any],
+             host: str) -> dict[str, Any]:
+    """Evaluate one item with in-place retries; returns its ledger row (status ok or failed)."""
+    row = {k: item[k] for k in ("key", "number", "baseline", "params")}
+    row.update(host=host, fidelity="simulator", pid=os.getpid(), node=_node_id())
+    attempts, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while True:
+        attempts += 1
+        try:
+            inject_faults(ctx.get("faults", []), host, item["params"])
+            row.update(ev.evaluate(item["params"], profile), status="ok")
+            break
+        except InputError as exc:
+            row.update(status="failed", error=str(exc))
+            break
+        except Exception as exc:  # noqa: BLE001 - a trial failure is data, recorded with its message
+            if attempts > ctx.get("max_failures", 0):
+                row.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+                log.warning("trial %s failed after %d attempts:\n%s", item["key"], attempts, traceback.format_exc())
+                break
+    row["attempts"] = attempts
+    row["eval_seconds"] = time.perf_counter() - t0
+    row["eval_cpu_seconds"] = time.process_time() - c0
+    row["finished_at"] = time.time()
+    return row
+
+
+_NODE: list[str] = []
+
+
+def _node_id() -> str:
+    if not _NODE:
+        try:
+            import ray
+
+            _NODE.append(ray.get_runtime_context().get_node_id())
+        except Exception:  # noqa: BLE001 - outside Ray (unit tests)
+            _NODE.append("local")
+    return _NODE[0]
+
+
+def ledger_keys(path: str | None) -> set[str]:
+    """Keys already recorded by the driver (when its ledger is visible from this node)."""
+    if not path or not os.path.exists(path):
+        return set()
+    keys = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                keys.add(json.loads(line)["key"])
+            except (ValueError, KeyError):
+                continue  # a line cut short by a killed driver
+    return keys
+
+
+def _is_retry(ledger: str | None) -> bool:
+    """True when this Tune trial ran before (a Tune retry or a resumed sweep): its marker exists.
+
+    Markers live next to the driver's ledger (`<out>/started/<trial id>`), so they are seen only
+    where the output folder is; elsewhere a retried task simply evaluates its batch again."""
+    from ray import tune
+
+    if not ledger or not os.path.isdir(os.path.dirname(ledger)):
+        return False
+    marker = Path(ledger).parent / "started" / tune.get_context().get_trial_id()
+    if marker.exists():
+        return True
+    marker.parent.mkdir(exist_ok=True)
+    marker.touch()
+    return False
+
+
+def trial_resources(config: dict[str, Any]) -> dict[str, float]:
+    """A trial's Ray resources: one CPU on a node of its host."""
+    from sweep.hosts import HOST_SLIVER, resource
+
+    return {"CPU": 1, resource(config["host"]): HOST_SLIVER}
+
+
+def trial_name(trial) -> str:  # noqa: ANN001 - a Tune Trial
+    return f"{trial.config['host']}-{trial.trial_id}"
+
+
+def run_task(config: dict[str, Any], ctx: dict[str, Any]) -> None:
+    """The Ray Tune trainable: evaluate `config['items']` on `config['host']`, reporting as it goes.
+
+    `ctx` (the sweep context) comes through `tune.with_parameters`."""
+    from ray import tune
+
+    host = config["host"]
+    ev = evaluator(ctx)
+    profile = ev.profile(ctx["profiles"][host])
+    done = ledger_keys(ctx.get("ledger")) if _is_retry(ctx.get("ledger")) else set()
+    out: list[dict[str, Any]] = []
+    last = time.monotonic()
+    for item in config["items"]:
+        if item["key"] in done:
+            continue
+        out.append(run_item(ev, item, profile, ctx, host))
+        if time.monotonic() - last >= ctx.get("report_s", 1.0):
+            tune.report({"items": out, "host": host, "final": False})
+            out, last = [], time.monotonic()
+    tune.report({"items": out, "host": host, "final": True})

@@ -1,0 +1,214 @@
+"""Helpers for the sweep tests: small inputs, a real local multi-node Ray cluster, a real MLflow server.
+
+The cluster is `ray start --block` processes (a head and worker nodes, each in its own session,
+on 127.0.0.1 with free ports and a private temp dir), stopped by their process ids; nothing here
+runs `ray stop`. The MLflow server is `mlflow/start.sh` (the project's script) on a free port
+with a SQLite store in a temp dir, stopped by its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+RAY = str(Path(PY).parent / "ray")
+SPACE = {
+    "rule": {"choices": ["threshold", "first_choice", "substitute_all"]},
+    "tau": {"low": 0.05, "high": 0.5, "log": True},
+    "evict": {"choices": ["lfu", "lru"]},
+    "gamma": {"low": 0.9, "high": 1.0},
+    "beta": {"choices": ["off", 0.5]},
+    "capacity_fraction": {"low": 0.15, "high": 0.4},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", MLFLOW_DISABLE_TELEMETRY="true",
+             PYTHONUNBUFFERED="1")
+    e.pop("RAY_ADDRESS", None)
+    e["PATH"] = f"{Path(PY).parent}{os.pathsep}{e.get('PATH', '')}"  # as with the venv activated (ray job: python)
+    e.update(extra)
+    return e
+
+
+def make_trace(folder: Path, tokens: int = 1200, layers: int = 3, experts: int = 32, top_k: int = 4) -> Path:
+    """A small synthetic trace file (and its calibration twin next to it)."""
+    from runtime.trace import save_trace, synthetic_trace
+
+    path = folder / "trace.parquet"
+    if not path.exists():
+        save_trace(synthetic_trace(tokens, layers, experts, top_k, seed=0), path)
+        save_trace(synthetic_trace(tokens, layers, experts, top_k, seed=1), folder / "calib.parquet")
+    return path
+
+
+def write_config(folder: Path, name: str = "t", **kw) -> Path:
+    """A sweep YAML on the synthetic trace of `folder` (keys of `kw` override the defaults)."""
+    trace = make_trace(folder)
+    cfg = {"name": name, "trace": str(trace), "calib_trace": str(folder / "calib.parquet"),
+           "hosts": ["rtx3090", "rtx4090"], "trials": 6, "max_failures": 1,
+           "remeasure": {"emulation": False}, "space": SPACE}
+    cfg.update(kw)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def driver_cmd(config: Path, out: Path, *extra: str) -> list[str]:
+    return [PY, str(REPO / "sweep" / "pareto.py"), "--config", str(config), "--out", str(out), *extra]
+
+
+def run_driver(config: Path, out: Path, *extra: str, timeout: float = 240, **env_extra: str
+               ) -> subprocess.CompletedProcess:
+    return subprocess.run(driver_cmd(config, out, *extra), cwd=REPO, env=env(**env_extra), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ledger(out: Path) -> list[dict]:
+    path = out / "trials.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+    """Stop a process started in its own session, then anything left in its group."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+class LocalCluster:
+    """A head and worker nodes started with `ray start --block` on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))  # short: socket paths have a length limit
+        self.port = free_port()
+        self.dashboard_port = free_port()
+        self.nodes: list[tuple[subprocess.Popen, dict]] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def _start(self, args: list[str], resources: dict, num_cpus: int) -> subprocess.Popen:
+        cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+               f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
+               f"--temp-dir={self.root / f'n{len(self.nodes)}'}", "--disable-usage-stats",
+               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+               f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
+        path = self.root / f"node{len(self.nodes)}.log"
+        proc = subprocess.Popen(cmd, stdout=open(path, "w"), stderr=subprocess.STDOUT, env=env(),
+                                start_new_session=True)
+        self.nodes.append((proc, resources))
+        # one node at a time: nodes started together in one session folder race for socket names
+        deadline = time.time() + 90
+        while "Ray runtime started" not in path.read_text():
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"ray start failed: {path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        return proc
+
+    def start_head(self, resources: dict, num_cpus: int = 1) -> None:
+        self._start(["--head", f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                     f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}"],
+                    resources, num_cpus)
+
+    def add_worker(self, resources: dict, num_cpus: int = 1) -> subprocess.Popen:
+        return self._start([f"--address={self.address}"], resources, num_cpus)
+
+    def node_ids(self, timeout: float = 90) -> list[dict]:
+        """Alive nodes (waits until every started node has joined)."""
+        code = (f"import ray, json; ray.init(address={self.address!r}, logging_level='ERROR'); "
+                "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() "
+                "if n['Alive']]))")
+        deadline = time.time() + timeout
+        while True:
+            r = subprocess.run([PY, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+            alive = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else []
+            if len(alive) >= sum(p.poll() is None for p, _ in self.nodes) or time.time() > deadline:
+                return alive
+            time.sleep(2)
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """Lose a node at once: SIGKILL to its whole process group (raylet, workers)."""
+        stop_group(proc, signal.SIGKILL, timeout=5)
+
+    def stop(self) -> None:
+        for proc, _ in reversed(self.nodes):
+            stop_group(proc)
+
+
+@pytest.fixture(scope="session", name="ray_cluster")
+def ray_cluster_fixture():
+    """Head (host:rtx4090, dashboard for jobs) + two workers (host:rtx3090 each), one CPU per node."""
+    c = LocalCluster()
+    try:
+        c.start_head({"host:rtx4090": 1})
+        c.add_worker({"host:rtx3090": 1})
+        c.add_worker({"host:rtx3090": 1})
+        nodes = c.node_ids()
+        assert len(nodes) == 3, f"cluster did not come up: {nodes}; logs in {c.root}"
+        c.started_nodes = nodes
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session", name="mlflow_server")
+def mlflow_server_fixture(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 (the project's mlflow/start.sh), SQLite store in a temp dir."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    e = env(MLFLOW_BACKEND_STORE_URI=f"sqlite:///{root / 'mlflow.db'}", MLFLOW_ARTIFACTS_DESTINATION=str(root / "art"),
+            MLFLOW_HOST="127.0.0.1", MLFLOW_PORT=str(port), MLFLOW_WORKERS="1")
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(["bash", str(REPO / "mlflow" / "start.sh")], cwd=REPO, env=e, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        deadline = time.time() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        stop_group(proc)

@@ -1,0 +1,181 @@
+"""The sweep on a real local multi-node Ray cluster: `ray job submit`, a real MLflow server, and faults.
+
+One session cluster (tests/sweep_fixtures.py): a head with `host:rtx4090` and the job server,
+two workers with `host:rtx3090`, one CPU each, all on 127.0.0.1 and stopped by pid. The node-loss
+test adds and kills a third worker of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.sweep_fixtures import (  # noqa: F401 - the fixtures are used by name
+    RAY,
+    REPO,
+    driver_cmd,
+    env,
+    ledger,
+    mlflow_server_fixture,
+    ray_cluster_fixture,
+    run_driver,
+    stop_group,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _node_of(cluster, resource: str) -> set[str]:
+    return {n["id"] for n in cluster.started_nodes if resource in n["resources"]}
+
+
+def test_host_with_no_node_is_one_line_before_any_trial(ray_cluster, tmp_path):
+    cfg = write_config(tmp_path)
+    out = tmp_path / "out"
+    proc = run_driver(cfg, out, "--hosts", "rtx3090,rtx5090", "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}",
+                      RAY_ADDRESS=ray_cluster.address, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("expertsweep: error: host rtx5090: no Ray node has the resource host:rtx5090"), last
+    assert not ledger(out)
+
+
+def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, tmp_path):
+    """`ray job submit --working-dir . -- python sweep/pareto.py --config search_spaces/smoke.yaml`."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "out"
+    cmd = [RAY, "job", "submit", "--address", ray_cluster.dashboard, "--working-dir", ".", "--",
+           "python", "sweep/pareto.py", "--config", "search_spaces/smoke.yaml", "--out", str(out),
+           "--mlflow-uri", mlflow_server, "--name", "smoke-job"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0 and "succeeded" in proc.stdout.lower(), (proc.stdout[-4000:], proc.stderr[-2000:])
+    for f in ("pareto_rtx3090.csv", "pareto_rtx4090.csv", "speed_ratios.csv", "pareto.png", "summary.md"):
+        assert (out / f).is_file(), f
+    rows = ledger(out)
+    sim = [r for r in rows if r["fidelity"] == "simulator"]
+    assert len(sim) == 2 * (7 + 6) and all(r["status"] == "ok" for r in sim)
+    # every trial ran on a node of its host
+    assert {r["node"] for r in sim if r["host"] == "rtx4090"} <= _node_of(ray_cluster, "host:rtx4090")
+    assert {r["node"] for r in sim if r["host"] == "rtx3090"} <= _node_of(ray_cluster, "host:rtx3090")
+    emu = [r for r in rows if r["fidelity"] == "emulation"]
+    assert emu and all(r["status"] == "ok" for r in emu)
+    assert "Mass hypothesis" in (out / "summary.md").read_text()
+
+    client = MlflowClient(mlflow_server)  # over HTTP
+    exp = client.get_experiment_by_name("expertsweep")
+    parent = client.search_runs([exp.experiment_id], "tags.sweep = 'smoke-job'")[0]
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+                                  max_results=1000)
+    assert sorted(c.data.tags["key"] for c in children) == sorted(r["key"] for r in rows)
+    assert {c.data.tags["fidelity"] for c in children} == {"simulator", "emulation"}
+    assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+
+def test_failing_and_killed_trials_are_retried_then_recorded_failed(ray_cluster, tmp_path):
+    cfg = write_config(tmp_path, hosts=["rtx3090"], trials=6, seed=3, batch=1,
+                       baselines={"policies": ["rule-0.15", "substitute-all"]},
+                       space={"rule": {"choices": ["threshold", "first_choice"]}, "tau": {"low": 0.1, "high": 0.4},
+                              "capacity_fraction": {"low": 0.15, "high": 0.4}})
+    out = tmp_path / "out"
+    faults = [{"match": {"rule": "substitute_all"}, "action": "raise"},
+              {"match": {"rule": "first_choice"}, "action": "kill"}]
+    proc = run_driver(cfg, out, "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}", RAY_ADDRESS=ray_cluster.address,
+                      EXPERTSWEEP_FAULTS=json.dumps(faults), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {r["key"]: r for r in ledger(out)}
+    assert len(rows) == 2 + 6
+    raised = [r for r in rows.values() if r["params"]["rule"] == "substitute_all"]
+    assert raised and all(r["status"] == "failed" and r["attempts"] == 2 and "injected fault" in r["error"]
+                          for r in raised)
+    killed = [r for r in rows.values() if r["params"]["rule"] == "first_choice"]
+    assert killed, "the seed should draw first_choice at least once"
+    assert all(r["status"] == "failed" and "failed 2 time(s)" in r["error"] for r in killed)
+    assert all(r["status"] == "ok" for r in rows.values() if r["params"]["rule"] == "threshold")
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["trials_failed"] == len(raised) + len(killed)
+
+
+def test_driver_killed_mid_sweep_is_resumed(ray_cluster, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cfg = write_config(tmp_path, trials=14, batch=2, baselines={"policies": ["rule-0.15", "speed-first"]})
+    out = tmp_path / "out"
+    db = f"sqlite:///{tmp_path / 'm.db'}"
+    e = env(RAY_ADDRESS=ray_cluster.address,
+            EXPERTSWEEP_FAULTS=json.dumps([{"match": {}, "action": "sleep", "seconds": 0.3}]))
+    log = open(tmp_path / "driver1.log", "w")
+    proc = subprocess.Popen(driver_cmd(cfg, out, "--mlflow-uri", db), cwd=REPO, env=e, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while len(ledger(out)) < 12 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, f"the driver ended before it was killed: {(tmp_path / 'driver1.log').read_text()[-3000:]}"
+        assert (out / "pareto_rtx3090.csv").exists() or (out / "pareto_rtx4090.csv").exists()  # written as they finish
+    finally:
+        stop_group(proc, signal.SIGKILL)
+    before = (out / "trials.jsonl").read_text()
+    before_keys = [json.loads(line)["key"] for line in before.splitlines() if line.strip()]
+    parent = json.loads((out / "state.json").read_text())["parent_run_id"]
+
+    proc2 = subprocess.run(driver_cmd(cfg, out, "--resume"), cwd=REPO, env=e, capture_output=True, text=True,
+                           timeout=300)
+    assert proc2.returncode == 0, proc2.stderr[-4000:]
+    after = (out / "trials.jsonl").read_text()
+    assert after.startswith(before.rsplit("\n", 1)[0])  # nothing recorded before the kill was rewritten
+    rows = ledger(out)
+    keys = [r["key"] for r in rows]
+    assert len(keys) == len(set(keys)), "a trial was recorded twice"
+    assert set(before_keys) <= set(keys)
+    for host in ("rtx3090", "rtx4090"):
+        assert sum(r["host"] == host and r["baseline"] is None for r in rows) == 14
+        assert sum(r["host"] == host and r["baseline"] is not None for r in rows) == 2
+    assert all(r["status"] == "ok" for r in rows)
+    assert json.loads((out / "stats.json").read_text())["trials_evaluated_twice"] == 0
+    assert json.loads((out / "state.json").read_text())["parent_run_id"] == parent
+    client = MlflowClient(db)
+    children = client.search_runs([client.get_experiment_by_name("expertsweep").experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent}'", max_results=1000)
+    assert sorted(c.data.tags["key"] for c in children) == sorted(keys)
+    assert client.get_run(parent).info.status == "FINISHED"
+
+
+def test_worker_node_lost_mid_sweep_costs_only_its_running_trials(ray_cluster, tmp_path):
+    extra = ray_cluster.add_worker({"host:rtx3090": 1})
+    nodes = ray_cluster.node_ids()
+    extra_ids = {n["id"] for n in nodes} - {n["id"] for n in ray_cluster.started_nodes}
+    assert len(extra_ids) == 1, nodes
+    extra_id = extra_ids.pop()
+    cfg = write_config(tmp_path, hosts=["rtx3090"], trials=24, batch=2, baselines={"policies": ["rule-0.15"]})
+    out = tmp_path / "out"
+    e = env(RAY_ADDRESS=ray_cluster.address,
+            EXPERTSWEEP_FAULTS=json.dumps([{"match": {}, "action": "sleep", "seconds": 0.4}]))
+    log = open(tmp_path / "driver.log", "w")
+    proc = subprocess.Popen(driver_cmd(cfg, out, "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"), cwd=REPO,
+                            env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not any(r.get("node") == extra_id for r in ledger(out)) and time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            time.sleep(0.3)
+        done_on_lost = [r["key"] for r in ledger(out) if r.get("node") == extra_id]
+        assert done_on_lost, "no trial ran on the extra node"
+        ray_cluster.kill(extra)
+        assert proc.wait(timeout=240) == 0, (tmp_path / "driver.log").read_text()[-4000:]
+    finally:
+        stop_group(proc)
+    rows = ledger(out)
+    keys = [r["key"] for r in rows]
+    assert len(keys) == len(set(keys)) == 1 + 24
+    assert set(done_on_lost) <= set(keys)
+    failed = [r for r in rows if r["status"] != "ok"]
+    assert len(failed) <= 2, failed  # at most the batch that was running there (it is retried elsewhere)
+    assert os.path.exists(out / "summary.md")

