@@ -30,3 +30,12 @@ model: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The main job: demo model (built if absent), its traces, a sweep over two simulated hosts on an
+# embedded Ray with MLflow in mlflow/mlflow.db, emulation of the fronts; results/demo/.
+pareto: $(STAMP)
+	$(BIN)/python sweep/pareto.py --config search_spaces/demo.yaml --ray-address local
+
+# MLflow UI over the sweeps' default store, on 127.0.0.1:5000 (MLFLOW_PORT=... to change).
+mlflow-ui: $(STAMP)
+	bash mlflow/start.sh ui

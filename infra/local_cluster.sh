@@ -29,7 +29,7 @@ start_node() {  # index host extra-args...
     > "$state/node$i.log" 2>&1 &
   echo $! > "$state/node$i.pid"
   for _ in $(seq 180); do
-    grep -q "Ray runtime started" "$state/node$i.log" && { echo "node $i (host:$host) up, pid $(cat "$state/node$i.pid")"; return; }
+    grep -qs "Ray runtime started" "$state/node$i.log" && { echo "node $i (host:$host) up, pid $(cat "$state/node$i.pid")"; return; }
     kill -0 "$(cat "$state/node$i.pid")" 2>/dev/null || { tail -20 "$state/node$i.log" >&2; exit 1; }
     sleep 0.5
   done

@@ -120,25 +120,33 @@ def _out_dir(args: argparse.Namespace, cfg: sweep_config.SweepConfig) -> Path:
     return Path(args.out).expanduser().resolve() if args.out else (Path.cwd() / "results" / cfg.name).resolve()
 
 
+def _absolute(args: argparse.Namespace) -> argparse.Namespace:
+    """Paths of the command line made absolute (a resumed driver may start elsewhere)."""
+    args.config = str(Path(args.config).expanduser().resolve())
+    if args.trace:
+        args.trace = str(Path(args.trace).expanduser().resolve())
+    if args.model and args.model not in ("demo", "test"):
+        args.model = str(Path(args.model).expanduser().resolve())
+    return args
+
+
 def run(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
+    args = _absolute(build_parser().parse_args(argv))
     state: dict[str, Any] = {}
     if args.resume:
         out = Path(args.out).expanduser().resolve() if args.out else _out_dir(args, load(args))
         if not (out / "state.json").is_file():
             raise InputError(f"--resume: no sweep state in {out} (state.json is missing)")
         state = json.loads((out / "state.json").read_text())
-        saved = build_parser().parse_args(state["argv"])
+        saved = argparse.Namespace(**state["args"])
         for k in ("ray_address", "num_cpus"):  # where to run may change, what to run may not
             if getattr(args, k) != build_parser().get_default(k):
                 setattr(saved, k, getattr(args, k))
-        saved.resume, argv_used = True, state["argv"]
+        saved.resume = True
         args = saved
-    else:
-        argv_used = list(argv if argv is not None else sys.argv[1:])
-    args.config = str(Path(args.config).expanduser().resolve())
     cfg = load(args)
     out = Path(args.out).expanduser().resolve() if args.out else _out_dir(args, cfg)
+    args.out = str(out)
     faults = _faults()
 
     # -- inputs, MLflow and hosts are checked before anything is scheduled
@@ -167,14 +175,14 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         hosts.check_cluster(cfg.hosts, ray.cluster_resources())
         profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir)
-        return _sweep(args, cfg, out, inputs, uri, profiles, state, argv_used, faults)
+        return _sweep(args, cfg, out, inputs, uri, profiles, state, faults)
     finally:
         ray.shutdown()
         if owns_ray:
             log.info("embedded Ray stopped")
 
 
-def _sweep(args, cfg, out, inputs, uri, profiles, state, argv_used, faults) -> dict[str, Any]:  # noqa: ANN001
+def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, Any]:  # noqa: ANN001
     import ray
     from ray import tune
 
@@ -192,7 +200,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, argv_used, faults) -> d
                               {p.name: p.kind for p in cfg.space.params})},
         tags={"sweep": cfg.name, "fidelity": "sweep", "hosts": ",".join(host_names)},
         run_id=state.get("parent_run_id"))
-    state = {"argv": argv_used, "name": cfg.name, "mlflow_uri": uri, "experiment": args.mlflow_experiment,
+    state = {"args": {**vars(args), "resume": False}, "name": cfg.name, "mlflow_uri": uri, "experiment": args.mlflow_experiment,
              "parent_run_id": parent, "started": state.get("started", time.time())}
     atomic_write(out / "state.json", lambda tmp: Path(tmp).write_text(json.dumps(state, indent=2)))
     ledger = Ledger(out / "trials.jsonl")
@@ -243,8 +251,13 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, argv_used, faults) -> d
                                       callbacks=[SweepRecorder(str(out))]))
     status = "FAILED"
     try:
-        tuner.fit()
+        results = tuner.fit()
         fit_window.append(time.time())
+        if results.num_terminated + results.num_errors < len(results):  # stopped (Ctrl-C): not finished
+            status = "KILLED"
+            session.refresh()
+            raise InputError(f"the sweep was stopped before it finished; continue it with: python sweep/pareto.py "
+                             f"--out {out} --resume")
         sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
         session.refresh()
         notes = []
@@ -293,10 +306,12 @@ def _remeasure(cfg, inputs, session, ledger) -> list[str]:  # noqa: ANN001
     baselines = [r for r in ledger.rows if r.get("baseline") and r["status"] == "ok"
                  and r.get("fidelity") == "simulator" and r["host"] == session.hosts[0]]
     cands = remeasure.candidates(fronts, baselines, cfg.remeasure.max_policies)
-    ev = Evaluator(inputs.trace, None, cfg.model_shape)
+    evaluators: list[Evaluator] = []
 
-    def fraction(params: dict[str, Any]) -> float:
-        return float(ev.capacities(params)[0]) / inputs.dims[1]
+    def fraction(params: dict[str, Any]) -> float:  # a VRAM budget -> the fraction of slots it gives
+        if not evaluators:
+            evaluators.append(Evaluator(inputs.trace, None, cfg.model_shape))
+        return float(evaluators[0].capacities(params)[0]) / inputs.dims[1]
 
     n = remeasure.run_emulation(cands, ledger.keys, inputs.model_dir, inputs.text, inputs.calib_text,
                                 cfg.max_tokens, fraction, session.record)
