@@ -48,20 +48,19 @@ def main() -> None:
     print("| policy | perplexity | change | 95% CI | substituted calls | drops | mass/token | fetches/token | paper (Qwen3-Next) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in ORDER:
-        r = res[n]
-        lo, hi = r["ppl_change_ci95"]
-        print(f"| {n} | {r['perplexity']:.3f} | {r['ppl_change_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
-              f"{r['substituted_call_fraction'] * 100:.2f}% | {r['drops']} | {r['mass_per_token']:.4f} | "
-              f"{r['fetches'] / r['tokens']:.2f} | {PAPER[n]} |")
+        print(row(n, res[n], PAPER[n]))
     if a.own_weight:
         own = emulate.emulate(a.model, text, {n: PRESETS[n] for n in OWN}, capacity_fraction=a.capacity_fraction,
                               max_tokens=a.max_tokens, substitute_weight="own", progress=True)
         for n in OWN:
-            r = own[n]
-            lo, hi = r["ppl_change_ci95"]
-            print(f"| {n} (own weight) | {r['perplexity']:.3f} | {r['ppl_change_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
-                  f"{r['substituted_call_fraction'] * 100:.2f}% | {r['drops']} | {r['mass_per_token']:.4f} | "
-                  f"{r['fetches'] / r['tokens']:.2f} | - |")
+            print(row(f"{n} (own weight)", own[n], "-"))
+
+
+def row(name: str, r: dict, paper: str) -> str:
+    lo, hi = r["ppl_change_ci95"]
+    return (f"| {name} | {r['perplexity']:.3f} | {r['ppl_change_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
+            f"{r['substituted_call_fraction'] * 100:.2f}% | {r['drops']} | {r['mass_per_token']:.4f} | "
+            f"{r['fetches'] / r['tokens']:.2f} | {paper} |")
 
 
 if __name__ == "__main__":
