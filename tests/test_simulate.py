@@ -157,6 +157,14 @@ def test_bad_files(tmp_path, capsys, case, needle):
     assert not (tmp_path / "o.json").exists()
 
 
+def test_calibration_trace_from_another_model(traces, tmp_path, capsys):
+    other = tmp_path / "other.parquet"
+    save_trace(synthetic_trace(50, 4, 32, 6, 16, seed=3), other)
+    code, _, err = run_cli(["--trace", str(traces[0]), "--policy", "rule-0.15", "--capacity", "16",
+                            "--initial-residency", f"warm:{other}"], capsys)
+    assert code == 2 and "E=32" in err and "E=64" in err
+
+
 def test_subprocess_exit_status(tmp_path):
     p = _npz(tmp_path)
     r = subprocess.run([sys.executable, "-m", "runtime.simulate", "--trace", str(p), "--policy", "rule-0.15",
