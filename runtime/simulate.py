@@ -68,7 +68,11 @@ def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray
     if spec == "warm:self":
         return warm_residency(trace.topk_ids, trace.valid, trace.E, capacities)
     if spec.startswith("warm:"):
-        calib = load_trace(spec[5:], num_experts=trace.E)
+        calib = load_trace(spec[5:], num_experts=trace.E if spec.endswith(".npz") else None)
+        known = {calib.meta.model, trace.meta.model}.isdisjoint({"", "unknown"})
+        if known and calib.meta.model.split(":")[0] != trace.meta.model.split(":")[0]:
+            raise InputError(f"{flag}: calibration trace {spec[5:]} is from model {calib.meta.model!r}; "
+                             f"the trace is from {trace.meta.model!r}")
         if (calib.E, calib.k, calib.L) != (trace.E, trace.k, trace.L):
             raise InputError(f"{flag}: calibration trace {spec[5:]} has E={calib.E}, k={calib.k}, L={calib.L}; "
                              f"the trace has E={trace.E}, k={trace.k}, L={trace.L}")
