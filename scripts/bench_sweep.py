@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -111,13 +110,14 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "search_spaces" / "bench.yaml"))
     ap.add_argument("--trials", type=int, default=600, help="simulator trials per host")
     ap.add_argument("--trace", help="a trace file instead of the demo model's")
-    ap.add_argument("--out", help="output folder (default: a temporary one)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_sweep"),
+                    help="output folder (default results/bench_sweep; its recorded traces are reused)")
     ap.add_argument("--markdown", action="store_true", help="print the docs/performance.md rows")
     a = ap.parse_args()
 
     from sweep.pareto import run
 
-    out = Path(a.out or tempfile.mkdtemp(prefix="bench_sweep."))
+    out = Path(a.out)
     argv = ["--config", a.config, "--out", str(out), "--trials", str(a.trials), "--ray-address", "local",
             "--mlflow-uri", f"sqlite:///{out / 'mlflow.db'}", "--no-remeasure"]
     if a.trace:

@@ -184,6 +184,27 @@ def ray_cluster_fixture():
         c.stop()
 
 
+@pytest.fixture(scope="session", name="micro_model")
+def micro_model_fixture(tmp_path_factory) -> Path:
+    """A two-layer micro Qwen3-MoE (64 experts, top-8) built in seconds into a private cache."""
+    import dataclasses
+
+    tinymodel = pytest.importorskip("runtime.tinymodel")
+    spec = dataclasses.replace(tinymodel.SPECS["test"], name="sweepmicro", num_layers=2, hidden_size=32,
+                               intermediate_size=64, moe_intermediate_size=16, head_dim=8, vocab_size=320,
+                               seq_len=64, batch_size=4, steps=20, warmup_steps=5, train_bytes=60_000,
+                               heldout_bytes=8_000)
+    old = os.environ.get("EXPERTSWEEP_CACHE")
+    os.environ["EXPERTSWEEP_CACHE"] = str(tmp_path_factory.mktemp("models"))
+    try:
+        return tinymodel.ensure_model(spec, progress=False)
+    finally:
+        if old is None:
+            os.environ.pop("EXPERTSWEEP_CACHE", None)
+        else:
+            os.environ["EXPERTSWEEP_CACHE"] = old
+
+
 @pytest.fixture(scope="session", name="mlflow_server")
 def mlflow_server_fixture(tmp_path_factory):
     """A real `mlflow server` on 127.0.0.1 (the project's mlflow/start.sh), SQLite store in a temp dir."""

@@ -21,6 +21,7 @@ from tests.sweep_fixtures import (  # noqa: F401 - the fixtures are used by name
     driver_cmd,
     env,
     ledger,
+    micro_model_fixture,
     mlflow_server_fixture,
     ray_cluster_fixture,
     run_driver,
@@ -46,14 +47,15 @@ def test_host_with_no_node_is_one_line_before_any_trial(ray_cluster, tmp_path):
     assert not ledger(out)
 
 
-def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, tmp_path):
-    """`ray job submit --working-dir . -- python sweep/pareto.py --config search_spaces/smoke.yaml`."""
+def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, micro_model, tmp_path):
+    """`ray job submit --working-dir . -- python sweep/pareto.py --config search_spaces/smoke.yaml`
+    (on a micro model built in seconds: recording, sweep and emulation all run in the job)."""
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "out"
     cmd = [RAY, "job", "submit", "--address", ray_cluster.dashboard, "--working-dir", ".", "--",
            "python", "sweep/pareto.py", "--config", "search_spaces/smoke.yaml", "--out", str(out),
-           "--mlflow-uri", mlflow_server, "--name", "smoke-job"]
+           "--mlflow-uri", mlflow_server, "--name", "smoke-job", "--model", str(micro_model)]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0 and "succeeded" in proc.stdout.lower(), (proc.stdout[-4000:], proc.stderr[-2000:])
     for f in ("pareto_rtx3090.csv", "pareto_rtx4090.csv", "speed_ratios.csv", "pareto.png", "summary.md"):
