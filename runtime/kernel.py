@@ -95,26 +95,6 @@ def _free_slot(slot_expert, cap):
     return -1
 
 
-@njit(cache=True, inline="always")
-def _place(e, slot_expert, expert_slot, cap, n_res, key, skey, pin, stamp, fast):
-    """Make e resident: a free slot while the layer is not full, else evict the victim among the slots
-    not pinned with `stamp`. The new slot is pinned with `stamp`. Returns (slot or -1, n_res)."""
-    s = _free_slot(slot_expert, cap) if n_res < cap else -1
-    if s < 0:
-        s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, stamp)
-        if s < 0:
-            return -1, n_res
-        expert_slot[slot_expert[s]] = -1
-    else:
-        n_res += 1
-    slot_expert[s] = e
-    expert_slot[e] = s
-    pin[s] = stamp
-    if fast:
-        skey[s] = _IMAX  # pinned for the rest of the token (or admission batch)
-    return s, n_res
-
-
 @njit(cache=True, error_model="numpy")
 def run_layer(
     ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
@@ -161,10 +141,20 @@ def run_layer(
                 if expert_slot[e] >= 0:
                     cnt[C_ADM_SKIPPED] += 1
                     continue
-                s, n_res = _place(e, slot_expert, expert_slot, cap, n_res, key, skey, pin, bstamp, fast)
+                s = _free_slot(slot_expert, cap) if n_res < cap else -1
                 if s < 0:
-                    cnt[C_ADM_SKIPPED] += 1
-                    continue
+                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, bstamp)
+                    if s < 0:
+                        cnt[C_ADM_SKIPPED] += 1
+                        continue
+                    expert_slot[slot_expert[s]] = -1
+                else:
+                    n_res += 1
+                slot_expert[s] = e
+                expert_slot[e] = s
+                pin[s] = bstamp
+                if fast:
+                    skey[s] = _IMAX  # protected from the rest of its batch
                 acc[e] = 0.0
                 cnt[C_ADM] += 1
                 n = n_logs[0]
@@ -203,7 +193,17 @@ def run_layer(
                 continue
             e = ids[i, j]
             if rule == R_FETCH_ALL or ((rule == R_THRESHOLD or rule == R_FIRST_CHOICE) and (j == 0 or w[i, j] >= tau)):
-                s, n_res = _place(e, slot_expert, expert_slot, cap, n_res, key, skey, pin, st, fast)
+                s = _free_slot(slot_expert, cap) if n_res < cap else -1
+                if s < 0:
+                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, st)
+                    expert_slot[slot_expert[s]] = -1
+                else:
+                    n_res += 1
+                slot_expert[s] = e
+                expert_slot[e] = s
+                pin[s] = st
+                if fast:
+                    skey[s] = _IMAX
                 used[e] = st
                 acc[e] = 0.0
                 out_kind[i, j] = FETCH
