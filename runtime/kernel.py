@@ -111,6 +111,7 @@ def run_layer(
     use_adm = beta > 0.0
     fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU  # integer keys: skey mirrors them
     cand = np.empty(k, np.int64)
+    bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
     cnt = np.zeros(8, np.int64)  # counters, kept local so they stay in registers
     n_res = qstate[3]
     stamp = qstate[2]
@@ -132,6 +133,7 @@ def run_layer(
             due = q_due[qstate[0]]
             stamp += 1
             bstamp = stamp
+            nb = 0
             while qstate[1] > 0 and q_due[qstate[0]] == due:
                 e = q_exp[qstate[0]]
                 qstate[0] = (qstate[0] + 1) % qcap
@@ -157,16 +159,18 @@ def run_layer(
                     skey[s] = _IMAX  # protected from the rest of its batch
                 acc[e] = 0.0
                 cnt[C_ADM] += 1
+                bslots[nb] = s  # distinct pinned slots: at most cap of them
+                nb += 1
                 n = n_logs[0]
                 if n < adm_log.shape[0]:
                     adm_log[n, 0] = t
                     adm_log[n, 1] = e
                     adm_log[n, 2] = s
                 n_logs[0] = n + 1
-            if fast:
-                for s in range(cap):
-                    if pin[s] == bstamp:
-                        skey[s] = _ikey(evict, key, slot_expert[s], E)
+            if fast:  # re-key the batch's slots (they were pinned against each other)
+                for b_ in range(nb):
+                    s = bslots[b_]
+                    skey[s] = _ikey(evict, key, slot_expert[s], E)
         stamp += 1
         st = stamp
         cnt[C_CALLS] += k
