@@ -227,7 +227,9 @@ def run_layer(
         nsub = 0
         nc = 0
         mtok = 0.0  # substituted mass of this token-layer
-        m = 0  # entries before m are non-resident or used: residency is fixed from here on
+        # ranking[:k] is the selection: each entry is used (hit, fetch) or non-resident (a miss), so
+        # the search starts at k; entries passed stay ineligible (residency is fixed from here on)
+        m = k
         for j in range(k):
             if out_kind[i, j] != SUB:
                 continue
@@ -442,6 +444,7 @@ class PolicyCache:
         t0: int | None = None,
         nxt: np.ndarray | None = None,
         events: np.ndarray | None = None,
+        logs: bool = True,
     ) -> StepResult:
         """Decide tokens t0.. of one layer. ids [T, k], weights [T, k], ranking [T, M] (defaults to ids)."""
         ids = np.ascontiguousarray(ids, dtype=np.int32)
@@ -457,8 +460,9 @@ class PolicyCache:
         served = np.empty((T, k), np.int32)
         slot = np.empty((T, k), np.int32)
         ev = np.zeros((T, N_EV), np.int32) if events is None else events
-        adm_log = np.zeros((min(T * k, 1 << 20) + self.E, 3), np.int64)
-        q_log = np.zeros((min(T * k, 1 << 20), 2), np.int64)
+        n_adm = min(T * k, 1 << 20) + self.E if logs else 0  # the simulator needs no logs
+        adm_log = np.empty((n_adm, 3), np.int64)
+        q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
         n_logs = np.zeros(2, np.int64)
         rule, tau, beta, evict, gamma, decay, delay = self._params
         run_layer(

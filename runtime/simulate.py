@@ -55,7 +55,7 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     warmup()
     t_start = time.perf_counter()
     for l_ in range(L):
-        cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_])
+        cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_], logs=False)
     seconds = time.perf_counter() - t_start
     return Replay(cache, np.ascontiguousarray(events.transpose(1, 0, 2)), seconds)
 
