@@ -9,7 +9,7 @@ and is the only way callers drive the kernel.
 Per token (docs/policies.md, "Per token, per layer, in this order"):
   0. apply the admissions that are due (queued at t - d or earlier), batch by batch
   1. hits   2. miss rule   3. fetches in rank order (victim = min key, unpinned)
-  4. substitutes in rank order (first resident, unused expert of the ranking)
+  4. substitutes in rank order (first resident, unused expert of the ranking: `elig`)
   5. bookkeeping (mass, frequency/recency keys, admission accumulator)
   6. queue admissions (a[e] >= beta, largest a first)
 """
@@ -99,7 +99,7 @@ def _free_slot(slot_expert, cap):
 def run_layer(
     ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
     rule, tau, beta, evict, gamma, decay, delay, cap, nxt,  # params; nxt [T, k] float64 next use (belady) or [0, k]
-    slot_expert, expert_slot, key, skey, acc, queued, pin, used, qstate, q_exp, q_due,  # layer state
+    slot_expert, expert_slot, key, skey, acc, queued, pin, elig, qstate, q_exp, q_due,  # layer state
     counters, mass,  # int64 [8], float64 [1]
     out_kind, out_served, out_slot, ev, adm_log, q_log, n_logs,  # outputs
 ):
@@ -149,12 +149,14 @@ def run_layer(
                     if s < 0:
                         cnt[C_ADM_SKIPPED] += 1
                         continue
+                    elig[slot_expert[s]] = 0
                     expert_slot[slot_expert[s]] = -1
                 else:
                     n_res += 1
                 slot_expert[s] = e
                 expert_slot[e] = s
                 pin[s] = bstamp
+                elig[e] = 1
                 if fast:
                     skey[s] = _IMAX  # protected from the rest of its batch
                 acc[e] = 0.0
@@ -183,7 +185,7 @@ def run_layer(
                 out_served[i, j] = e
                 out_slot[i, j] = s
                 pin[s] = st
-                used[e] = st
+                elig[e] = 0
                 cnt[C_HITS] += 1
                 if fast:
                     skey[s] = _IMAX
@@ -200,6 +202,7 @@ def run_layer(
                 s = _free_slot(slot_expert, cap) if n_res < cap else -1
                 if s < 0:
                     s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, st)
+                    elig[slot_expert[s]] = 0
                     expert_slot[slot_expert[s]] = -1
                 else:
                     n_res += 1
@@ -208,7 +211,7 @@ def run_layer(
                 pin[s] = st
                 if fast:
                     skey[s] = _IMAX
-                used[e] = st
+                elig[e] = 0
                 acc[e] = 0.0
                 out_kind[i, j] = FETCH
                 out_served[i, j] = e
@@ -237,14 +240,14 @@ def run_layer(
             while m < M:
                 c = rank[i, m]
                 m += 1
-                if expert_slot[c] >= 0 and used[c] != st:
+                if elig[c]:
                     found = c
                     break
             e = ids[i, j]
             if found >= 0:
                 out_served[i, j] = found
                 out_slot[i, j] = expert_slot[found]
-                used[found] = st
+                elig[found] = 0
                 cnt[C_SUBS] += 1
                 nsub += 1
             else:
@@ -286,6 +289,10 @@ def run_layer(
         else:  # belady: minus the next use
             for j in range(k):
                 key[ids[i, j]] = -nxt[i, j]
+        for j in range(k):  # this token's experts are eligible substitutes again (all still resident)
+            kd = out_kind[i, j]
+            if kd == HIT or kd == FETCH or kd == SUB:
+                elig[out_served[i, j]] = 1
         ev[i, EV_DEV] += k - nh - (nc - nsub)
         ev[i, EV_FETCH] += nf
         ev[i, EV_HOST] += nh
@@ -401,7 +408,7 @@ class PolicyCache:
         self.acc = np.zeros((L, E))
         self.queued = np.zeros((L, E), np.bool_)
         self.pin = np.zeros((L, cmax), np.int64)
-        self.used = np.zeros((L, E), np.int64)
+        self.elig = np.zeros((L, E), np.uint8)  # resident and not yet used by the current token
         self.qstate = np.zeros((L, 4), np.int64)  # head, len, stamp, n_resident
         self.q_exp = np.zeros((L, E + 1), np.int32)
         self.q_due = np.zeros((L, E + 1), np.int64)
@@ -422,6 +429,7 @@ class PolicyCache:
                     raise InputError(f"initial residency: layer {l_} repeats an expert id")
                 self.slot_expert[l_, : len(res)] = res
                 self.expert_slot[l_, res] = np.arange(len(res), dtype=np.int32)
+                self.elig[l_, res] = 1
                 self.qstate[l_, 3] = len(res)
         p = policy
         self._params = (
@@ -469,7 +477,7 @@ class PolicyCache:
             ids, w, rank, valid, t0,
             rule, tau, beta, evict, gamma, decay, delay, int(self.caps[l_]), nxt,
             self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_],
-            self.pin[l_], self.used[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
+            self.pin[l_], self.elig[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
             self.counters[l_], self.mass[l_],
             kind, served, slot, ev, adm_log, q_log, n_logs,
         )  # fmt: skip
