@@ -30,6 +30,8 @@ while [ $# -gt 0 ]; do
 done
 here="$(cd "$(dirname "$0")/.." && pwd)"
 ray="$here/.venv/bin/ray"; [ -x "$ray" ] || ray="$(command -v ray)"
+# jobs run `python ...` with the node's PATH: make it the environment the node runs in
+export PATH="$(dirname "$ray"):$PATH"
 # Token authentication: set RAY_AUTH_MODE=token (and distribute ~/.ray/auth_token) on clusters
 # reachable by others; the default here is explicit so that the first `ray start` does not decide.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
@@ -38,17 +40,20 @@ common=(--block --resources "{\"host:$name\": 1}" --disable-usage-stats)
 [ -n "$cpus" ] && common+=(--num-cpus "$cpus")
 case "$role" in
   head)
-    args=(--head --port "$port" --dashboard-host 0.0.0.0 "${common[@]}") ;;
+    args=(--head --port "$port" --dashboard-host "${EXPERTSWEEP_DASHBOARD_HOST:-0.0.0.0}" "${common[@]}") ;;
   worker)
     [ -n "$address" ] || { echo "start_host.sh worker: --address HEAD_IP:PORT is required" >&2; exit 2; }
     args=(--address "$address" "${common[@]}") ;;
   stop)
     if [ -f "$state/ray.pid" ] && kill -0 "$(cat "$state/ray.pid")" 2>/dev/null; then
       kill -TERM "$(cat "$state/ray.pid")"; echo "stopped Ray node (pid $(cat "$state/ray.pid"))"
+      # a head leaves its address for `ray.init(address="auto")`; without `ray stop` nobody removes it
+      cur="${RAY_TMPDIR:-/tmp/ray}/ray_current_cluster"
+      if [ -f "$state/head.port" ] && [ -f "$cur" ] && grep -q ":$(cat "$state/head.port")\$" "$cur"; then rm -f "$cur"; fi
     else
       echo "no Ray node started by start_host.sh is running"
     fi
-    rm -f "$state/ray.pid"; exit 0 ;;
+    rm -f "$state/ray.pid" "$state/head.port"; exit 0 ;;
   *) sed -n '2,13p' "$0" >&2; exit 2 ;;
 esac
 if [ -f "$state/ray.pid" ] && kill -0 "$(cat "$state/ray.pid")" 2>/dev/null; then
@@ -56,6 +61,7 @@ if [ -f "$state/ray.pid" ] && kill -0 "$(cat "$state/ray.pid")" 2>/dev/null; the
 fi
 nohup "$ray" start "${args[@]}" > "$state/ray-node.log" 2>&1 &
 echo $! > "$state/ray.pid"
+[ "$role" = head ] && echo "$port" > "$state/head.port"
 for _ in $(seq 120); do
   grep -q "Ray runtime started" "$state/ray-node.log" 2>/dev/null && break
   kill -0 "$(cat "$state/ray.pid")" 2>/dev/null || { tail -20 "$state/ray-node.log" >&2; exit 1; }

@@ -81,25 +81,23 @@ class CpuSampler(threading.Thread):
         while not self.stop_flag.wait(self.period):
             self.sample()
 
-    def totals(self, trial_pids: set[int] = frozenset()) -> dict[str, float]:
+    @staticmethod
+    def _grouped(cpu_by_pid: dict[int, float], trial_pids: set[int]) -> dict[str, float]:
         """CPU seconds of this driver, the trial workers (`trial_pids`), and all other Ray processes."""
         me = os.getpid()
         out = {"driver": 0.0, "trial_workers": 0.0, "other_ray": 0.0}
-        for pid, (cpu, _) in self.seen.items():
-            key = "driver" if pid == me else "trial_workers" if pid in trial_pids else "other_ray"
-            out[key] += cpu
+        for pid, cpu in cpu_by_pid.items():
+            out["driver" if pid == me else "trial_workers" if pid in trial_pids else "other_ray"] += cpu
         return out
+
+    def totals(self, trial_pids: set[int]) -> dict[str, float]:
+        return self._grouped({pid: cpu for pid, (cpu, _) in self.seen.items()}, trial_pids)
 
     def window(self, t0: float, t1: float, trial_pids: set[int]) -> dict[str, float]:
         """CPU seconds per group spent between wall times t0 and t1 (nearest samples)."""
         before = max((h for h in self.history if h[0] <= t0), key=lambda h: h[0], default=self.history[0])[1]
         after = min((h for h in self.history if h[0] >= t1), key=lambda h: h[0], default=self.history[-1])[1]
-        me = os.getpid()
-        out = {"driver": 0.0, "trial_workers": 0.0, "other_ray": 0.0}
-        for pid, cpu in after.items():
-            key = "driver" if pid == me else "trial_workers" if pid in trial_pids else "other_ray"
-            out[key] += cpu - before.get(pid, 0.0)
-        return out
+        return self._grouped({pid: cpu - before.get(pid, 0.0) for pid, cpu in after.items()}, trial_pids)
 
     def top(self, n: int = 8) -> list[tuple[float, str]]:
         return sorted(((cpu, name[:90]) for cpu, name in self.seen.values()), reverse=True)[:n]

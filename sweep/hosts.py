@@ -1,8 +1,9 @@
 """Hosts of a sweep: Ray nodes carrying a custom resource `host:NAME`, and their cost profiles.
 
 A simulated host takes its profile from a preset (`hosts/NAME.yaml`, or `preset:OTHER`, or a
-YAML file); a real host (`profile: calibrate`) is measured by `runtime.calibrate.calibrate_host`
-run as a Ray task pinned to that host's node with one GPU. Trials request a sliver
+YAML file); a real host (`profile: calibrate`) is measured by issue 4's calibration
+(`runtime.calibrate.calibrate` on the model's engine) run as a Ray task pinned to that host's
+node, with one GPU where its nodes have one (else in the engine's CPU device mode). Trials request a sliver
 (`HOST_SLIVER`) of `host:NAME` besides their CPU, so they run only on that host's nodes while
 the CPUs there bound how many run at once.
 """
@@ -71,11 +72,25 @@ def preset_profile(spec: HostSpec) -> costmodel.HostProfile | None:
         raise InputError(f"{where}: {exc}") from None
 
 
-def _calibrate(model_dir: str) -> dict[str, Any]:
-    """Ray task body: measure this node's host profile (issue 4's calibration)."""
-    from runtime.calibrate import calibrate_host
+def _calibrate(model_dir: str, name: str) -> dict[str, Any]:
+    """Ray task body: measure this node with the model's engine (issue 4's calibration)."""
+    from runtime.calibrate import calibrate
+    from runtime.engine import load_engine
 
-    return profile_to_dict(calibrate_host(model_dir))
+    eng = load_engine(model_dir)
+    try:
+        prof, _ = calibrate(eng)
+    finally:
+        eng.close()
+    return {**profile_to_dict(prof), "name": name}
+
+
+def gpus_of(host: str) -> int:
+    """1 when every alive node of `host` has a GPU, else 0 (the engine then runs on the CPU)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource(host), 0) > 0]
+    return 1 if nodes and all(n["Resources"].get("GPU", 0) >= 1 for n in nodes) else 0
 
 
 def resolve_profiles(hosts: tuple[HostSpec, ...], model_dir: str | None) -> dict[str, dict[str, Any]]:
@@ -96,13 +111,13 @@ def resolve_profiles(hosts: tuple[HostSpec, ...], model_dir: str | None) -> dict
                              f"checkout lacks; give profile: preset:NAME or a host YAML") from None
         import ray
 
-        task = ray.remote(_calibrate).options(num_gpus=1, num_cpus=1, resources={h.resource: HOST_SLIVER},
-                                              name=f"calibrate:{h.name}")
-        pending[h.name] = task.remote(model_dir)
+        task = ray.remote(_calibrate).options(num_gpus=gpus_of(h.name), num_cpus=1,
+                                              resources={h.resource: HOST_SLIVER}, name=f"calibrate:{h.name}")
+        pending[h.name] = task.remote(model_dir, h.name)
     if pending:
         import ray
 
-        log.info("calibrating %s on their nodes", ", ".join(pending))
+        log.warning("calibrating %s on their nodes", ", ".join(pending))
         for name, ref in pending.items():
             out[name] = ray.get(ref)
     return out

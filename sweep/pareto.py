@@ -116,8 +116,9 @@ def _faults() -> list[dict[str, Any]]:
     return faults
 
 
-def _out_dir(args: argparse.Namespace, cfg: sweep_config.SweepConfig) -> Path:
-    return Path(args.out).expanduser().resolve() if args.out else (Path.cwd() / "results" / cfg.name).resolve()
+def _out_dir(args: argparse.Namespace) -> Path:
+    """--out, else results/<sweep name>/ (the config is read only for its name)."""
+    return Path(args.out or Path.cwd() / "results" / load(args).name).expanduser().resolve()
 
 
 def _absolute(args: argparse.Namespace) -> argparse.Namespace:
@@ -134,7 +135,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = _absolute(build_parser().parse_args(argv))
     state: dict[str, Any] = {}
     if args.resume:
-        out = Path(args.out).expanduser().resolve() if args.out else _out_dir(args, load(args))
+        out = _out_dir(args)
         if not (out / "state.json").is_file():
             raise InputError(f"--resume: no sweep state in {out} (state.json is missing)")
         state = json.loads((out / "state.json").read_text())
@@ -145,7 +146,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         saved.resume = True
         args = saved
     cfg = load(args)
-    out = Path(args.out).expanduser().resolve() if args.out else _out_dir(args, cfg)
+    out = _out_dir(args)
     args.out = str(out)
     faults = _faults()
 
@@ -160,6 +161,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     from runtime.simulate import shape_for_trace
     from runtime.trace import load_trace
 
+    if cfg.model_shape is None and inputs.model_dir and not all(hosts.simulated(h) for h in cfg.hosts):
+        # a calibrated profile is measured at the model's own shape: simulate every host with it
+        cfg = dataclasses.replace(cfg, model_shape=str(Path(inputs.model_dir) / "config.json"))
     shape = shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
     data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
     uri = tracking.resolve_uri(args.mlflow_uri or state.get("mlflow_uri"))
@@ -200,8 +204,9 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
                               {p.name: p.kind for p in cfg.space.params})},
         tags={"sweep": cfg.name, "fidelity": "sweep", "hosts": ",".join(host_names)},
         run_id=state.get("parent_run_id"))
-    state = {"args": {**vars(args), "resume": False}, "name": cfg.name, "mlflow_uri": uri, "experiment": args.mlflow_experiment,
-             "parent_run_id": parent, "started": state.get("started", time.time())}
+    state = {"args": {**vars(args), "resume": False}, "name": cfg.name, "mlflow_uri": uri,
+             "experiment": args.mlflow_experiment, "parent_run_id": parent,
+             "started": state.get("started", time.time())}
     atomic_write(out / "state.json", lambda tmp: Path(tmp).write_text(json.dumps(state, indent=2)))
     ledger = Ledger(out / "trials.jsonl")
     if args.resume:  # children a killed driver recorded but never sent to MLflow
@@ -260,16 +265,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
                              f"--out {out} --resume")
         sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
         session.refresh()
-        notes = []
-        if cfg.remeasure.emulation and not args.no_remeasure:
-            notes += _remeasure(cfg, inputs, session, ledger)
-        else:
-            notes.append("Re-measurement by emulation was switched off for this sweep.")
-        calibrated = [h.name for h in cfg.hosts if not hosts.simulated(h)]
-        notes.append(f"Engine re-measurement: hosts with a GPU here: {', '.join(calibrated)}; the engine run is "
-                     "not wired into the sweep yet." if calibrated else
-                     "Engine re-measurement: no host of this sweep has a GPU (all profiles are presets), so "
-                     "time per token is the cost model's.")
+        notes = _remeasure(cfg, inputs, session, ledger, enabled=not args.no_remeasure)
         meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
                 "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
                 "gpus": gpus, "notes": notes}
@@ -296,12 +292,18 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
             ray.kill(store)
 
 
-def _remeasure(cfg, inputs, session, ledger) -> list[str]:  # noqa: ANN001
+def _remeasure(cfg, inputs, session, ledger, enabled: bool) -> list[str]:  # noqa: ANN001
+    """Re-measure the fronts: exact emulation once, the engine on each calibrated host; summary notes."""
     from sweep import remeasure
     from sweep.worker import Evaluator
 
+    calibrated = [h.name for h in cfg.hosts if not hosts.simulated(h)]
+    todo = [None] if cfg.remeasure.emulation else []
+    todo += calibrated if cfg.remeasure.engine else []
+    if not enabled or not todo:
+        return ["Re-measurement was switched off for this sweep."]
     if inputs.model_dir is None:
-        return ["Re-measurement by emulation needs a model; this sweep ran on a trace only."]
+        return ["Re-measurement needs a model; this sweep ran on a trace only."]
     _, fronts = report.write_tables(session.out, ledger.rows, session.hosts, cfg.objectives)
     baselines = [r for r in ledger.rows if r.get("baseline") and r["status"] == "ok"
                  and r.get("fidelity") == "simulator" and r["host"] == session.hosts[0]]
@@ -313,9 +315,17 @@ def _remeasure(cfg, inputs, session, ledger) -> list[str]:  # noqa: ANN001
             evaluators.append(Evaluator(inputs.trace, None, cfg.model_shape))
         return float(evaluators[0].capacities(params)[0]) / inputs.dims[1]
 
-    n = remeasure.run_emulation(cands, ledger.keys, inputs.model_dir, inputs.text, inputs.calib_text,
-                                cfg.max_tokens, fraction, session.record)
-    return [f"Re-measured {len(cands)} policies by exact emulation ({n} run now) on {inputs.text}."]
+    notes = []
+    for host in todo:  # None: exact emulation (host independent); a name: the engine on that host
+        n = remeasure.run_emulation(cands, ledger.keys, inputs.model_dir, inputs.text, inputs.calib_text,
+                                    cfg.max_tokens, fraction, session.record, host=host,
+                                    gpus=hosts.gpus_of(host) if host else 0)
+        what = f"by the engine on {host}" if host else "by exact emulation"
+        notes.append(f"Re-measured {len(cands)} policies {what} ({n} run now) on {inputs.text}.")
+    if not calibrated:
+        notes.append("No host of this sweep is calibrated (all profiles are presets): times per token are the "
+                     "cost model's; a host with `profile: calibrate` is also measured by the engine.")
+    return notes
 
 
 def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[str, float]) -> dict[str, Any]:  # noqa: ANN001

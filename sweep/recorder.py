@@ -77,7 +77,7 @@ class Session:
         self.refresh_s = refresh_s
         self._last_refresh = 0.0
         self._last_progress = time.monotonic()
-        self.new_rows = 0
+        self.new_rows = 0  # simulator trials recorded by this driver
         self.repeated = 0  # rows reported again for a key already recorded (work done twice)
         self.eval_seconds = 0.0
         SESSIONS[str(out)] = self
@@ -85,8 +85,9 @@ class Session:
     def record(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             if self.ledger.add(row):
-                self.new_rows += 1
-                self.eval_seconds += row.get("eval_seconds", 0.0)
+                if row.get("fidelity") == "simulator":
+                    self.new_rows += 1
+                    self.eval_seconds += row.get("eval_seconds", 0.0)
                 if self.tracker is not None:
                     self.tracker.log_child(row, self.gpus.get(row["host"], "-"))
             elif "eval_seconds" in row:

@@ -5,8 +5,10 @@ evenly along the mass axis to `max_policies`, plus the sweep's named baselines. 
 by capacity and each group runs `runtime.emulate.emulate` (exact teacher-forced perplexity with
 bootstrap intervals) as one Ray task. Each result becomes a ledger row with fidelity
 `emulation`, host `all`, keyed by the policy, so a resumed sweep does not emulate a policy twice.
-Engine measurements (real time per token) need a host with a GPU and the engine of issue 4; where
-either is missing the summary says so.
+On hosts whose profile was calibrated (real machines), the same candidates are also run by the
+engine of issue 4 (`runtime.engine.emulate_engine`: every policy decoded with real expert
+offloading) as Ray tasks pinned to that host: rows with fidelity `engine`, that host, the measured
+time per token.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def _capacity_fraction(params: dict[str, Any], slots_of) -> float:  # noqa: ANN0
 
 
 def _emulate_task(model_dir: str, text: str, policies: dict[str, dict[str, Any]], capacity_fraction: float,
-                  max_tokens: int | None, calib_text: str | None) -> dict[str, dict[str, Any]]:
-    """Ray task body: one emulation pass per policy at one capacity."""
+                  max_tokens: int | None, calib_text: str | None, engine: bool = False) -> dict[str, dict[str, Any]]:
+    """Ray task body: one emulation pass per policy at one capacity (by the engine when `engine`)."""
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -73,34 +75,50 @@ def _emulate_task(model_dir: str, text: str, policies: dict[str, dict[str, Any]]
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
+    pols = {name: policy_of(p) for name, p in policies.items()}
+    if engine:
+        from runtime.engine import emulate_engine
+
+        return emulate_engine(model_dir, text, pols, capacity_fraction=capacity_fraction, max_tokens=max_tokens,
+                              calib_text=calib_text)
     from runtime.emulate import emulate
 
-    pols = {name: policy_of(p) for name, p in policies.items()}
     return emulate(model_dir, text, pols, capacity_fraction=capacity_fraction, max_tokens=max_tokens,
                    calib_text=calib_text)
 
 
-def emulation_key(params: dict[str, Any]) -> str:
-    return "emulation:" + hashlib.sha1(policy_key(params).encode()).hexdigest()[:16]
+def emulation_key(params: dict[str, Any], host: str | None = None) -> str:
+    digest = hashlib.sha1(policy_key(params).encode()).hexdigest()[:16]
+    return f"engine:{host}:{digest}" if host else f"emulation:{digest}"
 
 
 def run_emulation(cands: list[dict[str, Any]], done: set[str], model_dir: str, text: str, calib_text: str | None,
-                  max_tokens: int | None, slots_of, record) -> int:  # noqa: ANN001 - callables
-    """Emulate the candidates not yet `done`, grouped by capacity, as parallel Ray tasks; `record(rows)`."""
+                  max_tokens: int | None, slots_of, record, host: str | None = None,  # noqa: ANN001 - callables
+                  gpus: int = 0) -> int:
+    """Emulate the candidates not yet `done`, grouped by capacity, as parallel Ray tasks; `record(rows)`.
+
+    With `host`, the engine runs them on that host (pinned by its `host:NAME` resource)."""
+    module = "runtime.engine" if host else "runtime.emulate"
     try:
-        import runtime.emulate  # noqa: F401
+        __import__(module)
     except ImportError:
-        raise InputError("remeasure.emulation needs runtime.emulate, which this checkout lacks "
-                         "(set remeasure: {emulation: false})") from None
+        raise InputError(f"remeasure needs {module}, which this checkout lacks "
+                         f"(set remeasure: {{{'engine' if host else 'emulation'}: false}})") from None
     import ray
+
+    from sweep.hosts import HOST_SLIVER, resource
 
     groups: dict[float, dict[str, dict[str, Any]]] = {}
     for p in cands:
-        key = emulation_key(p)
+        key = emulation_key(p, host)
         if key not in done:
             groups.setdefault(round(_capacity_fraction(p, slots_of), 6), {})[key] = p
-    task = ray.remote(_emulate_task).options(num_cpus=1, max_retries=1)
-    refs = {task.remote(model_dir, text, pols, cf, max_tokens, calib_text): pols for cf, pols in groups.items()}
+    opts: dict[str, Any] = {"num_cpus": 1, "max_retries": 1}
+    if host:
+        opts.update(num_gpus=gpus, resources={resource(host): HOST_SLIVER})
+    task = ray.remote(_emulate_task).options(**opts)
+    refs = {task.remote(model_dir, text, pols, cf, max_tokens, calib_text, bool(host)): pols
+            for cf, pols in groups.items()}
     n = 0
     while refs:
         ready, _ = ray.wait(list(refs), num_returns=1)
@@ -112,8 +130,9 @@ def run_emulation(cands: list[dict[str, Any]], done: set[str], model_dir: str, t
             res, err = {}, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         rows = []
         for key, params in pols.items():
-            row = {"key": key, "number": None, "baseline": None, "params": params, "host": "all",
-                   "fidelity": "emulation", "policy": policy_of(params).label(), "finished_at": time.time()}
+            row = {"key": key, "number": None, "baseline": None, "params": params, "host": host or "all",
+                   "fidelity": "engine" if host else "emulation", "policy": policy_of(params).label(),
+                   "finished_at": time.time()}
             r = res.get(key)
             if r is None:
                 row.update(status="failed", error=err or "no result")
@@ -123,7 +142,8 @@ def run_emulation(cands: list[dict[str, Any]], done: set[str], model_dir: str, t
                            ppl_change_pct=r.get("ppl_change_pct"), ppl_ci_low=ci[0], ppl_ci_high=ci[1],
                            mass_per_token=r.get("mass_per_token"), substituted_mass=r.get("substituted_mass"))
                 row.update({k: r[k] for k in ("calls", "hits", "fetches", "substitutions", "drops",
-                                              "host_computes", "admissions") if k in r})
+                                              "host_computes", "admissions", "time_per_token_s",
+                                              "peak_device_bytes") if k in r})
             rows.append(row)
             n += 1
         record(rows)

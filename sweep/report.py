@@ -155,6 +155,9 @@ def write_tables(out: Path, rows: list[dict[str, Any]], hosts: list[str],
         fr = front(df, host, objectives)
         if not fr.empty and remeasured is not None:
             fr = fr.merge(remeasured, on="policy_key", how="left")
+        engine = _engine(rows, host)
+        if not fr.empty and engine is not None:
+            fr = fr.merge(engine, on="policy_key", how="left")
         fronts[host] = fr
         _write_csv(fr, out / f"pareto_{host}.csv")
         _write_parquet(fr, out / f"pareto_{host}.parquet")
@@ -172,6 +175,13 @@ def _remeasured(rows: list[dict[str, Any]]) -> pd.DataFrame | None:
     if not recs:
         return None
     return pd.DataFrame(recs).drop_duplicates("policy_key", keep="last")
+
+
+def _engine(rows: list[dict[str, Any]], host: str) -> pd.DataFrame | None:
+    recs = [{"policy_key": policy_key(r["params"]), "engine_time_per_token_ms": 1e3 * r["time_per_token_s"]}
+            for r in rows if r.get("fidelity") == "engine" and r["host"] == host and r["status"] == "ok"
+            and r.get("time_per_token_s") is not None]
+    return pd.DataFrame(recs).drop_duplicates("policy_key", keep="last") if recs else None
 
 
 def mass_hypothesis(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -198,8 +208,12 @@ def speed_ratios(fronts: dict[str, pd.DataFrame]) -> pd.DataFrame:
 def host_table_text(host: str, fr: pd.DataFrame, gpu: str = "") -> str:
     """A Markdown table of a host's front."""
     has_ppl = "ppl_change_pct" in fr and fr["ppl_change_pct"].notna().any()
+    has_engine = "engine_time_per_token_ms" in fr and fr["engine_time_per_token_ms"].notna().any()
     head = "| policy | capacity | ms/token | x fetch-all | x host-compute | x all-resident | mass/token |"
     sep = "|---|---|---|---|---|---|---|"
+    if has_engine:
+        head += " engine ms/token |"
+        sep += "---|"
     if has_ppl:
         head += " ppl change % [95% CI] |"
         sep += "---|"
@@ -208,6 +222,9 @@ def host_table_text(host: str, fr: pd.DataFrame, gpu: str = "") -> str:
         line = (f"| {_label(r)} | {_capacity_text(r)} | {r['time_per_token_ms']:.3f} | "
                 f"{r['speed_ratio_vs_fetch_all']:.2f} | {r['speed_ratio_vs_host_compute']:.2f} | "
                 f"{r['speed_ratio_vs_all_resident']:.2f} | {r['mass_per_token']:.4f} |")
+        if has_engine:
+            v = r.get("engine_time_per_token_ms")
+            line += f" {v:.3f} |" if pd.notna(v) else " |"
         if has_ppl:
             line += (f" {r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] |"
                      if pd.notna(r.get("ppl_change_pct")) else " |")

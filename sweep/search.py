@@ -1,7 +1,7 @@
 """Search algorithms: Ray Tune's OptunaSearch per host, batched, behind one host-routing Searcher.
 
 `BatchOptunaSearch` is Ray Tune's `OptunaSearch` (multi-objective, TPE or NSGA-II, define-by-run
-space, Optuna RDB storage) whose Tune trials each carry a batch of Optuna trials: one Ray task
+space, persistent Optuna storage) whose Tune trials each carry a batch of Optuna trials: one Ray task
 then evaluates many cheap simulator trials, so Ray's per-task cost is paid once per batch.
 Results are told to Optuna per Optuna trial as the task reports them.
 
@@ -10,9 +10,9 @@ per host, suggests each host's named baselines first (they also seed that host's
 they lie inside the space, as soon as they are reported), then Optuna batches, preferring the
 host whose task just ended (so Tune reuses its actor) and else round-robin, until every host has
 asked its `trials`. With `batch: auto` a batch holds about `task_seconds` of simulation at the
-median seconds per trial measured so far on that host. Its state (and the studies, whose trials live in SQLite)
-is saved with Tune's experiment state, so `Tuner.restore` resumes it; Optuna trials asked after
-the last save are marked failed (user attribute `orphaned`) on restore and asked anew.
+median seconds per trial measured lately on that host. Its state is saved with Tune's experiment
+state (the studies' trials live in their storage), so `Tuner.restore` resumes it; Optuna trials
+asked after the last save are marked failed (user attribute `orphaned`) on restore and asked anew.
 
 The studies live in an Optuna `JournalStorage` on `DriverJournalBackend`: the journal file format
 of Optuna's `JournalFileBackend`, but written by the driver alone, so it keeps the log in memory
@@ -27,6 +27,7 @@ import math
 import pickle
 import statistics
 import warnings
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from sweep.space import Space, SpaceSampler
 
 log = logging.getLogger(__name__)
 
-DEFAULT_EVAL_S = 0.05  # assumed seconds per simulator trial until a host's baselines are measured
+DEFAULT_EVAL_S = 0.05  # assumed seconds per simulator trial until a host has reported some
 
 
 class DriverJournalBackend(optuna.storages.journal.BaseJournalBackend):
@@ -188,7 +189,7 @@ class HostSearch(Searcher):
         self.parallelism = max(1, parallelism)
         self.asked = {h: 0 for h in self.hosts}
         self.baseline_todo = {h: bool(baselines[h]) for h in self.hosts}
-        self.eval_seconds: dict[str, list[float]] = {h: [] for h in self.hosts}
+        self.eval_seconds: dict[str, deque[float]] = {h: deque(maxlen=200) for h in self.hosts}
         self.trial_host: dict[str, str] = {}
         self.baseline_trials: set[str] = set()
         self._rr = 0
@@ -206,7 +207,7 @@ class HostSearch(Searcher):
     def batch_size(self, host: str) -> int:
         if self.batch != "auto":
             return int(self.batch)
-        samples = self.eval_seconds[host][-200:]
+        samples = self.eval_seconds[host]
         per = statistics.median(samples) if samples else DEFAULT_EVAL_S
         cap = max(1, math.ceil(self.trials / (2 * self.parallelism)))
         return max(1, min(cap, round(self.task_seconds / max(per, 1e-6))))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,6 +69,7 @@ def write_config(folder: Path, name: str = "t", **kw) -> Path:
            "hosts": ["rtx3090", "rtx4090"], "trials": 6, "max_failures": 1,
            "remeasure": {"emulation": False}, "space": SPACE}
     cfg.update(kw)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -166,6 +168,7 @@ class LocalCluster:
     def stop(self) -> None:
         for proc, _ in reversed(self.nodes):
             stop_group(proc)
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", name="ray_cluster")
@@ -194,15 +197,9 @@ def micro_model_fixture(tmp_path_factory) -> Path:
                                intermediate_size=64, moe_intermediate_size=16, head_dim=8, vocab_size=320,
                                seq_len=64, batch_size=4, steps=20, warmup_steps=5, train_bytes=60_000,
                                heldout_bytes=8_000)
-    old = os.environ.get("EXPERTSWEEP_CACHE")
-    os.environ["EXPERTSWEEP_CACHE"] = str(tmp_path_factory.mktemp("models"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EXPERTSWEEP_CACHE", str(tmp_path_factory.mktemp("models")))
         return tinymodel.ensure_model(spec, progress=False)
-    finally:
-        if old is None:
-            os.environ.pop("EXPERTSWEEP_CACHE", None)
-        else:
-            os.environ["EXPERTSWEEP_CACHE"] = old
 
 
 @pytest.fixture(scope="session", name="mlflow_server")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.sweep_fixtures import free_port, ledger, run_driver, write_config
+from tests.sweep_fixtures import free_port, ledger, micro_model_fixture, run_driver, write_config  # noqa: F401
 
 
 def _one_line_error(proc) -> str:
@@ -87,3 +87,27 @@ def test_embedded_sweep_end_to_end(tmp_path):
     assert child.data.metrics["time_per_token_s"] > 0 and "speed_ratio_vs_fetch_all" in child.data.metrics
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert {"summary.md", "pareto.png", "speed_ratios.csv", "pareto_rtx3090.csv"} <= arts
+
+
+@pytest.mark.slow
+def test_calibrated_host_is_measured_and_remeasured_by_the_engine(tmp_path, micro_model):
+    """`profile: calibrate`: issue 4's calibration runs as a Ray task on the host (CPU device mode
+    here), the sweep simulates with that profile, and the front is re-measured by the engine."""
+    pytest.importorskip("runtime.calibrate")
+    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=512, trials=3,
+                       hosts=[{"name": "box", "profile": "calibrate"}],
+                       baselines={"policies": ["fetch-every-miss", "rule-0.15"]},
+                       remeasure={"emulation": True, "engine": True, "max_policies": 1},
+                       space={"rule": {"choices": ["threshold", "first_choice"]}, "tau": {"low": 0.1, "high": 0.4},
+                              "capacity_fraction": 0.25})
+    out = tmp_path / "out"
+    proc = run_driver(cfg, out, "--ray-address", "local", "--num-cpus", "2", "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}",
+                      timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = ledger(out)
+    sim = [r for r in rows if r["fidelity"] == "simulator"]
+    assert len(sim) == 2 + 3 and all(r["status"] == "ok" for r in sim)
+    engine = [r for r in rows if r["fidelity"] == "engine"]
+    assert engine and all(r["host"] == "box" and r["status"] == "ok" and r["time_per_token_s"] > 0 for r in engine)
+    assert any(r["fidelity"] == "emulation" for r in rows)
+    assert "engine ms/token" in (out / "summary.md").read_text()
