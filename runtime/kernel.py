@@ -9,7 +9,7 @@ and is the only way callers drive the kernel.
 Per token (docs/policies.md, "Per token, per layer, in this order"):
   0. apply the admissions that are due (queued at t - d or earlier), batch by batch
   1. hits   2. miss rule   3. fetches in rank order (victim = min key, unpinned)
-  4. substitutes in rank order (first resident, unused expert of the ranking: `elig`)
+  4. substitutes in rank order (first resident, unused experts of the ranking)
   5. bookkeeping (mass, frequency/recency keys, admission accumulator)
   6. queue admissions (a[e] >= beta, largest a first)
 """
@@ -99,7 +99,7 @@ def _free_slot(slot_expert, cap):
 def run_layer(
     ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
     rule, tau, beta, evict, gamma, decay, delay, cap, nxt,  # params; nxt [T, k] float64 next use (belady) or [0, k]
-    slot_expert, expert_slot, key, skey, acc, queued, pin, elig, qstate, q_exp, q_due,  # layer state
+    slot_expert, expert_slot, key, skey, acc, queued, pin, qstate, q_exp, q_due,  # layer state
     counters, mass,  # int64 [8], float64 [1]
     out_kind, out_served, out_slot, ev, adm_log, q_log, n_logs,  # outputs
 ):
@@ -111,6 +111,7 @@ def run_layer(
     use_adm = beta > 0.0
     fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU  # integer keys: skey mirrors them
     cand = np.empty(k, np.int64)
+    subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
     bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
     cnt = np.zeros(8, np.int64)  # counters, kept local so they stay in registers
     n_res = qstate[3]
@@ -149,14 +150,12 @@ def run_layer(
                     if s < 0:
                         cnt[C_ADM_SKIPPED] += 1
                         continue
-                    elig[slot_expert[s]] = 0
                     expert_slot[slot_expert[s]] = -1
                 else:
                     n_res += 1
                 slot_expert[s] = e
                 expert_slot[e] = s
                 pin[s] = bstamp
-                elig[e] = 1
                 if fast:
                     skey[s] = _IMAX  # protected from the rest of its batch
                 acc[e] = 0.0
@@ -185,7 +184,6 @@ def run_layer(
                 out_served[i, j] = e
                 out_slot[i, j] = s
                 pin[s] = st
-                elig[e] = 0
                 cnt[C_HITS] += 1
                 if fast:
                     skey[s] = _IMAX
@@ -194,6 +192,7 @@ def run_layer(
         # 2.+3. miss rule; fetches in rank order
         nf = 0
         nh = 0
+        nneed = 0
         for j in range(k):
             if out_kind[i, j] != _MISS:
                 continue
@@ -202,7 +201,6 @@ def run_layer(
                 s = _free_slot(slot_expert, cap) if n_res < cap else -1
                 if s < 0:
                     s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, st)
-                    elig[slot_expert[s]] = 0
                     expert_slot[slot_expert[s]] = -1
                 else:
                     n_res += 1
@@ -211,7 +209,6 @@ def run_layer(
                 pin[s] = st
                 if fast:
                     skey[s] = _IMAX
-                elig[e] = 0
                 acc[e] = 0.0
                 out_kind[i, j] = FETCH
                 out_served[i, j] = e
@@ -224,30 +221,36 @@ def run_layer(
                 nh += 1
             else:
                 out_kind[i, j] = SUB
+                nneed += 1
         cnt[C_FETCHES] += nf
         cnt[C_HOST] += nh
         # 4. substitutes in rank order, after all fetches
         nsub = 0
         nc = 0
         mtok = 0.0  # substituted mass of this token-layer
-        # ranking[:k] is the selection: each entry is used (hit, fetch) or non-resident (a miss), so
-        # the search starts at k; entries passed stay ineligible (residency is fixed from here on)
+        # ranking[:k] is the selection (each entry a hit, a fetch or a non-resident miss) and the ranking
+        # holds distinct ids, so "resident and not used by this token" is just "resident" from position k
+        # on, and the substitutes are the first nneed resident entries of ranking[k:], in rank order.
+        # Collect them branch-free: store every entry, advance only on a resident one.
+        nfound = 0
         m = k
+        while nfound < nneed and m < M:
+            c = rank[i, m]
+            subs[nfound] = c
+            nfound += expert_slot[c] >= 0
+            m += 1
+        q_ = 0
         for j in range(k):
             if out_kind[i, j] != SUB:
                 continue
             found = -1
-            while m < M:
-                c = rank[i, m]
-                m += 1
-                if elig[c]:
-                    found = c
-                    break
+            if q_ < nfound:
+                found = subs[q_]
+                q_ += 1
             e = ids[i, j]
             if found >= 0:
                 out_served[i, j] = found
                 out_slot[i, j] = expert_slot[found]
-                elig[found] = 0
                 cnt[C_SUBS] += 1
                 nsub += 1
             else:
@@ -289,10 +292,6 @@ def run_layer(
         else:  # belady: minus the next use
             for j in range(k):
                 key[ids[i, j]] = -nxt[i, j]
-        for j in range(k):  # this token's experts are eligible substitutes again (all still resident)
-            kd = out_kind[i, j]
-            if kd == HIT or kd == FETCH or kd == SUB:
-                elig[out_served[i, j]] = 1
         ev[i, EV_DEV] += k - nh - (nc - nsub)
         ev[i, EV_FETCH] += nf
         ev[i, EV_HOST] += nh
@@ -408,7 +407,6 @@ class PolicyCache:
         self.acc = np.zeros((L, E))
         self.queued = np.zeros((L, E), np.bool_)
         self.pin = np.zeros((L, cmax), np.int64)
-        self.elig = np.zeros((L, E), np.uint8)  # resident and not yet used by the current token
         self.qstate = np.zeros((L, 4), np.int64)  # head, len, stamp, n_resident
         self.q_exp = np.zeros((L, E + 1), np.int32)
         self.q_due = np.zeros((L, E + 1), np.int64)
@@ -429,7 +427,6 @@ class PolicyCache:
                     raise InputError(f"initial residency: layer {l_} repeats an expert id")
                 self.slot_expert[l_, : len(res)] = res
                 self.expert_slot[l_, res] = np.arange(len(res), dtype=np.int32)
-                self.elig[l_, res] = 1
                 self.qstate[l_, 3] = len(res)
         p = policy
         self._params = (
@@ -477,7 +474,7 @@ class PolicyCache:
             ids, w, rank, valid, t0,
             rule, tau, beta, evict, gamma, decay, delay, int(self.caps[l_]), nxt,
             self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_],
-            self.pin[l_], self.elig[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
+            self.pin[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
             self.counters[l_], self.mass[l_],
             kind, served, slot, ev, adm_log, q_log, n_logs,
         )  # fmt: skip
