@@ -115,6 +115,8 @@ def run_layer(
     bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
     cnt = np.zeros(8, np.int64)  # counters, kept local so they stay in registers
     n_res = qstate[3]
+    q_head = qstate[0]
+    q_len = qstate[1]
     stamp = qstate[2]
     msum = 0.0
     if fast:
@@ -130,15 +132,15 @@ def run_layer(
             continue
         t = t0 + i
         # 0. admissions due before this token, batch by batch (a batch = same due token)
-        while qstate[1] > 0 and q_due[qstate[0]] <= t:
-            due = q_due[qstate[0]]
+        while q_len > 0 and q_due[q_head] <= t:
+            due = q_due[q_head]
             stamp += 1
             bstamp = stamp
             nb = 0
-            while qstate[1] > 0 and q_due[qstate[0]] == due:
-                e = q_exp[qstate[0]]
-                qstate[0] = (qstate[0] + 1) % qcap
-                qstate[1] -= 1
+            while q_len > 0 and q_due[q_head] == due:
+                e = q_exp[q_head]
+                q_head = (q_head + 1) % qcap
+                q_len -= 1
                 queued[e] = False
                 ev[i, EV_ADM_POPPED] += 1
                 if expert_slot[e] >= 0:
@@ -300,7 +302,7 @@ def run_layer(
             nq = 0
             for c_ in range(nc):
                 e = cand[c_]
-                if expert_slot[e] < 0 and not queued[e] and acc[e] >= beta:
+                if acc[e] >= beta and not queued[e]:  # e missed and was not fetched: not resident
                     # insertion sort by (-acc, id)
                     p = nq
                     while p > 0 and (acc[cand[p - 1]] < acc[e] or (acc[cand[p - 1]] == acc[e] and cand[p - 1] > e)):
@@ -310,10 +312,10 @@ def run_layer(
                     nq += 1
             for c_ in range(nq):
                 e = cand[c_]
-                tail = (qstate[0] + qstate[1]) % qcap
+                tail = (q_head + q_len) % qcap
                 q_exp[tail] = e
                 q_due[tail] = t + delay
-                qstate[1] += 1
+                q_len += 1
                 queued[e] = True
                 acc[e] = 0.0
                 n = n_logs[1]
@@ -323,6 +325,8 @@ def run_layer(
                 n_logs[1] = n + 1
             ev[i, EV_ADM_QUEUED] += nq
     qstate[3] = n_res
+    qstate[0] = q_head
+    qstate[1] = q_len
     qstate[2] = stamp
     mass[0] += msum
     for c_ in range(8):
