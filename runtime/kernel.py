@@ -28,7 +28,6 @@ from runtime.policy import EVICT_CODE, RULE_CODE, PolicyConfig
 log = logging.getLogger(__name__)
 
 HIT, FETCH, SUB, DROP, HOST = 0, 1, 2, 3, 4
-KIND_NAMES = ("hit", "fetch", "substitute", "drop", "host")
 _MISS = -1
 
 # counter columns

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -98,10 +98,6 @@ def preset(name: str, flag: str = "--policy") -> PolicyConfig:
     if name not in PRESETS:
         raise InputError(f"{flag} = {name!r} is not a preset (choose from {', '.join(PRESETS)})")
     return PRESETS[name]
-
-
-def with_overrides(policy: PolicyConfig, **kw) -> PolicyConfig:
-    return replace(policy, **{k: v for k, v in kw.items() if v is not None})
 
 
 def resolve_capacities(
