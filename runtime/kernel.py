@@ -12,6 +12,9 @@ Per token (docs/policies.md, "Per token, per layer, in this order"):
   4. substitutes in rank order (first resident, unused experts of the ranking)
   5. bookkeeping (mass, frequency/recency keys, admission accumulator)
   6. queue admissions (a[e] >= beta, largest a first)
+
+Input contract (checked by runtime/trace.py for files, true by construction in the adapters):
+a ranking row starts with the token's selection and holds distinct expert ids.
 """
 
 from __future__ import annotations
