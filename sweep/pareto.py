@@ -8,7 +8,7 @@ host's `host:NAME` resource). Sweeps each host with Ray Tune + Optuna over the c
 exact emulation, then writes the report (sweep/report.py) and prints the per-host tables.
 
 `--resume` continues a sweep whose driver stopped (Tuner.restore, Optuna studies in
-`<out>/optuna.db`, the ledger and the MLflow parent run in `<out>/state.json`); without it a
+`<out>/optuna.journal`, the ledger and the MLflow parent run in `<out>/state.json`); without it a
 sweep in the same `--out` starts over. Every bad input is a one-line error before any trial.
 """
 
