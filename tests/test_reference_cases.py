@@ -14,26 +14,15 @@ import random
 import numpy as np
 import pytest
 
-try:
-    from tests.reference import (
-        DROP,
-        FETCH,
-        HIT,
-        HOST,
-        SUB,
-        reference_replay,
-        warm_residency_reference,
-    )
-except ImportError:  # tests/ not importable as a package
-    from reference import (
-        DROP,
-        FETCH,
-        HIT,
-        HOST,
-        SUB,
-        reference_replay,
-        warm_residency_reference,
-    )
+from tests.reference import (
+    DROP,
+    FETCH,
+    HIT,
+    HOST,
+    SUB,
+    reference_replay,
+    warm_residency_reference,
+)
 
 
 def run1(tokens, E, C, init, rule, valid=None, **kw):
