@@ -40,8 +40,9 @@ COUNTER_NAMES = ("calls", "hits", "fetches", "substitutions", "drops", "host_com
 EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED = range(5)
 N_EV = 5
 
-R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_CPU = (RULE_CODE[r] for r in
-    ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu"))
+R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL = (RULE_CODE[r] for r in
+    ("fetch_all", "threshold", "first_choice", "substitute_all"))
+R_CPU = 99  # bridge until the fallback field reaches the kernel: substitute_all + fallback host
 K_LFU, K_LRU, K_CRF, K_BELADY = (EVICT_CODE[e] for e in ("lfu", "lru", "crf", "belady"))
 
 
@@ -436,7 +437,7 @@ class PolicyCache:
                 self.qstate[l_, 3] = len(res)
         p = policy
         self._params = (
-            RULE_CODE[p.rule],
+            R_CPU if (p.rule == "substitute_all" and p.fallback == "host") else RULE_CODE[p.rule],
             float(p.tau_value),
             float(p.beta) if p.beta is not None else -1.0,
             EVICT_CODE[p.evict],

@@ -1,15 +1,25 @@
-"""Miss-policy configuration: the one frozen dataclass every backend and the sweep share.
+"""Miss-policy configuration: the one table of policy parameters, and the frozen dataclass built on it.
 
-Field names are the search-space names (`rule`, `tau`, `beta`, `evict`, `gamma`,
-`half_life`, `admission_delay`). The semantics live in docs/policies.md; the
-compiled kernel that carries them out is runtime/kernel.py.
+`PolicyConfig`'s fields *are* the parameter table: each field carries its type, range or choices,
+when it is active, its default and its CLI flag in `dataclasses.field(metadata=...)`. `PARAMS`
+reads them back, and everything else is derived from it: validation (in `__post_init__`, so a
+config is valid once built), the CLI flags of every backend (`add_policy_flags` /
+`policy_from_flags`), the sweep's space validation, and the MLflow params (`mlflow_params`).
+Field names are the search-space names. The semantics live in docs/policies.md; the compiled
+kernel that carries them out is runtime/kernel.py.
+
+One encoding each: admission off is `beta = None`; "no threshold" is `tau = None`; the `cpu` rule
+is an alias, normalised at construction to `rule = substitute_all` (fetch nothing) with
+`fallback = host`.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -17,49 +27,147 @@ from runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
-RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu")
+RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "band")
 EVICTS = ("lfu", "lru", "crf", "belady")
+FALLBACKS = ("substitute", "drop", "host", "lowbit")
+PREFETCHES = ("off", "lookahead", "oracle")
 RULE_CODE = {r: i for i, r in enumerate(RULES)}
 EVICT_CODE = {e: i for i, e in enumerate(EVICTS)}
+FALLBACK_CODE = {f: i for i, f in enumerate(FALLBACKS)}
+PREFETCH_CODE = {p: i for i, p in enumerate(PREFETCHES)}
+RULE_ALIASES = {"cpu": ("substitute_all", "host")}  # alias -> (rule, fallback)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One row of the parameter table (read from PolicyConfig's field metadata)."""
+
+    name: str
+    type: type
+    default: Any
+    flag: str
+    help: str
+    choices: tuple | None = None
+    low: float | None = None  # inclusive unless low_open
+    high: float | None = None  # inclusive unless high_open
+    low_open: bool = False
+    high_open: bool = False
+    nullable: bool = False  # None is a value (tau: unused, beta: admission off, prefetch_n: k)
+    active: str = "always"  # when the parameter matters, as text (docs, space validation)
+
+    def is_active(self, p: PolicyConfig) -> bool:
+        return _ACTIVE[self.active](p)
+
+    def range_text(self) -> str:
+        if self.choices:
+            return " | ".join(map(str, self.choices))
+        lo = "-inf" if self.low is None else f"{self.low:g}"
+        hi = "inf" if self.high is None else f"{self.high:g}"
+        return f"{'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
+
+    def check(self, value: Any, where: str) -> Any:
+        """The value converted to this parameter's type, or an InputError naming field, flag and value."""
+        name = f"{where}{self.name} ({self.flag})"
+        if value is None:
+            if self.nullable:
+                return None
+            raise InputError(f"{name} = None: a value is required ({self.range_text()})")
+        if self.type is str:
+            if value not in self.choices:
+                raise InputError(f"{name} = {value!r} is unknown (choose from {', '.join(self.choices)})")
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+            raise InputError(f"{name} = {value!r} must be a number")
+        if self.type is int:
+            if float(value) != int(value):
+                raise InputError(f"{name} = {value!r} must be an integer")
+            value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise InputError(f"{name} = {value!r} must be finite")
+        if self.choices is not None and value not in self.choices:
+            raise InputError(f"{name} = {value!r} must be one of {', '.join(map(str, self.choices))}")
+        bad_lo = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        bad_hi = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if bad_lo or bad_hi:
+            raise InputError(f"{name} = {value!r} must be in {self.range_text()}")
+        return value
+
+
+_ACTIVE = {
+    "always": lambda p: True,
+    "rule in (threshold, band)": lambda p: p.rule in ("threshold", "band"),
+    "rule = band": lambda p: p.rule == "band",
+    "evict = lfu": lambda p: p.evict == "lfu",
+    "evict = crf": lambda p: p.evict == "crf",
+    "beta set": lambda p: p.beta is not None,
+    "fallback = lowbit": lambda p: p.fallback == "lowbit",
+    "prefetch != off": lambda p: p.prefetch != "off",
+}
+
+
+def _p(default, flag: str, help: str, **kw) -> Any:
+    return field(default=default, metadata={"param": dict(flag=flag, help=help, **kw)})
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    rule: str = "fetch_all"
-    tau: float | None = None  # threshold only
-    beta: float | None = None  # background admission threshold; None = off
-    evict: str = "lfu"
-    gamma: float = 1.0  # lfu aging, 1 = plain LFU
-    half_life: float = 32.0  # crf only, in tokens
-    admission_delay: int = 1  # d >= 1
+    """A miss policy (docs/policies.md). Validated when built; `cpu` normalised to substitute_all + host."""
 
-    def validate(self, where: str = "policy") -> PolicyConfig:
-        """Raise InputError (naming the field and value) unless the policy is well formed."""
-        if self.rule not in RULE_CODE:
-            raise InputError(f"{where}: rule = {self.rule!r} is unknown (choose from {', '.join(RULES)})")
-        if self.evict not in EVICT_CODE:
-            raise InputError(f"{where}: evict = {self.evict!r} is unknown (choose from {', '.join(EVICTS)})")
-        if self.rule == "threshold":
-            if self.tau is None:
-                raise InputError(f"{where}: tau = None is required for rule threshold")
-            if not (self.tau >= 0):
-                raise InputError(f"{where}: tau = {self.tau!r} must be >= 0")
-        if self.beta is not None and (not (self.beta > 0) or not math.isfinite(self.beta)):
-            raise InputError(f"{where}: beta = {self.beta!r} must be > 0 (or unset)")
-        if not (0.0 < self.gamma <= 1.0):
-            raise InputError(f"{where}: gamma = {self.gamma!r} must be in (0, 1]")
-        if not (self.half_life > 0) or not math.isfinite(self.half_life):
-            raise InputError(f"{where}: half_life = {self.half_life!r} must be > 0")
-        if int(self.admission_delay) != self.admission_delay or self.admission_delay < 1:
-            raise InputError(f"{where}: admission_delay = {self.admission_delay!r} must be an integer >= 1")
+    rule: str = _p("fetch_all", "--rule", "which misses are fetched", choices=RULES + tuple(RULE_ALIASES))
+    tau: float | None = _p(None, "--tau", "fetch a miss whose gate weight >= tau (band: the band's low edge)",
+                           low=0.0, nullable=True, active="rule in (threshold, band)")
+    tau_high: float | None = _p(None, "--tau-high", "band: non-first-choice misses with tau <= w < tau_high are "
+                                "not fetched (a controlled mode for Experiment B)", low=0.0, nullable=True,
+                                active="rule = band")
+    fallback: str = _p("substitute", "--fallback", "what a non-fetched miss becomes", choices=FALLBACKS)
+    lowbit_bits: int = _p(4, "--lowbit-bits", "bits of the low-precision copies", choices=(8, 4, 3, 2),
+                          active="fallback = lowbit")
+    lowbit_group: int = _p(64, "--lowbit-group", "weights per quantisation group", low=1,
+                           active="fallback = lowbit")
+    evict: str = _p("lfu", "--evict", "eviction key", choices=EVICTS)
+    gamma: float = _p(1.0, "--gamma", "LFU aging (1 = plain LFU)", low=0.0, high=1.0, low_open=True,
+                      active="evict = lfu")
+    half_life: float = _p(32.0, "--half-life", "CRF half-life in tokens", low=0.0, low_open=True,
+                          active="evict = crf")
+    beta: float | None = _p(None, "--beta", "background admission threshold (unset: admission off)",
+                            low=0.0, low_open=True, nullable=True)
+    admission_delay: int = _p(1, "--delay", "admission delay d in tokens", low=1, active="beta set")
+    prefetch: str = _p("off", "--prefetch", "prefetch of the next layer's experts", choices=PREFETCHES)
+    prefetch_n: int | None = _p(None, "--prefetch-n", "experts prefetched per token-layer (unset: k)", low=1,
+                                nullable=True, active="prefetch != off")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "") -> PolicyConfig:
+        """Raise InputError (naming the field, its flag and the value) unless the policy is well formed."""
+        where = f"{where}: " if where else ""
+        for prm in PARAMS:
+            object.__setattr__(self, prm.name, prm.check(getattr(self, prm.name), where))
+        if self.rule in RULE_ALIASES:
+            rule, fb = RULE_ALIASES[self.rule]
+            if self.fallback not in ("substitute", fb):
+                raise InputError(f"{where}rule (--rule) = {self.rule!r} means fetch nothing + fallback {fb}; "
+                                 f"fallback = {self.fallback!r} contradicts it")
+            object.__setattr__(self, "rule", rule)
+            object.__setattr__(self, "fallback", fb)
+        if self.rule in ("threshold", "band") and self.tau is None:
+            raise InputError(f"{where}tau (--tau) = None: rule {self.rule} needs a threshold")
+        if self.rule == "band" and (self.tau_high is None or not self.tau_high > self.tau):
+            raise InputError(f"{where}tau_high (--tau-high) = {self.tau_high!r} must be > tau = {self.tau!r} for rule band")
         if self.evict == "belady" and self.rule != "fetch_all":
-            raise InputError(f"{where}: evict = 'belady' is an offline bound for rule fetch_all only (rule = {self.rule!r})")
+            raise InputError(f"{where}evict (--evict) = 'belady' is an offline bound for rule fetch_all only "
+                             f"(rule = {self.rule!r})")
+        if self.prefetch == "oracle" and self.evict == "belady":
+            raise InputError(f"{where}prefetch (--prefetch) = 'oracle' with evict = 'belady' is not supported")
         return self
 
     @property
     def tau_value(self) -> float:
         """The effective threshold: first_choice = +inf, fetch_all = 0, others unused."""
-        if self.rule == "threshold":
+        if self.rule in ("threshold", "band"):
             return float(self.tau)
         if self.rule == "first_choice":
             return math.inf
@@ -67,20 +175,65 @@ class PolicyConfig:
 
     @property
     def fetches_first_choice(self) -> bool:
-        return self.rule in ("fetch_all", "threshold", "first_choice")
+        return self.rule != "substitute_all"
+
+    @property
+    def exact(self) -> bool:
+        """Every selected expert is computed exactly (fetched, hit or host-computed)."""
+        return self.rule == "fetch_all" or self.fallback == "host"
+
+    def active_params(self) -> dict[str, Any]:
+        """The parameters that matter for this policy (inactive ones omitted)."""
+        return {prm.name: getattr(self, prm.name) for prm in PARAMS if prm.is_active(self)}
 
     def label(self) -> str:
-        parts = [self.rule if self.rule != "threshold" else f"threshold({self.tau:g})", self.evict]
+        if self.rule == "substitute_all" and self.fallback == "host":
+            parts = ["host-compute"]
+        else:
+            rule = {"threshold": f"threshold({self.tau:g})", "band": f"band({self.tau:g},{self.tau_high:g})"}
+            parts = [rule.get(self.rule, self.rule)]
+            if self.fallback != "substitute":
+                parts[0] += f"->{self.fallback}" + (f"{self.lowbit_bits}" if self.fallback == "lowbit" else "")
+                if self.fallback == "lowbit" and self.lowbit_group != 64:
+                    parts[0] += f"(g={self.lowbit_group})"
+        ev = self.evict
         if self.evict == "lfu" and self.gamma != 1.0:
-            parts[-1] += f"(gamma={self.gamma:g})"
+            ev += f"(gamma={self.gamma:g})"
         if self.evict == "crf":
-            parts[-1] += f"(h={self.half_life:g})"
+            ev += f"(h={self.half_life:g})"
+        parts.append(ev)
         if self.beta is not None:
             parts.append(f"beta={self.beta:g}" + (f",d={self.admission_delay}" if self.admission_delay != 1 else ""))
+        if self.prefetch != "off":
+            parts.append(f"prefetch={self.prefetch}" + (f"({self.prefetch_n})" if self.prefetch_n else ""))
         return " + ".join(parts)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "policy") -> PolicyConfig:
+        """From a mapping of field names (unknown keys are an InputError naming them)."""
+        unknown = sorted(set(d) - set(PARAM_NAMES))
+        if unknown:
+            raise InputError(f"{where}: unknown policy field {unknown[0]!r} (fields: {', '.join(PARAM_NAMES)})")
+        try:
+            return cls(**d)
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from None
+
+    def mlflow_params(self) -> dict[str, str]:
+        """Every field as an MLflow param (inactive ones too, so runs compare column by column)."""
+        return {prm.name: "" if getattr(self, prm.name) is None else str(getattr(self, prm.name)) for prm in PARAMS}
+
+
+PARAMS: tuple[Param, ...] = tuple(
+    Param(name=f.name, type={"str": str, "int": int, "int | None": int}.get(f.type, float), default=f.default,
+          **f.metadata["param"])
+    for f in fields(PolicyConfig)
+)
+PARAM_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMS)
+PARAM_BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 
 
 PRESETS: dict[str, PolicyConfig] = {
@@ -98,6 +251,53 @@ def preset(name: str, flag: str = "--policy") -> PolicyConfig:
     if name not in PRESETS:
         raise InputError(f"{flag} = {name!r} is not a preset (choose from {', '.join(PRESETS)})")
     return PRESETS[name]
+
+
+def add_policy_flags(p: argparse.ArgumentParser, repeatable_preset: bool = False) -> None:
+    """`--policy PRESET` plus one flag per row of the parameter table (every backend's CLI)."""
+    g = p.add_argument_group("policy (docs/policies.md; flags override the preset's fields)")
+    g.add_argument("--policy", action="append" if repeatable_preset else "store",
+                   help=f"preset{' (repeatable, or all)' if repeatable_preset else ''}: {', '.join(PRESETS)}")
+    for prm in PARAMS:
+        conv = {str: str, int: _num(int, prm.flag), float: _num(float, prm.flag)}[prm.type]
+        g.add_argument(prm.flag, dest=f"pol_{prm.name}", type=conv, default=None,
+                       help=f"{prm.help}; {prm.range_text()}; default {prm.default!r}; active when {prm.active}")
+
+
+def _num(kind: type, flag: str):
+    def conv(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} = {text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    return conv
+
+
+def policy_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    return {prm.name: getattr(a, f"pol_{prm.name}") for prm in PARAMS if getattr(a, f"pol_{prm.name}") is not None}
+
+
+def policies_from_flags(a: argparse.Namespace) -> dict[str, PolicyConfig]:
+    """{label: PolicyConfig} from `--policy` (one or several presets) and the per-field flags."""
+    names = a.policy if isinstance(a.policy, list) else ([a.policy] if a.policy else [])
+    if names == ["all"]:
+        names = list(PRESETS)
+    over = policy_overrides(a)
+    if not names:
+        if "rule" not in over:
+            raise InputError("--policy or --rule is required")
+        return {_label_of(over): PolicyConfig(**over)}
+    if "rule" in over:
+        raise InputError(f"--policy {names[0]!r} and --rule {over['rule']!r}: give one of them")
+    out = {}
+    for n in names:
+        base = preset(n)
+        out[n] = replace(base, **over) if over else base
+    return out
+
+
+def _label_of(over: dict) -> str:
+    return PolicyConfig(**over).label()
 
 
 def resolve_capacities(
@@ -121,7 +321,7 @@ def resolve_capacities(
         if arr.size == 1:
             arr = np.full(num_layers, arr.item())
         if arr.shape != (num_layers,):
-            raise InputError(f"{flag} = {list(arr)} has {arr.size} entries, the trace has {num_layers} layers")
+            raise InputError(f"{flag} = {list(arr)} has {arr.size} entries, the model has {num_layers} MoE layers")
         caps = arr.astype(np.int64)
     for l_, c in enumerate(caps):
         if not (top_k <= c < num_experts):

@@ -90,7 +90,7 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
     cache, kind, served = drive_kernel(policy, ids, w, ranking, valid, E, np.array(caps), init, chunks)
     ref = reference_replay(
         ids.tolist(), w.tolist(), ranking.tolist(), valid.tolist(), E, caps, [list(map(int, x)) for x in init],
-        policy.rule, tau=policy.tau, beta=policy.beta, evict=policy.evict, gamma=policy.gamma,
+        "cpu" if policy.fallback == "host" else policy.rule, tau=policy.tau, beta=policy.beta, evict=policy.evict, gamma=policy.gamma,
         half_life=policy.half_life, admission_delay=policy.admission_delay,
     )
     for t in range(T):
