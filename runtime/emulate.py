@@ -15,161 +15,33 @@ over windows, the spec's counters and substituted mass; per-token NLLs go to Par
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
-from runtime import adapters
 from runtime.errors import InputError, atomic_write, cli_main
+from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime.emulate
+    Loaded,
+    calibration_ids,
+    default_window,
+    load,
+    make_trace,
+    record,
+    run_stream,
+    tokenize_file,
+)
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PRESETS, PolicyConfig, preset, resolve_capacities
-from runtime.trace import Trace, TraceMeta, save_trace
+from runtime.trace import save_trace
 
 log = logging.getLogger(__name__)
 
 COUNTER_KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions")
-
-
-@dataclass
-class Loaded:
-    model: torch.nn.Module
-    tokenizer: object
-    ctx: adapters.Context
-    num_layers: int  # MoE layers
-    E: int
-    k: int
-    layer_ids: tuple[int, ...]
-    model_dir: Path
-
-
-def load(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Loaded:
-    """Load a checkpoint and its tokenizer offline and attach the policy wrappers."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    d = Path(model_dir)
-    if not (d / "config.json").is_file():
-        raise InputError(f"--model {d}: no config.json there (not a Hugging Face checkpoint directory)")
-    try:
-        cfg = AutoConfig.from_pretrained(d, local_files_only=True)
-    except (ValueError, OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"--model {d}/config.json: cannot be read: {str(exc).splitlines()[0][:200]}") from None
-    adapters.family_of(cfg)
-    try:
-        tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001
-        raise InputError(f"--model {d}: no usable tokenizer ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    if len(tok) > cfg.vocab_size:
-        raise InputError(f"--model {d}: tokenizer has {len(tok)} tokens but the model's vocab_size is {cfg.vocab_size} "
-                         "(tokenizer does not match the model)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - safetensors/torch raise many types for a corrupt file
-        raise InputError(f"--model {d}: the weights cannot be loaded ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
-    model.eval()
-    ctx = adapters.attach(model)
-    L, E, k = adapters.moe_geometry(model)
-    names = [n for n, m in model.named_modules() if isinstance(m, adapters.PolicyExperts)]
-    layer_ids = tuple(_layer_index(n, i) for i, n in enumerate(names))
-    return Loaded(model, tok, ctx, L, E, k, layer_ids, d)
-
-
-def _layer_index(name: str, default: int) -> int:
-    parts = name.split(".")
-    for a, b in zip(parts[:-1], parts[1:], strict=False):
-        if a == "layers" and b.isdigit():
-            return int(b)
-    return default
-
-
-def tokenize_file(m: Loaded, text_path: str | os.PathLike, max_tokens: int | None, window: int,
-                  flag: str = "--text") -> tuple[np.ndarray, str]:
-    """Token stream [n_windows, window] (int64) of a text file, and the text's sha256."""
-    p = Path(text_path)
-    try:
-        raw = p.read_bytes()
-        text = raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{flag} {p}: cannot be read as UTF-8 text ({type(exc).__name__})") from None
-    m.tokenizer.model_max_length = int(1e12)  # the stream is cut into windows below
-    ids = m.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    n = len(ids) // window
-    if n == 0:
-        raise InputError(f"{flag} {p}: {len(ids)} tokens, fewer than one window of {window}")
-    arr = np.asarray(ids[: n * window], dtype=np.int64).reshape(n, window)
-    if arr.max() >= m.model.config.vocab_size:
-        raise InputError(f"{flag} {p}: token id {int(arr.max())} >= vocab_size {m.model.config.vocab_size}")
-    return arr, hashlib.sha256(raw).hexdigest()
-
-
-def default_window(m: Loaded) -> int:
-    return int(min(getattr(m.model.config, "max_position_embeddings", 512) or 512, 512))
-
-
-@torch.inference_mode()
-def run_stream(m: Loaded, windows: np.ndarray, batch_windows: int = 8, progress: bool = False,
-               desc: str = "forward") -> np.ndarray:
-    """Forward all windows in stream order under whatever is attached; NLL per token [n, window-1]."""
-    n, W = windows.shape
-    out = np.empty((n, W - 1), np.float64)
-    it = range(0, n, batch_windows)
-    for a in tqdm(it, desc=desc, disable=not progress, unit="batch"):
-        x = torch.from_numpy(windows[a : a + batch_windows])
-        logits = m.model(input_ids=x, use_cache=False).logits.float()  # [B, W, V]
-        lp = torch.log_softmax(logits[:, :-1], dim=-1)
-        nll = -torch.gather(lp, 2, x[:, 1:, None])[..., 0]
-        out[a : a + batch_windows] = nll.double().numpy()
-    return out
-
-
-def record(m: Loaded, windows: np.ndarray, depth: int, batch_windows: int = 8, progress: bool = False,
-           cache: PolicyCache | None = None, desc: str = "record") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Run the stream recording the router; returns ids [T, L, k], weights, ranking [T, L, M], nll."""
-    m.ctx.cache = cache
-    rec = m.ctx.start_recording(depth)
-    try:
-        nll = run_stream(m, windows, batch_windows, progress, desc)
-    finally:
-        m.ctx.recorder = None
-        m.ctx.cache = None
-    ids, w, rank = rec.arrays()
-    return ids, w, rank, nll
-
-
-def make_trace(m: Loaded, ids, w, rank, windows: np.ndarray, text_sha: str, source: str) -> Trace:
-    T = ids.shape[0]
-    n, W = windows.shape
-    meta = TraceMeta(model=f"{m.model.config.model_type}:{m.model_dir.resolve()}", num_experts=m.E, top_k=m.k,
-                     ranking_depth=rank.shape[2], layer_ids=m.layer_ids,
-                     weight_norm=adapters.weight_norm_of(m.model.config), text_sha256=text_sha, source=source)
-    return Trace(topk_ids=ids, topk_weights=w, ranking=rank, valid=np.ones((T, m.num_layers), bool),
-                 seq_id=np.repeat(np.arange(n, dtype=np.int32), W), position=np.tile(np.arange(W, dtype=np.int32), n),
-                 meta=meta)
-
-
-def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, max_tokens: int | None, window: int,
-                    batch_windows: int = 8, progress: bool = False) -> tuple[np.ndarray | None, str]:
-    """Router ids [T, L, k] of the warm-start text (--calib-text, else calib.txt beside the model) and
-    its name; (None, "evaluated text") when there is none (the caller then uses the evaluated text)."""
-    calib = Path(calib_text) if calib_text else (m.model_dir / "calib.txt")
-    if not calib.is_file():
-        log.warning("no calibration text (%s): warm residency from the evaluated text itself", calib)
-        return None, "evaluated text"
-    cwin, _ = tokenize_file(m, calib, max_tokens, window, flag="--calib-text")
-    cids, _, _, _ = record(m, cwin, m.k, batch_windows, progress, desc="calibration")
-    return cids, str(calib)
 
 
 def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float, float]:

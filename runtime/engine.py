@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import adapters, emulate
+from runtime import adapters, hfmodel
 from runtime.errors import InputError, cli_main
 from runtime.kernel import DROP, FETCH, HOST, PolicyCache, warmup
 from runtime.policy import PolicyConfig
@@ -179,9 +179,9 @@ class _Pending:
 
 
 class Engine:
-    """Runs a loaded checkpoint (runtime.emulate.load) with its experts offloaded; see the module doc."""
+    """Runs a loaded checkpoint (runtime.hfmodel.load) with its experts offloaded; see the module doc."""
 
-    def __init__(self, m: emulate.Loaded, device: str | torch.device | None = None, host_store: str = "ram",
+    def __init__(self, m: hfmodel.Loaded, device: str | torch.device | None = None, host_store: str = "ram",
                  pinned: bool = True, debug: bool = False) -> None:
         self.m = m
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
@@ -524,7 +524,7 @@ class Engine:
         return out.logits[0, -1], past
 
     @torch.inference_mode()
-    def teacher_forced(self, m: emulate.Loaded, windows: np.ndarray, cache: PolicyCache, name: str | None = None,
+    def teacher_forced(self, m: hfmodel.Loaded, windows: np.ndarray, cache: PolicyCache, name: str | None = None,
                        keep_logits: bool = False) -> tuple[np.ndarray, dict]:
         """Decode every window token by token under `cache` (feeding the true tokens); NLL [n, W-1] and the
         run's measurements. The policy_runner of runtime.emulate.emulate()."""
@@ -635,9 +635,11 @@ def emulate_engine(model: str | os.PathLike, text: str | os.PathLike, policies: 
     and `engine` (copies, stalls, bytes). The exact reference runs batched through the engine's exact
     (streaming) path; the warm start is emulate()'s (calib.txt beside the model, else the evaluated text).
     """
+    from runtime import emulate  # noqa: I001 - moving to runtime/backends.py (the engine backend)
+
     dev = resolve_device(device)
     with device_errors(), cpu_threads(dev, threads):
-        m = emulate.load(model, dtype)
+        m = hfmodel.load(model, dtype)
         eng = Engine(m, dev, host_store=host_store, debug=debug)
         try:
             if vram_budget is not None:
@@ -654,7 +656,7 @@ def load_engine(model_dir: str | os.PathLike, device: str | None = None, dtype: 
     """Load a checkpoint and offload its experts (the commands' common start)."""
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     dev = resolve_device(device)
-    return Engine(emulate.load(model_dir, dt), dev, host_store=host_store, pinned=pinned, debug=debug)
+    return Engine(hfmodel.load(model_dir, dt), dev, host_store=host_store, pinned=pinned, debug=debug)
 
 
 def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:

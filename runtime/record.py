@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from runtime.emulate import default_window, load, make_trace, record, tokenize_file
 from runtime.errors import InputError, cli_main
+from runtime.hfmodel import default_window, load, make_trace, record, tokenize_file
 from runtime.trace import save_trace
 
 log = logging.getLogger(__name__)
