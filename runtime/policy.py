@@ -190,8 +190,8 @@ class PolicyConfig:
         if self.rule == "substitute_all" and self.fallback == "host":
             parts = ["host-compute"]
         else:
-            rule = {"threshold": f"threshold({self.tau:g})", "band": f"band({self.tau:g},{self.tau_high:g})"}
-            parts = [rule.get(self.rule, self.rule)]
+            parts = [f"threshold({self.tau:g})" if self.rule == "threshold" else
+                     f"band({self.tau:g},{self.tau_high:g})" if self.rule == "band" else self.rule]
             if self.fallback != "substitute":
                 parts[0] += f"->{self.fallback}" + (f"{self.lowbit_bits}" if self.fallback == "lowbit" else "")
                 if self.fallback == "lowbit" and self.lowbit_group != 64:
