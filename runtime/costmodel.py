@@ -8,7 +8,11 @@ Pieces (the formulas are fixed in docs/cost_model.md; keep the two in step):
 - `ModelShape`: the MoE geometry that sets expert and dense bytes, stored as YAML in
   `models/` (`EXPERTSWEEP_MODELS_DIR` overrides), or derived from a Hugging Face
   `config.json` (`model_shape_from_hf_config`).
-- `CostParams`: the four per-(host, shape) times in seconds (`cost_params`).
+- `CostParams`: the per-(host, shape) times in seconds (`cost_params`).
+- `capacities_for_budget`: THE meaning of a VRAM budget (slots per layer that the engine can
+  really hold after the non-expert weights, the CUDA context, cuBLAS workspace, a reserve,
+  staging buffers and, with fallback=lowbit, the low-bit copies); used by the engine, the
+  simulator and the sweep alike.
 - `replay_time`: the event replay, a numba loop over tokens in stream order and layers in
   order with one clock and one FIFO host->device link; returns a `TimeBreakdown`.
 - `all_resident_time`: the every-call-is-a-hit reference time per token.
@@ -37,8 +41,9 @@ from runtime.errors import InputError, atomic_write
 
 log = logging.getLogger(__name__)
 
-EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED = range(5)
-N_EV = 5
+EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
+N_EV = 5  # columns every event array has; EV_LOWBIT and EV_PREFETCH are read when present (kernel: 7)
+N_EV_FULL = 7
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +53,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #   q4_k_m : llama.cpp's Q4_K_M mix. Q4_K = 144-byte super-blocks of 256 weights (4.5 bpw),
 #            Q6_K = 210 bytes / 256 (6.5625 bpw); Q4_K_M stores ffn_down as Q6_K in half of
 #            the layers, gate/up as Q4_K: (2*4.5 + 0.5*6.5625 + 0.5*4.5) / 3 = 4.84 -> 4.85.
-BITS_PER_WEIGHT: dict[str, float] = {"bf16": 16.0, "q8_0": 8.5, "q4_k_m": 4.85}
+#   fp16 / fp32: the engine's own dtypes (a shape derived from a loaded model, runtime/engine.py).
+BITS_PER_WEIGHT: dict[str, float] = {"bf16": 16.0, "q8_0": 8.5, "q4_k_m": 4.85, "fp16": 16.0, "fp32": 32.0}
+DTYPE_FORMATS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
+                 "float16": "fp16"}
+
+# VRAM budget (capacities_for_budget, docs/cost_model.md "VRAM budget"). The CUDA context is not
+# allocated through PyTorch and is not in torch.cuda.memory_allocated; 512 MiB is a typical CUDA 12/13
+# context with PyTorch's kernels loaded lazily (the engine measures the real one on CUDA and reports it
+# as `cuda_context_bytes`). cuBLAS keeps one workspace per stream and handle: 32 MiB on sm90+ (PyTorch's
+# default CUBLAS_WORKSPACE_CONFIG ":4096:8"), 8 MiB before; we charge 32 MiB per stream that runs
+# matrix products (the compute stream only). RESERVE_FRACTION of the budget covers activations, the KV
+# cache and what the caching allocator reserves but does not hand out.
+CUDA_CONTEXT_BYTES = 512 * 2**20
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+RESERVE_FRACTION = 0.05
+PREFILL_STAGING = 2  # the prefill's double buffer
 
 # Device kernel-launch-sized calls charged per layer for the dense part when it is not
 # calibrated (attention/mixer projections + attention, output projection, shared expert,
@@ -59,7 +79,7 @@ _HOST_REQUIRED_FLOATS = (
     "link_GBps", "link_pageable_GBps", "link_latency_us", "device_mem_GBps",
     "device_overhead_us", "host_mem_GBps", "host_overhead_us",
 )
-_HOST_OPTIONAL_FLOATS = ("device_expert_us", "host_expert_us", "dense_layer_us")
+_HOST_OPTIONAL_FLOATS = ("device_expert_us", "host_expert_us", "dense_layer_us", "head_us", "lowbit_expert_us")
 _SHAPE_INTS = ("num_layers", "num_experts", "top_k", "hidden", "moe_intermediate",
                "dense_params_per_layer")
 
@@ -173,6 +193,8 @@ class HostProfile:
     device_expert_us: float | None = None
     host_expert_us: float | None = None
     dense_layer_us: float | None = None
+    head_us: float | None = None  # final norm + LM head per token (calibrated)
+    lowbit_expert_us: float | None = None  # one low-bit expert dequantized and computed on the device
     vram_GiB: float = 24.0
     sources: tuple[str, ...] = ()
 
@@ -243,7 +265,8 @@ class ModelShape:
 
     `dense_params_per_layer` is everything else of a layer read per token at batch 1
     (attention or linear-attention mixer, shared expert and its gate, router, norms);
-    embeddings and the LM head are not included.
+    embeddings and the LM head are not included: `vocab_size` (0 = unknown, head not charged)
+    and `tie_word_embeddings` give them (the final norm and the LM head are read once per token).
     """
 
     name: str
@@ -254,6 +277,8 @@ class ModelShape:
     moe_intermediate: int
     dense_params_per_layer: int
     weight_format: str = "bf16"
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         _validate_shape(self, None)
@@ -278,6 +303,13 @@ def _validate_shape(s: ModelShape, source: str | None) -> None:
     if s.top_k > s.num_experts:
         raise InputError(f"{_where(source)}field 'top_k' = {s.top_k}: exceeds num_experts = "
                          f"{s.num_experts}")
+    v = s.vocab_size
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
+        raise InputError(f"{_where(source)}field 'vocab_size' = {v!r}: expected a non-negative integer")
+    object.__setattr__(s, "vocab_size", int(v))
+    if not isinstance(s.tie_word_embeddings, bool):
+        raise InputError(f"{_where(source)}field 'tie_word_embeddings' = {s.tie_word_embeddings!r}: expected "
+                         "true or false")
     if s.weight_format not in BITS_PER_WEIGHT:
         raise InputError(f"{_where(source)}field 'weight_format' = {s.weight_format!r}: expected "
                          f"one of {', '.join(BITS_PER_WEIGHT)}")
@@ -392,6 +424,8 @@ def model_shape_from_hf_config(config: dict, weight_format: str = "bf16",
         "moe_intermediate": inter,
         "dense_params_per_layer": _hf_dense_params_per_layer(config, source),
         "weight_format": weight_format,
+        "vocab_size": int(config.get("vocab_size") or 0),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
     }
     return model_shape_from_dict(data, source)
 
@@ -431,20 +465,135 @@ def dense_bytes_per_layer(shape: ModelShape) -> int:
     return math.ceil(shape.dense_params_per_layer * shape.bits_per_weight / 8)
 
 
+def head_bytes(shape: ModelShape) -> int:
+    """Bytes read once per token after the last layer: final norm + LM head (0 if vocab unknown)."""
+    if not shape.vocab_size:
+        return 0
+    return math.ceil((shape.vocab_size + 1) * shape.hidden * shape.bits_per_weight / 8)
+
+
+def nonexpert_bytes(shape: ModelShape) -> int:
+    """Device bytes of every non-expert weight: the layers' dense parts, embeddings, final norm, LM head."""
+    emb = shape.vocab_size * shape.hidden * (1 if shape.tie_word_embeddings else 2)
+    return math.ceil((shape.num_layers * shape.dense_params_per_layer + emb + shape.hidden)
+                     * shape.bits_per_weight / 8)
+
+
+def lowbit_expert_bytes(shape: ModelShape, bits: int, group: int) -> int:
+    """Bytes of one expert's packed low-bit copy: `bits` per weight plus one fp16 scale and one fp16
+    zero point per group of `group` weights (runtime/lowbit.py's group-wise layout)."""
+    n = shape.expert_params
+    return math.ceil(n * bits / 8) + 4 * math.ceil(n / group)
+
+
+def model_shape_for(config: dict, dtype: str = "bf16", name: str | None = None) -> ModelShape:
+    """The shape of a Hugging Face config as the engine holds it in `dtype` (fp32 | bf16 | fp16)."""
+    fmt = DTYPE_FORMATS.get(str(dtype).replace("torch.", ""))
+    if fmt is None:
+        raise InputError(f"--dtype = {dtype!r} must be one of fp32, bf16, fp16")
+    return model_shape_from_hf_config(config, fmt, name=name)
+
+
+@dataclass(frozen=True)
+class BudgetBreakdown:
+    """What a VRAM budget is spent on (bytes), as `capacities_for_budget` computed it."""
+
+    budget: int
+    nonexpert: int
+    context: int
+    workspace: int
+    reserve: int
+    staging: int
+    lowbit: int
+    slot: int  # bytes of one slot (one expert)
+    slots_per_layer: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def _as_policies(policy) -> list:
+    if policy is None:
+        return []
+    return list(policy) if isinstance(policy, list | tuple) else [policy]
+
+
+def budget_breakdown(shape: ModelShape, budget_gib: float, policy=None, *,
+                     context_bytes: int = CUDA_CONTEXT_BYTES, workspace_bytes: int = CUBLAS_WORKSPACE_BYTES,
+                     reserve_fraction: float = RESERVE_FRACTION, flag: str = "--vram-budget") -> BudgetBreakdown:
+    """The arithmetic of `capacities_for_budget` (no check against k)."""
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, int | float) or not math.isfinite(budget_gib) \
+            or budget_gib <= 0:
+        raise InputError(f"{flag} = {budget_gib!r} must be a positive number of GiB")
+    pols = _as_policies(policy)
+    L, k = shape.num_layers, shape.top_k
+    budget = int(budget_gib * 2**30)
+    slot = expert_bytes(shape)
+    # staging: the prefill's double buffer, plus the most background copies in flight at once: per layer
+    # up to k admissions queued per token for d tokens, and up to prefetch_n prefetch loads
+    in_flight = 0
+    lowbit = 0
+    for p in pols:
+        adm = L * k * int(p.admission_delay) if getattr(p, "beta", None) is not None else 0
+        pf = 0
+        if getattr(p, "prefetch", "off") != "off":
+            pf = L * int(getattr(p, "prefetch_n", None) or k)
+        in_flight = max(in_flight, adm + pf)
+        if getattr(p, "fallback", "substitute") == "lowbit":
+            lowbit = max(lowbit, L * shape.num_experts * lowbit_expert_bytes(shape, int(p.lowbit_bits),
+                                                                            int(p.lowbit_group)))
+    staging = (PREFILL_STAGING + in_flight) * slot
+    reserve = int(reserve_fraction * budget)
+    avail = budget - nonexpert_bytes(shape) - context_bytes - workspace_bytes - reserve - staging - lowbit
+    c = min(int(avail // (L * slot)) if avail > 0 else 0, shape.num_experts - 1)
+    return BudgetBreakdown(budget, nonexpert_bytes(shape), context_bytes, workspace_bytes, reserve, staging, lowbit,
+                           slot, c)
+
+
+def capacities_for_budget(shape: ModelShape, budget_gib: float, policy=None, *,
+                          context_bytes: int = CUDA_CONTEXT_BYTES, workspace_bytes: int = CUBLAS_WORKSPACE_BYTES,
+                          reserve_fraction: float = RESERVE_FRACTION, flag: str = "--vram-budget") -> np.ndarray:
+    """Slots per MoE layer (int64 [L]) that a device with `budget_gib` GiB really holds under `policy`
+    (one PolicyConfig, a list of them: the most demanding, or None).
+
+    C = floor((budget - non-expert weights - CUDA context - cuBLAS workspace - reserve - staging
+    - low-bit copies) / (L * expert bytes)), clamped to E - 1; reserve = RESERVE_FRACTION * budget;
+    staging = (2 + the most admission and prefetch copies in flight) expert buffers; low-bit copies
+    of all L * E experts when a policy's fallback is lowbit. Fewer than k slots: a one-line InputError
+    naming `flag`, the budget and what went into it. docs/cost_model.md, "VRAM budget"."""
+    b = budget_breakdown(shape, budget_gib, policy, context_bytes=context_bytes, workspace_bytes=workspace_bytes,
+                         reserve_fraction=reserve_fraction, flag=flag)
+    if b.slots_per_layer < shape.top_k:
+        gib = 2**30
+        raise InputError(f"{flag} = {budget_gib:g} GiB leaves {b.slots_per_layer} expert slots per layer, fewer than "
+                         f"k = {shape.top_k} (non-expert weights {b.nonexpert / gib:.3g} GiB, CUDA context "
+                         f"{b.context / gib:.3g}, cuBLAS workspace {b.workspace / gib:.3g}, reserve {b.reserve / gib:.3g}, "
+                         f"staging {b.staging / gib:.3g}, low-bit copies {b.lowbit / gib:.3g} GiB; one expert "
+                         f"{b.slot / 2**20:.3g} MiB x {shape.num_layers} layers)")
+    log.info("VRAM budget %g GiB: %d slots per layer (%s)", budget_gib, b.slots_per_layer, b)
+    return np.full(shape.num_layers, b.slots_per_layer, np.int64)
+
+
 # ----------------------------------------------------------------------------- cost parameters
 
 @dataclass(frozen=True)
 class CostParams:
     """Per-(host, shape) times in seconds."""
 
-    fetch_s: float          # one synchronous or background expert copy on the link
+    fetch_s: float          # one synchronous, background or prefetch expert copy on the link
     device_expert_s: float  # one expert computed on the device
     host_expert_s: float    # one expert computed on the host CPU
     dense_layer_s: float    # the dense part of one layer on the device
+    head_s: float = 0.0     # final norm + LM head, once per token
+    lowbit_expert_s: float = 0.0  # one low-bit expert dequantized and computed on the device
+    copies_block_host: bool = False  # pageable host memory: every copy blocks the issuing host thread
 
 
-def cost_params(profile: HostProfile, shape: ModelShape, pinned: bool = True) -> CostParams:
-    """Resolve `profile` x `shape` into `CostParams` (formulas in docs/cost_model.md)."""
+def cost_params(profile: HostProfile, shape: ModelShape, pinned: bool = True, lowbit_bits: int = 4) -> CostParams:
+    """Resolve `profile` x `shape` into `CostParams` (formulas in docs/cost_model.md).
+
+    `pinned=False`: copies from pageable memory, at `link_pageable_GBps`, and they block the host
+    (CUDA stages pageable memory synchronously), so background copies are not in the background."""
     b = expert_bytes(shape)
     link = profile.link_GBps if pinned else profile.link_pageable_GBps
     fetch = profile.link_latency_us * 1e-6 + b / (link * 1e9)
@@ -461,10 +610,25 @@ def cost_params(profile: HostProfile, shape: ModelShape, pinned: bool = True) ->
     else:
         dense = (DENSE_CALLS_PER_LAYER * profile.device_overhead_us * 1e-6
                  + dense_bytes_per_layer(shape) / (profile.device_mem_GBps * 1e9))
-    params = CostParams(fetch_s=fetch, device_expert_s=dev, host_expert_s=host,
-                        dense_layer_s=dense)
+    if profile.head_us is not None:
+        head = profile.head_us * 1e-6
+    elif shape.vocab_size:
+        head = HEAD_CALLS * profile.device_overhead_us * 1e-6 + head_bytes(shape) / (profile.device_mem_GBps * 1e9)
+    else:
+        head = 0.0
+    if profile.lowbit_expert_us is not None:
+        lowbit = profile.lowbit_expert_us * 1e-6
+    else:  # read the packed copy, dequantize (one more launch), compute
+        lowbit = (LOWBIT_CALLS * profile.device_overhead_us * 1e-6
+                  + lowbit_expert_bytes(shape, lowbit_bits, 64) / (profile.device_mem_GBps * 1e9))
+    params = CostParams(fetch_s=fetch, device_expert_s=dev, host_expert_s=host, dense_layer_s=dense, head_s=head,
+                        lowbit_expert_s=lowbit, copies_block_host=not pinned)
     log.debug("cost params %s x %s (pinned=%s): %s", profile.name, shape.name, pinned, params)
     return params
+
+
+HEAD_CALLS = 2  # final norm, LM head matmul
+LOWBIT_CALLS = 2  # dequantize, expert
 
 
 # ----------------------------------------------------------------------------- replay
@@ -473,23 +637,27 @@ def cost_params(profile: HostProfile, shape: ModelShape, pinned: bool = True) ->
 class TimeBreakdown:
     """Result of `replay_time`. Sums are over the whole trace, in seconds.
 
-    total_s = dense_s + compute_s + stall_fetch_s + stall_admission_s exactly.
+    total_s = dense_s + head_s + compute_s + stall_fetch_s + stall_admission_s + stall_prefetch_s exactly.
     """
 
     total_s: float
     per_token_s: float             # total_s / T
     stall_fetch_s: float           # waiting for synchronous fetches
-    stall_admission_s: float       # waiting at a pop for admission copies still in flight
-    link_busy_s: float             # link occupancy, sync + admission copies
+    stall_admission_s: float       # waiting for admission copies still in flight (and, pageable, issuing them)
+    link_busy_s: float             # link occupancy, sync + admission + prefetch copies
     link_fetch_busy_s: float
     link_admission_busy_s: float
     dense_s: float
-    compute_s: float               # sum over token-layers of max(device, host) expert time
+    compute_s: float               # sum over token-layers of max(device + low-bit, host) expert time
     device_compute_s: float
     host_compute_s: float
     num_tokens: int
     num_token_layers: int          # valid cells
     token_s: np.ndarray = field(repr=False, compare=False)  # float64 [T] time of each token
+    head_s: float = 0.0            # final norm + LM head, once per token with a valid cell
+    lowbit_compute_s: float = 0.0
+    stall_prefetch_s: float = 0.0  # waiting for prefetch copies still in flight (and, pageable, issuing them)
+    link_prefetch_busy_s: float = 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         """Scalar fields as a dict (no per-token array)."""
@@ -498,27 +666,34 @@ class TimeBreakdown:
 
 
 # stats vector layout of the numba loop
-_S_STALL_FETCH, _S_STALL_ADM, _S_LINK_FETCH, _S_LINK_ADM, _S_DENSE, _S_COMPUTE, _S_DEV, \
-    _S_HOST, _S_CELLS = range(9)
+(_S_STALL_FETCH, _S_STALL_ADM, _S_LINK_FETCH, _S_LINK_ADM, _S_DENSE, _S_COMPUTE, _S_DEV, _S_HOST, _S_CELLS,
+ _S_HEAD, _S_LOWBIT, _S_STALL_PF, _S_LINK_PF) = range(13)
+_N_STATS = 13
 
 
 @njit(cache=True)
-def _replay_loop(events, valid, fetch_s, dev_s, host_s, dense_s, ring_cap,
+def _replay_loop(events, valid, fetch_s, dev_s, host_s, dense_s, head_s, lowbit_s, blocking, ring_cap,
                  token_s, stats, err):  # pragma: no cover - compiled
     T = events.shape[0]
     L = events.shape[1]
     ring = np.zeros((L, ring_cap), np.float64)
     head = np.zeros(L, np.int64)
     count = np.zeros(L, np.int64)
+    pf_done = np.zeros(L, np.float64)  # completion of the prefetch copies issued for layer l of this token
     now = 0.0
     link_free = 0.0
     for t in range(T):
         t_start = now
+        any_valid = False
         for l in range(L):  # noqa: E741
             if not valid[t, l]:
                 continue
+            any_valid = True
             stats[_S_CELLS] += 1.0
-            # (1) admissions taken off this layer's queue: wait for the latest copy
+            # (1) dense part (attention, router): the routing of this layer is known after it
+            now += dense_s
+            stats[_S_DENSE] += dense_s
+            # (2) admissions taken off this layer's queue: the compute waits for the latest copy
             npop = events[t, l, EV_ADM_POPPED]
             if npop > count[l]:
                 err[0] = t
@@ -534,10 +709,12 @@ def _replay_loop(events, valid, fetch_s, dev_s, host_s, dense_s, ring_cap,
             if npop > 0 and latest > now:
                 stats[_S_STALL_ADM] += latest - now
                 now = latest
-            # (2) dense part
-            now += dense_s
-            stats[_S_DENSE] += dense_s
-            # (3) synchronous fetches, queued on the link behind what is already there
+            # (3) prefetch loads for this layer, issued when the previous layer's routing was known
+            npf = events[t, l, EV_PREFETCH]
+            if npf > 0 and pf_done[l] > now:
+                stats[_S_STALL_PF] += pf_done[l] - now
+                now = pf_done[l]
+            # (4) synchronous fetches, queued on the link behind what is already there
             nf = events[t, l, EV_FETCH]
             if nf > 0:
                 for _ in range(nf):
@@ -546,21 +723,42 @@ def _replay_loop(events, valid, fetch_s, dev_s, host_s, dense_s, ring_cap,
                 if link_free > now:
                     stats[_S_STALL_FETCH] += link_free - now
                     now = link_free
-            # (4) device and host expert compute in parallel
+            # (5) prefetch copies for the next valid layer of this token start now, behind the fetches
+            nl = l + 1
+            while nl < L and not valid[t, nl]:
+                nl += 1
+            if nl < L:
+                npn = events[t, nl, EV_PREFETCH]
+                for _ in range(npn):
+                    link_free = max(link_free, now) + fetch_s
+                stats[_S_LINK_PF] += npn * fetch_s
+                pf_done[nl] = link_free if npn > 0 else 0.0
+                if blocking and npn > 0:  # pageable: the host issues them synchronously
+                    stats[_S_STALL_PF] += link_free - now
+                    now = link_free
+            # (6) expert compute: device (full precision + low-bit) and host in parallel
             d = events[t, l, EV_DEV] * dev_s
+            lb = events[t, l, EV_LOWBIT] * lowbit_s
             h = events[t, l, EV_HOST] * host_s
-            m = d if d > h else h
+            m = d + lb if d + lb > h else h
             now += m
             stats[_S_COMPUTE] += m
             stats[_S_DEV] += d
+            stats[_S_LOWBIT] += lb
             stats[_S_HOST] += h
-            # (5) background admission copies start now, behind anything on the link
+            # (7) background admission copies start now, behind anything on the link
             nq = events[t, l, EV_ADM_QUEUED]
             for _ in range(nq):
                 link_free = max(link_free, now) + fetch_s
                 ring[l, (head[l] + count[l]) % ring_cap] = link_free
                 count[l] += 1
             stats[_S_LINK_ADM] += nq * fetch_s
+            if blocking and nq > 0:
+                stats[_S_STALL_ADM] += link_free - now
+                now = link_free
+        if any_valid:  # (8) final norm + LM head
+            now += head_s
+            stats[_S_HEAD] += head_s
         token_s[t] = now - t_start
     return now
 
@@ -576,20 +774,24 @@ def _max_outstanding(events: np.ndarray, valid: np.ndarray) -> int:
 
 
 def replay_time(events: np.ndarray, valid: np.ndarray, params: CostParams) -> TimeBreakdown:
-    """Replay kernel events ([T, L, 5] ints) over `valid` ([T, L] bool) on one clock and link.
+    """Replay kernel events ([T, L, 5 or 7] ints) over `valid` ([T, L] bool) on one clock and link.
 
     Rules per valid token-layer, tokens in stream order then layers in order (invalid cells
-    cost nothing and their events are ignored): pop admissions (stall until the latest
-    completes), dense, synchronous fetches on the FIFO link (stall until the last lands),
-    max(device, host) expert compute, then queue background admission copies on the link.
+    cost nothing and their events are ignored): dense; pop admissions (stall until the latest
+    completes); wait for this layer's prefetch copies; synchronous fetches on the FIFO link
+    (stall until the last lands); prefetch copies of the token's next layer start on the link;
+    max(device + low-bit, host) expert compute; background admission copies start on the link.
+    After the token's last layer: final norm + LM head. docs/cost_model.md has the details.
     """
     ev = np.asarray(events)
     va = np.asarray(valid)
-    if ev.ndim != 3 or ev.shape[2] != N_EV or not np.issubdtype(ev.dtype, np.integer):
-        raise ValueError(f"events: expected an integer array [T, L, {N_EV}], got "
+    if ev.ndim != 3 or ev.shape[2] not in (N_EV, N_EV_FULL) or not np.issubdtype(ev.dtype, np.integer):
+        raise ValueError(f"events: expected an integer array [T, L, {N_EV} or {N_EV_FULL}], got "
                          f"{ev.dtype} {ev.shape}")
     if va.shape != ev.shape[:2]:
         raise ValueError(f"valid: shape {va.shape} does not match events {ev.shape[:2]}")
+    if ev.shape[2] == N_EV:
+        ev = np.concatenate([ev, np.zeros(ev.shape[:2] + (N_EV_FULL - N_EV,), ev.dtype)], axis=2)
     ev = np.ascontiguousarray(ev, dtype=np.int32)
     va = np.ascontiguousarray(va, dtype=np.bool_)
     if (ev < 0).any():
@@ -597,21 +799,22 @@ def replay_time(events: np.ndarray, valid: np.ndarray, params: CostParams) -> Ti
     T = ev.shape[0]
     ring_cap = _max_outstanding(ev, va)
     token_s = np.zeros(T, np.float64)
-    stats = np.zeros(9, np.float64)
+    stats = np.zeros(_N_STATS, np.float64)
     err = np.full(2, -1, np.int64)
     total = _replay_loop(ev, va, float(params.fetch_s), float(params.device_expert_s),
-                         float(params.host_expert_s), float(params.dense_layer_s), ring_cap,
+                         float(params.host_expert_s), float(params.dense_layer_s), float(params.head_s),
+                         float(params.lowbit_expert_s), bool(params.copies_block_host), ring_cap,
                          token_s, stats, err)
     if err[0] >= 0:
         raise ValueError(f"events: token {err[0]} layer {err[1]} pops more admissions than "
                          "are queued on that layer")
-    link_f, link_a = float(stats[_S_LINK_FETCH]), float(stats[_S_LINK_ADM])
+    link_f, link_a, link_p = float(stats[_S_LINK_FETCH]), float(stats[_S_LINK_ADM]), float(stats[_S_LINK_PF])
     return TimeBreakdown(
         total_s=float(total),
         per_token_s=float(total) / T if T else 0.0,
         stall_fetch_s=float(stats[_S_STALL_FETCH]),
         stall_admission_s=float(stats[_S_STALL_ADM]),
-        link_busy_s=link_f + link_a,
+        link_busy_s=link_f + link_a + link_p,
         link_fetch_busy_s=link_f,
         link_admission_busy_s=link_a,
         dense_s=float(stats[_S_DENSE]),
@@ -621,6 +824,10 @@ def replay_time(events: np.ndarray, valid: np.ndarray, params: CostParams) -> Ti
         num_tokens=T,
         num_token_layers=int(stats[_S_CELLS]),
         token_s=token_s,
+        head_s=float(stats[_S_HEAD]),
+        lowbit_compute_s=float(stats[_S_LOWBIT]),
+        stall_prefetch_s=float(stats[_S_STALL_PF]),
+        link_prefetch_busy_s=link_p,
     )
 
 
@@ -629,11 +836,12 @@ def all_resident_time(valid_layers: np.ndarray | int, params: CostParams, top_k:
 
     `valid_layers`: per-token counts of valid layers ([T] ints, e.g. `valid.sum(axis=1)`),
     a [T, L] bool `valid` mask, or one int (layers of a fully valid token). Each valid
-    token-layer costs dense_layer_s + top_k * device_expert_s; the result is the mean over T.
+    token-layer costs dense_layer_s + top_k * device_expert_s, and each token with a valid
+    layer head_s; the result is the mean over T.
     """
     per_cell = params.dense_layer_s + top_k * params.device_expert_s
     if isinstance(valid_layers, int | np.integer):
-        return float(valid_layers) * per_cell
+        return float(valid_layers) * per_cell + (params.head_s if valid_layers > 0 else 0.0)
     v = np.asarray(valid_layers)
     if v.ndim == 2:
         v = v.sum(axis=1)
@@ -641,4 +849,4 @@ def all_resident_time(valid_layers: np.ndarray | int, params: CostParams, top_k:
         raise ValueError(f"valid_layers: expected [T] counts or a [T, L] mask, got {v.shape}")
     if v.size == 0:
         return 0.0
-    return float(v.sum()) * per_cell / v.size
+    return (float(v.sum()) * per_cell + float((v > 0).sum()) * params.head_s) / v.size

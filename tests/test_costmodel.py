@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -47,11 +48,12 @@ def ones(T: int, L: int) -> np.ndarray:
 
 
 def check_identity(tb: cm.TimeBreakdown) -> None:
-    parts = tb.dense_s + tb.compute_s + tb.stall_fetch_s + tb.stall_admission_s
+    parts = tb.dense_s + tb.head_s + tb.compute_s + tb.stall_fetch_s + tb.stall_admission_s + tb.stall_prefetch_s
     assert tb.total_s == pytest.approx(parts)
     assert tb.token_s.sum() == pytest.approx(tb.total_s)
     assert tb.per_token_s == pytest.approx(tb.total_s / tb.num_tokens)
-    assert tb.link_busy_s == pytest.approx(tb.link_fetch_busy_s + tb.link_admission_busy_s)
+    assert tb.link_busy_s == pytest.approx(tb.link_fetch_busy_s + tb.link_admission_busy_s
+                                           + tb.link_prefetch_busy_s)
 
 
 # ----------------------------------------------------------------------------- timing rules
@@ -102,26 +104,27 @@ def test_admission_copies_start_when_link_free_behind_fetches():
 
 def test_admission_late_stall_at_pop():
     # t0: dense 0->2, compute 2->3, copies 3->13, 13->23.
-    # t1 pops both: latest 23 > now 3 -> stall 20; dense 23->25; compute 25->26.
+    # t1: dense 3->5, then pops both (the engine waits after the dense part): latest 23 > 5 -> stall 18;
+    # compute 23->24.
     e = ev(2, 1, {(0, 0): {EV_DEV: 1, EV_ADM_QUEUED: 2},
                   (1, 0): {EV_DEV: 1, EV_ADM_POPPED: 2}})
     tb = cm.replay_time(e, ones(2, 1), P)
-    assert tb.total_s == 26
-    assert tb.stall_admission_s == 20
+    assert tb.total_s == 24
+    assert tb.stall_admission_s == 18
     assert tb.stall_fetch_s == 0
     check_identity(tb)
 
 
 def test_admission_fifo_pops_in_order_one_at_a_time():
-    # copies complete at 13 and 23; t1 pops the first (13): stall 10 -> 13, dense 15, dev 16;
-    # t2 pops the second (23): stall 7 -> 23, dense 25, dev 26.
+    # copies complete at 13 and 23; t1: dense 3->5, pops the first (13): stall 8 -> 13, dev 14;
+    # t2: dense 14->16, pops the second (23): stall 7 -> 23, dev 24.
     e = ev(3, 1, {(0, 0): {EV_DEV: 1, EV_ADM_QUEUED: 2},
                   (1, 0): {EV_DEV: 1, EV_ADM_POPPED: 1},
                   (2, 0): {EV_DEV: 1, EV_ADM_POPPED: 1}})
     tb = cm.replay_time(e, ones(3, 1), P)
-    assert tb.stall_admission_s == 10 + 7
-    assert tb.total_s == 26
-    assert tb.token_s.tolist() == [3, 13, 10]
+    assert tb.stall_admission_s == 8 + 7
+    assert tb.total_s == 24
+    assert tb.token_s.tolist() == [3, 11, 10]
 
 
 def test_admission_already_landed_costs_nothing_at_pop():
@@ -291,30 +294,57 @@ HF_CONFIGS = {
         shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
         full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_value_head_dim=128,
-        decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False),
+        decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False, vocab_size=151936),
     "qwen1.5-moe-a2.7b": dict(
         model_type="qwen2_moe", hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
         num_key_value_heads=16, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-        num_experts=60, num_experts_per_tok=4, decoder_sparse_step=1),
+        num_experts=60, num_experts_per_tok=4, decoder_sparse_step=1, vocab_size=151936),
     "mixtral-8x7b": dict(
         model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
-        num_experts_per_tok=2),
+        num_experts_per_tok=2, vocab_size=32000),
     "olmoe-1b-7b": dict(
         model_type="olmoe", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, intermediate_size=1024, num_experts=64, num_experts_per_tok=8),
+        num_key_value_heads=16, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, vocab_size=50304),
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
         num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8),
+        num_experts_per_tok=8, vocab_size=151936),
 }
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
-def test_model_presets_match_hf_configs(name):
+def test_model_presets_match_transformers_parameter_counts(name):
+    """The preset's geometry against the parameters transformers itself creates for the published config
+    (the model is built on the meta device: no weights, no download)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    kw = dict(HF_CONFIGS[name])
+    cfg = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     preset = cm.load_model_shape(name)
-    derived = cm.model_shape_from_hf_config(HF_CONFIGS[name], "bf16", name=name)
-    assert preset == derived
+    L = preset.num_layers
+    per_layer = [0] * L
+    experts = [0] * L
+    other = 0
+    for pname, p in model.named_parameters():
+        parts = pname.split(".")
+        if "layers" in parts:
+            i = int(parts[parts.index("layers") + 1])
+            if "experts" in parts:
+                experts[i] += p.numel()
+            else:
+                per_layer[i] += p.numel()
+        else:
+            other += p.numel()
+    assert preset.dense_params_per_layer == round(sum(per_layer) / L)
+    assert experts == [preset.num_experts * preset.expert_params] * L
+    emb = preset.vocab_size * preset.hidden * (1 if preset.tie_word_embeddings else 2)
+    assert other == emb + preset.hidden  # embeddings, LM head, final norm
+    assert cm.nonexpert_bytes(preset) == 2 * (sum(per_layer) + other) + (2 * L * preset.dense_params_per_layer
+                                                                         - 2 * sum(per_layer))
+    assert cm.model_shape_from_hf_config(HF_CONFIGS[name], "bf16", name=name) == preset
 
 
 def test_model_preset_geometry():
@@ -436,3 +466,113 @@ def test_bad_model_shape_yaml(tmp_path: Path):
         assert str(path) in str(ei.value)
     with pytest.raises(InputError, match="unknown model shape"):
         cm.load_model_shape("gpt-5")
+
+
+# ----------------------------------------------------------------------------- head, low-bit, prefetch, pageable
+
+def test_head_once_per_token_with_a_valid_layer():
+    Ph = cm.CostParams(fetch_s=10.0, device_expert_s=1.0, host_expert_s=3.0, dense_layer_s=2.0, head_s=5.0)
+    e = ev(3, 2, {(0, 0): {EV_DEV: 1}, (0, 1): {EV_DEV: 1}, (1, 0): {EV_DEV: 1}})
+    valid = np.array([[True, True], [True, False], [False, False]])
+    tb = cm.replay_time(e, valid, Ph)
+    assert tb.token_s.tolist() == [3 + 3 + 5, 3 + 5, 0]
+    assert tb.head_s == 10
+    check_identity(tb)
+    assert cm.all_resident_time(valid, Ph, 1) == pytest.approx((3 * 3 + 2 * 5) / 3)
+    assert cm.all_resident_time(2, Ph, 1) == pytest.approx(2 * 3 + 5)
+
+
+def test_lowbit_computes_on_the_device_beside_host():
+    Pl = cm.CostParams(fetch_s=10.0, device_expert_s=1.0, host_expert_s=3.0, dense_layer_s=2.0, lowbit_expert_s=0.5)
+    e = np.zeros((2, 1, cm.N_EV_FULL), np.int32)
+    e[0, 0, [EV_DEV, cm.EV_LOWBIT, EV_HOST]] = (1, 2, 2)  # device 1 + 1, host 6 -> 6
+    e[1, 0, [EV_DEV, cm.EV_LOWBIT]] = (3, 4)  # 3 + 2 -> 5
+    tb = cm.replay_time(e, ones(2, 1), Pl)
+    assert tb.token_s.tolist() == [2 + 6, 2 + 5]
+    assert tb.lowbit_compute_s == 3 and tb.compute_s == 11
+    check_identity(tb)
+
+
+def _pf(cells: dict) -> np.ndarray:
+    e = np.zeros((1, 2, cm.N_EV_FULL), np.int32)
+    for (l_, col), n in cells.items():
+        e[0, l_, col] = n
+    return e
+
+
+def test_prefetch_overlaps_previous_layer_and_stalls_what_has_not_arrived():
+    # l0: dense 0->2, layer 1's prefetch copy starts on the link 2->12, compute 2->4;
+    # l1: dense 4->6, waits for the prefetch until 12 (stall 6), compute 12->14
+    tb = cm.replay_time(_pf({(0, EV_DEV): 2, (1, EV_DEV): 2, (1, cm.EV_PREFETCH): 1}), ones(1, 2), P)
+    assert tb.total_s == 14 and tb.stall_prefetch_s == 6 and tb.link_prefetch_busy_s == 10
+    check_identity(tb)
+    # enough compute in layer 0 hides the copy completely
+    tb = cm.replay_time(_pf({(0, EV_DEV): 20, (1, EV_DEV): 2, (1, cm.EV_PREFETCH): 1}), ones(1, 2), P)
+    assert tb.total_s == 2 + 20 + 2 + 2 and tb.stall_prefetch_s == 0
+    # a sync fetch of layer 1 queues behind the prefetch: 12 -> 22, compute 22 -> 24
+    tb = cm.replay_time(_pf({(0, EV_DEV): 2, (1, EV_DEV): 2, (1, cm.EV_PREFETCH): 1, (1, EV_FETCH): 1}),
+                        ones(1, 2), P)
+    assert tb.total_s == 24 and tb.stall_prefetch_s == 6 and tb.stall_fetch_s == 10
+    # layer 0's own fetch goes first on the link: 2->12, then the prefetch 12->22
+    tb = cm.replay_time(_pf({(0, EV_DEV): 2, (0, EV_FETCH): 1, (1, EV_DEV): 2, (1, cm.EV_PREFETCH): 1}),
+                        ones(1, 2), P)
+    # l0: dense 2, fetch 12, compute 14; l1: dense 16, prefetch lands 22 (stall 6), compute 24
+    assert tb.total_s == 24 and tb.stall_prefetch_s == 6
+    check_identity(tb)
+
+
+def test_pageable_copies_block_the_host():
+    Pp = cm.CostParams(fetch_s=10.0, device_expert_s=1.0, host_expert_s=3.0, dense_layer_s=2.0, copies_block_host=True)
+    # dense 0->2, compute 2->4, the admission copy 4->14 blocks the host
+    tb = cm.replay_time(ev(1, 1, {(0, 0): {EV_DEV: 2, EV_ADM_QUEUED: 1}}), ones(1, 1), Pp)
+    assert tb.total_s == 14 and tb.stall_admission_s == 10
+    check_identity(tb)
+    assert cm.cost_params(_profile(), SHAPE, pinned=False).copies_block_host
+    assert not cm.cost_params(_profile(), SHAPE).copies_block_host
+
+
+def test_head_and_lowbit_params():
+    s = ModelShape(name="s", num_layers=2, num_experts=8, top_k=2, hidden=1000, moe_intermediate=1000,
+                   dense_params_per_layer=1_000_000, vocab_size=5000)
+    p = cm.cost_params(_profile(), s)
+    assert cm.head_bytes(s) == (5000 + 1) * 1000 * 2
+    assert p.head_s == pytest.approx(cm.HEAD_CALLS * 4e-6 + cm.head_bytes(s) / 500e9)
+    assert cm.cost_params(_profile(), SHAPE).head_s == 0  # vocabulary unknown: not charged
+    assert cm.cost_params(_profile(head_us=9.0, lowbit_expert_us=3.0), s).head_s == pytest.approx(9e-6)
+    assert cm.cost_params(_profile(head_us=9.0, lowbit_expert_us=3.0), s).lowbit_expert_s == pytest.approx(3e-6)
+    assert cm.lowbit_expert_bytes(s, 4, 64) == 3 * 1000 * 1000 // 2 + 4 * math.ceil(3e6 / 64)
+    assert cm.lowbit_expert_bytes(s, 8, 64) > cm.lowbit_expert_bytes(s, 2, 64)
+
+
+# ----------------------------------------------------------------------------- VRAM budget
+
+BSHAPE = ModelShape(name="b", num_layers=4, num_experts=64, top_k=4, hidden=1024, moe_intermediate=512,
+                    dense_params_per_layer=2_000_000, vocab_size=32000)
+
+
+def test_capacities_for_budget_counts_everything_the_device_holds():
+    from runtime.policy import PolicyConfig
+
+    slot = cm.expert_bytes(BSHAPE)
+    base = cm.nonexpert_bytes(BSHAPE) + cm.CUDA_CONTEXT_BYTES + cm.CUBLAS_WORKSPACE_BYTES
+    assert base == 2 * (4 * 2_000_000 + 2 * 32000 * 1024 + 1024) + cm.CUDA_CONTEXT_BYTES + cm.CUBLAS_WORKSPACE_BYTES
+
+    def budget_for(c: int, staging: int, extra: int = 0) -> float:  # GiB that hold exactly c slots per layer
+        need = base + staging * slot + extra + c * 4 * slot
+        return (need / (1 - cm.RESERVE_FRACTION) + 4096) / 2**30
+
+    fe = PolicyConfig(rule="fetch_all")
+    assert cm.capacities_for_budget(BSHAPE, budget_for(10, 2), fe).tolist() == [10] * 4
+    assert cm.capacities_for_budget(BSHAPE, budget_for(10, 2) - 2 * slot / 2**30, fe).tolist() == [9] * 4
+    qf = PolicyConfig(rule="threshold", tau=0.15, beta=0.5, admission_delay=2)
+    assert cm.capacities_for_budget(BSHAPE, budget_for(10, 2 + 4 * 4 * 2), qf).tolist() == [10] * 4
+    assert cm.budget_breakdown(BSHAPE, budget_for(10, 2), qf).slots_per_layer == 2  # 32 staging buffers charged
+    lb = PolicyConfig(rule="threshold", tau=0.15, fallback="lowbit", lowbit_bits=4, lowbit_group=64)
+    low = 4 * 64 * cm.lowbit_expert_bytes(BSHAPE, 4, 64)
+    assert cm.capacities_for_budget(BSHAPE, budget_for(10, 2, low), lb).tolist() == [10] * 4
+    assert cm.capacities_for_budget(BSHAPE, 1000.0).tolist() == [63] * 4  # clamped to E - 1
+    with pytest.raises(InputError, match=r"--vram-budget = 0\.6 GiB leaves \d+ expert slots per layer, fewer than k = 4"):
+        cm.capacities_for_budget(BSHAPE, 0.6, fe)
+    for bad in (0, -1.0, float("nan"), "1"):
+        with pytest.raises(InputError, match="--vram-budget"):
+            cm.capacities_for_budget(BSHAPE, bad)
