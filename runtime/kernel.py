@@ -1,4 +1,4 @@
-"""The one policy kernel: every miss rule, eviction key and admission rule of docs/policies.md.
+"""The one policy kernel: every miss rule, fallback, eviction key, admission and prefetch rule of docs/policies.md.
 
 Compiled with numba. Caches are per layer and independent, so the kernel runs one
 layer over a chunk of tokens at a time (`run_layer`); the simulator calls it once
@@ -6,11 +6,15 @@ per layer over a whole trace, the emulation once per layer per chunk, the engine
 once per layer per decoded token. `PolicyCache` holds the state of every layer
 and is the only way callers drive the kernel.
 
-Per token (docs/policies.md, "Per token, per layer, in this order"):
+Per token (docs/policies.md, "Per token, per layer, in this order" and "Additions"):
   0. apply the admissions that are due (queued at t - d or earlier), batch by batch
-  1. hits   2. miss rule   3. fetches in rank order (victim = min key, unpinned)
-  4. substitutes in rank order (first resident, unused experts of the ranking)
-  5. bookkeeping (mass, frequency/recency keys, admission accumulator)
+  0b. prefetch: load the experts of this token's predicted list P that are not resident
+      (victims: min key, never in P nor admitted at this token); no key changes
+  1. hits   2. miss rule (fetch_all, threshold, first_choice, substitute_all, band)
+  3. fetches in rank order (victim = min key, unpinned)
+  4. fallback of the non-fetched misses: substitute (first resident, unused experts of the
+     ranking, else drop), drop, host or lowbit
+  5. bookkeeping (masses, frequency/recency keys, admission accumulator)
   6. queue admissions (a[e] >= beta, largest a first)
 
 Input contract (checked by runtime/trace.py for files, true by construction in the adapters):
@@ -26,23 +30,33 @@ import numpy as np
 from numba import njit
 
 from runtime.errors import InputError
-from runtime.policy import EVICT_CODE, RULE_CODE, PolicyConfig
+from runtime.policy import EVICT_CODE, FALLBACK_CODE, RULE_CODE, PolicyConfig
 
 log = logging.getLogger(__name__)
 
-HIT, FETCH, SUB, DROP, HOST = 0, 1, 2, 3, 4
+# decision kinds, per token, layer and top-k slot j
+HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
+KIND_NAMES = ("hit", "fetch", "substitute", "drop", "host", "lowbit")
 _MISS = -1
 
-# counter columns
-C_CALLS, C_HITS, C_FETCHES, C_SUBS, C_DROPS, C_HOST, C_ADM, C_ADM_SKIPPED = range(8)
-COUNTER_NAMES = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "admissions_skipped")
-# per token-layer event columns (cost model input)
-EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED = range(5)
-N_EV = 5
+# THE counter list: integer counters (column order of PolicyCache.counters), then the float counters
+INT_COUNTERS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "lowbit_computes",
+                "admissions", "admissions_skipped", "prefetches", "prefetch_used")
+FLOAT_COUNTERS = ("substituted_mass", "lowbit_mass")
+COUNTER_NAMES = INT_COUNTERS + FLOAT_COUNTERS
+(C_CALLS, C_HITS, C_FETCHES, C_SUBS, C_DROPS, C_HOST, C_LOWBIT, C_ADM, C_ADM_SKIPPED, C_PREF,
+ C_PREF_USED) = range(len(INT_COUNTERS))
+N_INT = len(INT_COUNTERS)
+M_SUB, M_LOWBIT = range(len(FLOAT_COUNTERS))
+# per token-layer event columns (cost model input): full-precision device computes (hits, fetches,
+# substitutes), sync fetches, host computes, admissions queued after / popped before the token,
+# low-precision computes, prefetch loads issued for this token-layer
+EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
+N_EV = 7
 
-R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL = (RULE_CODE[r] for r in
-    ("fetch_all", "threshold", "first_choice", "substitute_all"))
-R_CPU = 99  # bridge until the fallback field reaches the kernel: substitute_all + fallback host
+R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_BAND = (RULE_CODE[r] for r in
+    ("fetch_all", "threshold", "first_choice", "substitute_all", "band"))
+F_SUBSTITUTE, F_DROP, F_HOST, F_LOWBIT = (FALLBACK_CODE[f] for f in ("substitute", "drop", "host", "lowbit"))
 K_LFU, K_LRU, K_CRF, K_BELADY = (EVICT_CODE[e] for e in ("lfu", "lru", "crf", "belady"))
 
 
@@ -101,27 +115,32 @@ def _free_slot(slot_expert, cap):
 @njit(cache=True, error_model="numpy")
 def run_layer(
     ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
-    rule, tau, beta, evict, gamma, decay, delay, cap, nxt,  # params; nxt [T, k] float64 next use (belady) or [0, k]
+    rule, tau, tau_high, fallback, beta, evict, gamma, decay, delay, cap,  # policy parameters
+    nxt, pred,  # [T, k] float64 next use (belady) or [0, k]; [T, P] int32 predicted lists (-1 = none) or [0, 0]
     slot_expert, expert_slot, key, skey, acc, queued, pin, qstate, q_exp, q_due,  # layer state
-    counters, mass,  # int64 [8], float64 [1]
-    out_kind, out_served, out_slot, ev, adm_log, q_log, n_logs,  # outputs
+    counters, mass,  # int64 [N_INT], float64 [2]
+    out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs,  # outputs
 ):
     """Run one layer's cache over tokens t0 .. t0+T-1. Mutates the layer state in place."""
     T, k = ids.shape
     M = rank.shape[1]
     E = expert_slot.shape[0]
     qcap = q_exp.shape[0]
+    npw = pred.shape[1] if pred.shape[0] == T else 0  # predicted-list width (0: no prefetch)
     use_adm = beta > 0.0
     fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU  # integer keys: skey mirrors them
-    cand = np.empty(k, np.int64)
+    cand = np.empty(k + qcap + npw + k, np.int64)  # admission candidates: non-fetched misses, evicted experts
     subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
     bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
-    cnt = np.zeros(8, np.int64)  # counters, kept local so they stay in registers
+    tslots = np.empty(qcap, np.int64)  # slots admitted at the current token (all batches)
+    pfe = np.empty(max(npw, 1), np.int64)  # experts prefetched at the current token
+    cnt = np.zeros(N_INT, np.int64)  # counters, kept local so they stay in registers
     n_res = qstate[3]
     q_head = qstate[0]
     q_len = qstate[1]
     stamp = qstate[2]
     msum = 0.0
+    lsum = 0.0
     if fast:
         for s in range(cap):
             e = slot_expert[s]
@@ -134,6 +153,8 @@ def run_layer(
                 out_slot[i, j] = -1
             continue
         t = t0 + i
+        nc = 0  # admission candidates of this token
+        nts = 0
         # 0. admissions due before this token, batch by batch (a batch = same due token)
         while q_len > 0 and q_due[q_head] <= t:
             due = q_due[q_head]
@@ -154,8 +175,15 @@ def run_layer(
                     s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, bstamp)
                     if s < 0:
                         cnt[C_ADM_SKIPPED] += 1
+                        if use_adm:  # not resident, no longer queued: may be queued again after the token
+                            cand[nc] = e
+                            nc += 1
                         continue
-                    expert_slot[slot_expert[s]] = -1
+                    v = slot_expert[s]
+                    expert_slot[v] = -1
+                    if use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
+                        cand[nc] = v
+                        nc += 1
                 else:
                     n_res += 1
                 slot_expert[s] = e
@@ -167,6 +195,8 @@ def run_layer(
                 cnt[C_ADM] += 1
                 bslots[nb] = s  # distinct pinned slots: at most cap of them
                 nb += 1
+                tslots[nts] = s
+                nts += 1
                 n = n_logs[0]
                 if n < adm_log.shape[0]:
                     adm_log[n, 0] = t
@@ -177,6 +207,69 @@ def run_layer(
                 for b_ in range(nb):
                     s = bslots[b_]
                     skey[s] = _ikey(evict, key, slot_expert[s], E)
+        # 0b. prefetch this token's predicted list (no f, a or lru change)
+        npl = 0
+        if npw > 0 and pred[i, 0] >= 0:
+            stamp += 1
+            ps = stamp
+            for b_ in range(nts):  # protected: admitted at this token ...
+                s = tslots[b_]
+                pin[s] = ps
+                if fast:
+                    skey[s] = _IMAX
+            for p in range(npw):  # ... and the members of P
+                e = pred[i, p]
+                if e < 0:
+                    break
+                s = expert_slot[e]
+                if s >= 0:
+                    pin[s] = ps
+                    if fast:
+                        skey[s] = _IMAX
+            for p in range(npw):
+                e = pred[i, p]
+                if e < 0:
+                    break
+                if expert_slot[e] >= 0:
+                    continue
+                s = _free_slot(slot_expert, cap) if n_res < cap else -1
+                if s < 0:
+                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, ps)
+                    if s < 0:
+                        continue  # nothing evictable: skipped
+                    v = slot_expert[s]
+                    expert_slot[v] = -1
+                    if use_adm and acc[v] >= beta:
+                        cand[nc] = v
+                        nc += 1
+                else:
+                    n_res += 1
+                slot_expert[s] = e
+                expert_slot[e] = s
+                pin[s] = ps
+                if fast:
+                    skey[s] = _IMAX
+                pfe[npl] = e
+                npl += 1
+                n = n_logs[2]
+                if n < pf_log.shape[0]:
+                    pf_log[n, 0] = t
+                    pf_log[n, 1] = e
+                    pf_log[n, 2] = s
+                n_logs[2] = n + 1
+            if fast:  # re-key every protected slot
+                for b_ in range(nts):
+                    s = tslots[b_]
+                    skey[s] = _ikey(evict, key, slot_expert[s], E)
+                for p in range(npw):
+                    e = pred[i, p]
+                    if e < 0:
+                        break
+                    s = expert_slot[e]
+                    if s >= 0:
+                        skey[s] = _ikey(evict, key, e, E)
+            cnt[C_PREF] += npl
+            ev[i, EV_PREFETCH] += npl
         stamp += 1
         st = stamp
         cnt[C_CALLS] += k
@@ -194,19 +287,43 @@ def run_layer(
                     skey[s] = _IMAX
             else:
                 out_kind[i, j] = _MISS
-        # 2.+3. miss rule; fetches in rank order
+        if npl > 0:
+            for p in range(npl):
+                e = pfe[p]
+                for j in range(k):
+                    if ids[i, j] == e:
+                        cnt[C_PREF_USED] += 1
+                        break
+        # 2.+3. miss rule; fetches in rank order; 4. fallbacks other than substitute
         nf = 0
         nh = 0
+        nlow = 0
+        ndrop = 0
         nneed = 0
+        mtok = 0.0  # substituted mass of this token-layer
+        ltok = 0.0  # lowbit mass of this token-layer
         for j in range(k):
             if out_kind[i, j] != _MISS:
                 continue
             e = ids[i, j]
-            if rule == R_FETCH_ALL or ((rule == R_THRESHOLD or rule == R_FIRST_CHOICE) and (j == 0 or w[i, j] >= tau)):
+            wj = w[i, j]
+            if rule == R_FETCH_ALL:
+                fetch = True
+            elif rule == R_SUBSTITUTE_ALL:
+                fetch = False
+            elif rule == R_BAND:
+                fetch = j == 0 or wj < tau or wj >= tau_high
+            else:  # threshold, first_choice (tau = +inf)
+                fetch = j == 0 or wj >= tau
+            if fetch:
                 s = _free_slot(slot_expert, cap) if n_res < cap else -1
                 if s < 0:
                     s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, st)
-                    expert_slot[slot_expert[s]] = -1
+                    v = slot_expert[s]
+                    expert_slot[v] = -1
+                    if use_adm and acc[v] >= beta:
+                        cand[nc] = v
+                        nc += 1
                 else:
                     n_res += 1
                 slot_expert[s] = e
@@ -219,56 +336,76 @@ def run_layer(
                 out_served[i, j] = e
                 out_slot[i, j] = s
                 nf += 1
-            elif rule == R_CPU:
+            elif fallback == F_SUBSTITUTE:
+                out_kind[i, j] = SUB
+                nneed += 1
+            elif fallback == F_HOST:
                 out_kind[i, j] = HOST
                 out_served[i, j] = e
                 out_slot[i, j] = -1
                 nh += 1
-            else:
-                out_kind[i, j] = SUB
-                nneed += 1
-        cnt[C_FETCHES] += nf
-        cnt[C_HOST] += nh
-        # 4. substitutes in rank order, after all fetches
-        nsub = 0
-        nc = 0
-        mtok = 0.0  # substituted mass of this token-layer
-        # ranking[:k] is the selection (each entry a hit, a fetch or a non-resident miss) and the ranking
-        # holds distinct ids, so "resident and not used by this token" is just "resident" from position k
-        # on, and the substitutes are the first nneed resident entries of ranking[k:], in rank order.
-        # Collect them branch-free: store every entry, advance only on a resident one.
-        nfound = 0
-        m = k
-        while nfound < nneed and m < M:
-            c = rank[i, m]
-            subs[nfound] = c
-            nfound += expert_slot[c] >= 0
-            m += 1
-        q_ = 0
-        for j in range(k):
-            if out_kind[i, j] != SUB:
-                continue
-            found = -1
-            if q_ < nfound:
-                found = subs[q_]
-                q_ += 1
-            e = ids[i, j]
-            if found >= 0:
-                out_served[i, j] = found
-                out_slot[i, j] = expert_slot[found]
-                cnt[C_SUBS] += 1
-                nsub += 1
-            else:
+            elif fallback == F_LOWBIT:
+                out_kind[i, j] = LOWBIT
+                out_served[i, j] = e
+                out_slot[i, j] = -1
+                nlow += 1
+                ltok += wj
+                acc[e] += wj
+                cand[nc] = e
+                nc += 1
+            else:  # drop
                 out_kind[i, j] = DROP
                 out_served[i, j] = -1
                 out_slot[i, j] = -1
-                cnt[C_DROPS] += 1
-            mtok += w[i, j]
-            acc[e] += w[i, j]
-            cand[nc] = e
-            nc += 1
+                ndrop += 1
+                mtok += wj
+                acc[e] += wj
+                cand[nc] = e
+                nc += 1
+        cnt[C_FETCHES] += nf
+        cnt[C_HOST] += nh
+        cnt[C_LOWBIT] += nlow
+        # 4. substitutes in rank order, after all fetches
+        nsub = 0
+        if nneed > 0:
+            # ranking[:k] is the selection (each entry a hit, a fetch or a non-resident miss) and the ranking
+            # holds distinct ids, so "resident and not used by this token" is just "resident" from position k
+            # on, and the substitutes are the first nneed resident entries of ranking[k:], in rank order.
+            # Collect them branch-free: store every entry, advance only on a resident one.
+            nfound = 0
+            m = k
+            while nfound < nneed and m < M:
+                c = rank[i, m]
+                subs[nfound] = c
+                nfound += expert_slot[c] >= 0
+                m += 1
+            q_ = 0
+            for j in range(k):
+                if out_kind[i, j] != SUB:
+                    continue
+                found = -1
+                if q_ < nfound:
+                    found = subs[q_]
+                    q_ += 1
+                e = ids[i, j]
+                if found >= 0:
+                    out_served[i, j] = found
+                    out_slot[i, j] = expert_slot[found]
+                    nsub += 1
+                else:
+                    out_kind[i, j] = DROP
+                    out_served[i, j] = -1
+                    out_slot[i, j] = -1
+                    ndrop += 1
+                mtok += w[i, j]
+                acc[e] += w[i, j]
+                cand[nc] = e
+                nc += 1
+        cnt[C_SUBS] += nsub
+        cnt[C_DROPS] += ndrop
         msum += mtok
-        # 5. keys (the fast paths also re-key this token's pinned slots)
+        lsum += ltok
+        # 5. keys (the fast paths also re-key this token's pinned slots); lru/crf: full-precision computes only
         if evict == K_LFU and gamma == 1.0:
             for j in range(k):
                 e = ids[i, j]
@@ -284,28 +421,30 @@ def run_layer(
                 key[ids[i, j]] += 1.0
         elif evict == K_LRU:
             for j in range(k):
-                e = out_served[i, j]
-                if e >= 0 and out_kind[i, j] != HOST:
+                if out_kind[i, j] <= SUB:
+                    e = out_served[i, j]
                     key[e] = t
                     skey[out_slot[i, j]] = np.int64(t + 1) * E + e
         elif evict == K_CRF:
             for e in range(E):
                 key[e] = decay * key[e]
             for j in range(k):
-                if out_served[i, j] >= 0 and out_kind[i, j] != HOST:
+                if out_kind[i, j] <= SUB:
                     key[out_served[i, j]] += 1.0
         else:  # belady: minus the next use
             for j in range(k):
                 key[ids[i, j]] = -nxt[i, j]
-        ev[i, EV_DEV] += k - nh - (nc - nsub)
+        ev[i, EV_DEV] += k - nh - nlow - ndrop
         ev[i, EV_FETCH] += nf
         ev[i, EV_HOST] += nh
+        ev[i, EV_LOWBIT] += nlow
         # 6. queue admissions: largest a first, ties lower id
         if use_adm and nc > 0:
             nq = 0
             for c_ in range(nc):
                 e = cand[c_]
-                if acc[e] >= beta and not queued[e]:  # e missed and was not fetched: not resident
+                if acc[e] >= beta and not queued[e] and expert_slot[e] < 0:
+                    queued[e] = True  # (also de-duplicates the candidates)
                     # insertion sort by (-acc, id)
                     p = nq
                     while p > 0 and (acc[cand[p - 1]] < acc[e] or (acc[cand[p - 1]] == acc[e] and cand[p - 1] > e)):
@@ -319,7 +458,6 @@ def run_layer(
                 q_exp[tail] = e
                 q_due[tail] = t + delay
                 q_len += 1
-                queued[e] = True
                 acc[e] = 0.0
                 n = n_logs[1]
                 if n < q_log.shape[0]:
@@ -331,8 +469,9 @@ def run_layer(
     qstate[0] = q_head
     qstate[1] = q_len
     qstate[2] = stamp
-    mass[0] += msum
-    for c_ in range(8):
+    mass[M_SUB] += msum
+    mass[M_LOWBIT] += lsum
+    for c_ in range(N_INT):
         counters[c_] += cnt[c_]
 
 
@@ -355,18 +494,50 @@ def next_use(ids, valid, E, t0):
 
 def warmup() -> None:
     """Compile (or load from numba's cache) the kernel before anything is timed."""
-    pc = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5), 4, 1, np.array([1]), [np.array([0])])
-    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), nxt=np.zeros((2, 1)))
+    pc = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5, prefetch="lookahead"), 4, 1, np.array([1]),
+                     [np.array([0])])
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), nxt=np.zeros((2, 1)),
+            predicted=np.array([[3], [-1]]))
+
+
+def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, valid: np.ndarray,
+                    lookahead: np.ndarray | None = None) -> np.ndarray | None:
+    """The predicted lists for `layer` from a whole trace's arrays, as `PolicyCache.step` takes them.
+
+    topk_ids [T, L, k], valid [T, L], lookahead [T, L, P] (on layer l's row: layer l + 1's router applied
+    to layer l's router input) -> int32 [T, n] or None (prefetch off, or layer 0). Formed after layer
+    l - 1 processed the token: rows where layer l - 1's cell is invalid are -1 (no prefetch).
+    `lookahead`: its first prefetch_n ids; `oracle`: the first min(prefetch_n, k) ids of the layer's
+    own selection."""
+    if policy.prefetch == "off" or layer == 0:
+        return None
+    k = topk_ids.shape[2]
+    n = int(policy.prefetch_n or k)
+    if policy.prefetch == "oracle":
+        pred = np.array(topk_ids[:, layer, : min(n, k)], dtype=np.int32)
+    else:
+        if lookahead is None:
+            raise InputError("prefetch = 'lookahead' (--prefetch) needs a trace with a lookahead column "
+                             "(record it with runtime.record --lookahead P)")
+        if lookahead.shape[2] < n:
+            raise InputError(f"prefetch_n (--prefetch-n) = {n} exceeds the trace's lookahead depth {lookahead.shape[2]}")
+        pred = np.array(lookahead[:, layer - 1, :n], dtype=np.int32)
+    pred[~np.asarray(valid[:, layer - 1], dtype=bool)] = -1
+    return pred
 
 
 @dataclass
 class StepResult:
-    kind: np.ndarray  # int8 [T, k]: HIT/FETCH/SUB/DROP/HOST, -1 for invalid cells
-    served: np.ndarray  # int32 [T, k]: expert that computes slot j (-1 drop/invalid)
-    slot: np.ndarray  # int32 [T, k]: device slot used (-1 drop/host/invalid)
-    events: np.ndarray  # int32 [T, 5]: EV_* counts per token
+    """The kernel's plan for one layer over a chunk of tokens; the engine applies it in this order per
+    token: admissions (`admitted`), prefetch loads (`prefetched`), then the per-slot decisions."""
+
+    kind: np.ndarray  # int8 [T, k]: HIT/FETCH/SUB/DROP/HOST/LOWBIT, -1 for invalid cells
+    served: np.ndarray  # int32 [T, k]: expert that computes slot j (the missed expert for HOST/LOWBIT; -1 drop/invalid)
+    slot: np.ndarray  # int32 [T, k]: device slot used (-1 drop/host/lowbit/invalid)
+    events: np.ndarray  # int32 [T, N_EV]: EV_* counts per token
     admitted: np.ndarray  # int64 [n, 3]: (token, expert, slot) admissions applied
     queued: np.ndarray  # int64 [n, 2]: (token, expert) admissions queued
+    prefetched: np.ndarray  # int64 [n, 3]: (token, expert, slot) prefetch loads, applied after that token's admissions
 
 
 def warm_residency(topk_ids: np.ndarray, valid: np.ndarray | None, num_experts: int, capacities: np.ndarray) -> list[np.ndarray]:
@@ -382,7 +553,10 @@ def warm_residency(topk_ids: np.ndarray, valid: np.ndarray | None, num_experts: 
 
 
 class PolicyCache:
-    """State of every layer's cache under one policy; `step` drives the kernel for one layer."""
+    """State of every layer's cache under one policy; `step` drives the kernel for one layer.
+
+    Capacities must satisfy k <= C_l < E (docs/policies.md); `allow_full=True` also accepts C_l = E
+    (every expert resident), for exactness checks only."""
 
     def __init__(
         self,
@@ -392,14 +566,19 @@ class PolicyCache:
         capacities: np.ndarray,
         initial_residency: list[np.ndarray] | np.ndarray | None = None,
         belady_first_use: list[np.ndarray] | None = None,
+        *,
+        allow_full: bool = False,
     ) -> None:
         policy.validate()
         self.policy = policy
         self.E, self.k = int(num_experts), int(top_k)
-        self.caps = np.asarray(capacities, dtype=np.int64)
+        self.caps = np.atleast_1d(np.asarray(capacities, dtype=np.int64))
         L = self.L = len(self.caps)
-        cmax = int(self.caps.max())
         E = self.E
+        for l_, c in enumerate(self.caps.tolist()):
+            if not (self.k <= c < E or (allow_full and c == E)):
+                raise InputError(f"capacity = {c} (layer {l_}) must satisfy k={self.k} <= C < E={E}")
+        cmax = int(self.caps.max())
         self.slot_expert = np.full((L, cmax), -1, np.int32)
         self.expert_slot = np.full((L, E), -1, np.int32)
         self.key = np.zeros((L, E))
@@ -417,8 +596,8 @@ class PolicyCache:
         self.qstate = np.zeros((L, 4), np.int64)  # head, len, stamp, n_resident
         self.q_exp = np.zeros((L, E + 1), np.int32)
         self.q_due = np.zeros((L, E + 1), np.int64)
-        self.counters = np.zeros((L, len(COUNTER_NAMES)), np.int64)
-        self.mass = np.zeros((L, 1))
+        self.counters = np.zeros((L, N_INT), np.int64)
+        self.mass = np.zeros((L, len(FLOAT_COUNTERS)))
         self.next_t = np.zeros(L, np.int64)
         if initial_residency is not None:
             if len(initial_residency) != L:
@@ -436,9 +615,14 @@ class PolicyCache:
                 self.expert_slot[l_, res] = np.arange(len(res), dtype=np.int32)
                 self.qstate[l_, 3] = len(res)
         p = policy
+        self.prefetch_width = 0 if p.prefetch == "off" else int(p.prefetch_n or self.k)
+        if p.prefetch == "oracle":
+            self.prefetch_width = min(self.prefetch_width, self.k)
         self._params = (
-            R_CPU if (p.rule == "substitute_all" and p.fallback == "host") else RULE_CODE[p.rule],
+            RULE_CODE[p.rule],
             float(p.tau_value),
+            float(p.tau_high) if p.rule == "band" else np.inf,
+            FALLBACK_CODE[p.fallback],
             float(p.beta) if p.beta is not None else -1.0,
             EVICT_CODE[p.evict],
             float(p.gamma),
@@ -457,8 +641,15 @@ class PolicyCache:
         nxt: np.ndarray | None = None,
         events: np.ndarray | None = None,
         logs: bool = True,
+        predicted: np.ndarray | None = None,
     ) -> StepResult:
-        """Decide tokens t0.. of one layer. ids [T, k], weights [T, k], ranking [T, M] (defaults to ids)."""
+        """Decide tokens t0.. of one layer. ids [T, k], weights [T, k], ranking [T, M] (defaults to ids).
+
+        `predicted` [T, P] int: per token the predicted list of this layer's experts, formed after the
+        previous layer processed the token (lookahead: its router input through this layer's router;
+        oracle: this layer's own selection); -1 entries end a row early (a row starting with -1: no
+        prefetch for that token). Only its first `prefetch_n` (oracle: min(prefetch_n, k)) columns are
+        used; ignored when the policy's prefetch is off; None (e.g. layer 0) = no prefetch."""
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         T, k = ids.shape
         w = np.ascontiguousarray(weights, dtype=np.float64)
@@ -467,6 +658,14 @@ class PolicyCache:
         t0 = int(self.next_t[layer]) if t0 is None else int(t0)
         self.next_t[layer] = t0 + T
         nxt = np.zeros((0, k)) if nxt is None else nxt
+        if predicted is None or self.prefetch_width == 0:
+            pred = np.zeros((0, 0), np.int32)
+        else:
+            pred = np.ascontiguousarray(np.asarray(predicted)[:, : self.prefetch_width], dtype=np.int32)
+            if pred.shape[0] != T:
+                raise InputError(f"predicted lists: {pred.shape[0]} rows for {T} tokens (layer {layer})")
+            if pred.size and int(pred.max()) >= self.E:
+                raise InputError(f"predicted lists: expert id {int(pred.max())} outside [0, {self.E}) (layer {layer})")
         l_ = layer
         kind = np.empty((T, k), np.int8)
         served = np.empty((T, k), np.int32)
@@ -475,32 +674,32 @@ class PolicyCache:
         n_adm = min(T * k, 1 << 20) + self.E if logs else 0  # the simulator needs no logs
         adm_log = np.empty((n_adm, 3), np.int64)
         q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
-        n_logs = np.zeros(2, np.int64)
-        rule, tau, beta, evict, gamma, decay, delay = self._params
+        pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
+        n_logs = np.zeros(3, np.int64)
         run_layer(
-            ids, w, rank, valid, t0,
-            rule, tau, beta, evict, gamma, decay, delay, int(self.caps[l_]), nxt,
+            ids, w, rank, valid, t0, *self._params, int(self.caps[l_]), nxt, pred,
             self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_],
             self.pin[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
             self.counters[l_], self.mass[l_],
-            kind, served, slot, ev, adm_log, q_log, n_logs,
+            kind, served, slot, ev, adm_log, q_log, pf_log, n_logs,
         )  # fmt: skip
-        na, nq = (int(x) for x in n_logs)
-        return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))])
+        na, nq, npf = (int(x) for x in n_logs)
+        return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],
+                          pf_log[: min(npf, len(pf_log))])
 
     def resident(self, layer: int) -> np.ndarray:
         """Sorted ids of the experts resident in one layer."""
         return np.flatnonzero(self.expert_slot[layer] >= 0)
 
+    def _row(self, ints: np.ndarray, floats: np.ndarray) -> dict:
+        row: dict = {n: int(ints[i]) for i, n in enumerate(INT_COUNTERS)}
+        row.update({n: float(floats[i]) for i, n in enumerate(FLOAT_COUNTERS)})
+        return row
+
     def counter_totals(self) -> dict:
-        tot = {n: int(self.counters[:, i].sum()) for i, n in enumerate(COUNTER_NAMES)}
-        tot["substituted_mass"] = float(self.mass.sum())
-        return tot
+        """Every counter of COUNTER_NAMES summed over layers (ints, then the float masses)."""
+        return self._row(self.counters.sum(axis=0), self.mass.sum(axis=0))
 
     def per_layer(self) -> list[dict]:
-        rows = []
-        for l_ in range(self.L):
-            row = {n: int(self.counters[l_, i]) for i, n in enumerate(COUNTER_NAMES)}
-            row["substituted_mass"] = float(self.mass[l_, 0])
-            rows.append(row)
-        return rows
+        """Every counter of COUNTER_NAMES per layer."""
+        return [self._row(self.counters[l_], self.mass[l_]) for l_ in range(self.L)]

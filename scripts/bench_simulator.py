@@ -45,6 +45,7 @@ def main() -> None:
     for name in POLICIES:
         best = min(replay(trace, PRESETS[name], caps, init).seconds for _ in range(a.repeats))
         res = simulate(trace, PRESETS[name], 128, initial_residency=init, host=a.host, model_shape=shape)
+        res = res.to_dict() if hasattr(res, "to_dict") else res
         rows.append((name, trace.T * trace.L / best, best, res))
     cpu = platform.processor() or platform.machine()
     lines = [

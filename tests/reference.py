@@ -29,14 +29,33 @@ Further choices made here (documented so the kernel can match them):
   still pending at the end of the trace are never applied.
 - With ``beta`` set, "every expert" in step 6 means literally every expert of
   the layer (so ``beta <= 0`` would queue every non-resident expert).
+
+Additions (fallback, band, prefetch; the spec's section "Additions"):
+
+- ``band(tau, tau_high)``: the first choice is always fetched; a later miss
+  with ``tau <= w_j < tau_high`` is not fetched (it gets the fallback); every
+  other miss is fetched.
+- The predicted list ``P`` for layer ``l`` at token ``t`` is formed after layer
+  ``l - 1`` processed ``t``: none for layer 0, none when layer ``l - 1``'s cell
+  is invalid (it did not process the token). ``lookahead``: the first
+  ``prefetch_n`` ids of the trace's lookahead list stored on layer ``l - 1``;
+  ``oracle``: the first ``min(prefetch_n, k)`` ids of layer ``l``'s selection.
+  A prefetch at an invalid cell of layer ``l`` does not happen (the cell is
+  skipped entirely).
+- ``crf`` counts full-precision device use only (hit, fetch, substitute), as
+  ``lru`` does.
+- Belady victims of a prefetch look at the next use at or after ``t`` (as for
+  an admission).
 """
 
 from __future__ import annotations
 
-HIT, FETCH, SUB, DROP, HOST = 0, 1, 2, 3, 4
+HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
 
-RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu")
+RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu", "band")
 EVICTS = ("lfu", "lru", "crf", "belady")
+FALLBACKS = ("substitute", "drop", "host", "lowbit")
+PREFETCHES = ("off", "lookahead", "oracle")
 
 COUNTER_KEYS = (
     "calls",
@@ -45,8 +64,12 @@ COUNTER_KEYS = (
     "substitutions",
     "drops",
     "host_computes",
+    "lowbit_computes",
     "admissions",
+    "prefetches",
+    "prefetch_used",
     "substituted_mass",
+    "lowbit_mass",
 )
 
 
@@ -78,6 +101,11 @@ def reference_replay(
     gamma=1.0,
     half_life=None,
     admission_delay=1,
+    fallback="substitute",
+    tau_high=None,
+    prefetch="off",
+    prefetch_n=None,
+    lookahead=None,
 ):
     """Replay a router trace under one policy, literally as docs/policies.md says.
 
@@ -85,15 +113,19 @@ def reference_replay(
     ``ranking [T][L][M]`` (starts with the top-k, ``M >= k``), ``valid [T][L]``
     bools, ``capacities`` one int per layer, ``initial_residency`` one list of
     expert ids per layer (may hold fewer than ``C_l``). ``rule`` in
-    fetch_all|threshold|first_choice|substitute_all|cpu; ``evict`` in
-    lfu|lru|crf|belady. numpy arrays are accepted anywhere.
+    fetch_all|threshold|first_choice|substitute_all|cpu|band; ``evict`` in
+    lfu|lru|crf|belady; ``fallback`` in substitute|drop|host|lowbit (``cpu``
+    is substitute_all with host); ``prefetch`` in off|lookahead|oracle with
+    ``prefetch_n`` (None = k) and, for lookahead, ``lookahead [T][L][P]``
+    (on layer ``l``'s row: layer ``l + 1``'s router applied to layer ``l``'s
+    router input). numpy arrays are accepted anywhere.
 
     Returns a dict:
 
-    - ``kind [T][L][k]``: HIT/FETCH/SUB/DROP/HOST, ``None`` for invalid cells
+    - ``kind [T][L][k]``: HIT/FETCH/SUB/DROP/HOST/LOWBIT, ``None`` for invalid cells
       (the whole ``[k]`` row is ``None``).
     - ``served [T][L][k]``: the expert computing slot j (the selected expert
-      for HIT/FETCH/HOST, the substitute for SUB, -1 for DROP); ``None`` rows
+      for HIT/FETCH/HOST/LOWBIT, the substitute for SUB, -1 for DROP); ``None`` rows
       for invalid cells.
     - ``mass [T][L]``: substituted mass m of the token-layer (``None`` if invalid).
     - ``counters``: per layer a dict with COUNTER_KEYS.
@@ -117,8 +149,20 @@ def reference_replay(
         raise ValueError(f"unknown rule {rule!r}")
     if evict not in EVICTS:
         raise ValueError(f"unknown evict {evict!r}")
-    if rule == "threshold" and tau is None:
-        raise ValueError("rule threshold needs tau")
+    if rule in ("threshold", "band") and tau is None:
+        raise ValueError(f"rule {rule} needs tau")
+    if rule == "band" and (tau_high is None or not tau_high > tau):
+        raise ValueError("rule band needs tau_high > tau")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"unknown fallback {fallback!r}")
+    if rule == "cpu":
+        if fallback not in ("substitute", "host"):
+            raise ValueError("rule cpu means fallback host")
+        rule, fallback = "substitute_all", "host"
+    if prefetch not in PREFETCHES:
+        raise ValueError(f"unknown prefetch {prefetch!r}")
+    if prefetch == "lookahead" and lookahead is None:
+        raise ValueError("prefetch lookahead needs the lookahead lists")
     if evict == "crf" and (half_life is None or not half_life > 0):
         raise ValueError("evict crf needs half_life > 0")
     if evict == "belady" and rule != "fetch_all":
@@ -140,6 +184,20 @@ def reference_replay(
             raise ValueError(
                 f"layer {layer}: {len(init[layer])} initial residents > capacity {caps[layer]}"
             )
+
+    n_pre = k if prefetch_n is None else int(prefetch_n)
+    look = _plain(lookahead) if lookahead is not None else None
+
+    def predicted(t, layer):
+        """The list P for `layer` at token t, or None (formed after layer - 1 processed t)."""
+        if prefetch == "off" or layer == 0 or not ok[t][layer - 1]:
+            return None
+        if prefetch == "oracle":
+            return [int(e) for e in ids[t][layer][: min(n_pre, k)]]
+        row = [int(e) for e in look[t][layer - 1]]
+        if len(row) < n_pre:
+            raise ValueError(f"lookahead lists hold {len(row)} ids, prefetch_n = {n_pre}")
+        return row[:n_pre]
 
     kind = [[None] * L for _ in range(T)]
     served = [[None] * L for _ in range(T)]
@@ -164,6 +222,9 @@ def reference_replay(
             gamma,
             half_life,
             int(admission_delay),
+            fallback,
+            tau_high,
+            [predicted(t, layer) for t in range(T)],
         )
         for t in range(T):
             kind[t][layer] = out["kind"][t]
@@ -186,7 +247,8 @@ def reference_replay(
 
 
 def _replay_layer(
-    ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d
+    ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d,
+    fallback, tau_high, plists,
 ):
     """One layer's cache over the whole trace (lists indexed by token t)."""
     T = len(ids)
@@ -200,6 +262,7 @@ def _replay_layer(
     log = []
     cnt = {key: 0 for key in COUNTER_KEYS}
     cnt["substituted_mass"] = 0.0
+    cnt["lowbit_mass"] = 0.0
     kind_out = [None] * T
     served_out = [None] * T
     mass_out = [None] * T
@@ -243,6 +306,7 @@ def _replay_layer(
         if cand[:k] != sel:
             raise ValueError(f"token {t}: ranking {cand} does not start with top-k {sel}")
 
+        admitted_now = set()  # experts admitted right before this token (all batches)
         # ---- 6 (applying). "The experts queued at token t become resident, in
         # queue order, before the layer is processed for token t + d." ----
         while pending and pending[0][0] + d <= t:
@@ -263,9 +327,30 @@ def _replay_layer(
                     resident.remove(victim)
                 resident.add(e)
                 admitted_in_batch.add(e)
+                admitted_now.add(e)
                 a[e] = 0.0  # "reset to 0 ... whenever e becomes resident"
                 cnt["admissions"] += 1
                 log.append((t, e, victim))
+
+        # ---- Prefetch: "Before layer l + 1 processes token t, after the admissions due
+        # there, each expert of P that is not resident in layer l + 1 is loaded, in P
+        # order, evicting the resident with the smallest eviction key that is neither in
+        # P nor admitted by the admissions of the same token (a prefetch with no such
+        # resident is skipped). A prefetch changes no f, a or lru key." ----
+        loaded = []
+        P = plists[t]
+        if P:
+            protected = set(P) | (admitted_now & resident)
+            for e in P:
+                if e in resident:
+                    continue
+                if len(resident) >= C:
+                    options = [r for r in resident if r not in protected]
+                    if not options:
+                        continue
+                    resident.remove(pick_victim(options, t))
+                resident.add(e)
+                loaded.append(e)
 
         # ---- 1. Hits and misses: "e_j is a hit if resident, else a miss." ----
         is_hit = [e in resident for e in sel]
@@ -275,17 +360,20 @@ def _replay_layer(
         for j in range(k):
             if is_hit[j]:
                 decision[j] = HIT
-            elif rule == "fetch_all":
-                decision[j] = FETCH  # "FETCH every miss"
+                continue
+            if rule == "fetch_all":
+                fetch = True  # "FETCH every miss"
             elif rule == "threshold":
-                # "FETCH if j == 0 or w_j >= tau, else SUBSTITUTE"
-                decision[j] = FETCH if (j == 0 or w[j] >= tau) else SUB
+                fetch = j == 0 or w[j] >= tau  # "FETCH if j == 0 or w_j >= tau, else SUBSTITUTE"
             elif rule == "first_choice":
-                decision[j] = FETCH if j == 0 else SUB  # "FETCH if j == 0, else SUBSTITUTE"
+                fetch = j == 0  # "FETCH if j == 0, else SUBSTITUTE"
             elif rule == "substitute_all":
-                decision[j] = SUB  # "SUBSTITUTE every miss, the first choice included"
-            else:  # cpu
-                decision[j] = HOST  # "compute the miss on the host, no cache change"
+                fetch = False  # "SUBSTITUTE every miss, the first choice included"
+            else:  # band: the first choice always; a later miss with tau <= w < tau_high is not fetched
+                fetch = j == 0 or not (tau <= w[j] < tau_high)
+            # "Every miss that the miss rule does not FETCH gets the policy's fallback"
+            decision[j] = FETCH if fetch else {"substitute": SUB, "drop": DROP, "host": HOST,
+                                               "lowbit": LOWBIT}[fallback]
 
         srv = [None] * k
         used = set()  # experts used by this token: hits, fetches, substitutes
@@ -295,8 +383,10 @@ def _replay_layer(
                 srv[j] = sel[j]
                 used.add(sel[j])
                 pinned.add(sel[j])
-            elif decision[j] == HOST:
-                srv[j] = sel[j]
+            elif decision[j] in (HOST, LOWBIT):
+                srv[j] = sel[j]  # computed exactly on the host / from the low-precision copy
+            elif decision[j] == DROP:
+                srv[j] = -1  # fallback drop: "contributes nothing"
 
         # ---- 3. Fetches, in rank order ----
         for j in range(k):
@@ -336,15 +426,21 @@ def _replay_layer(
 
         # ---- 5. Bookkeeping ----
         m = 0.0
+        lm = 0.0
         for j in range(k):
             if decision[j] in (SUB, DROP):
                 m += w[j]  # "m = sum of w_j over its substituted and dropped misses"
-                a[sel[j]] += w[j]  # "a[e_j] += w_j for every substituted or dropped miss"
+            if decision[j] == LOWBIT:
+                lm += w[j]  # "lowbit_mass = sum of w_j over lowbit misses"
+            if decision[j] in (SUB, DROP, LOWBIT):
+                # "The admission accumulator adds w_j for every substituted, dropped or lowbit miss"
+                a[sel[j]] += w[j]
         selected = set(sel)
         for e in range(E):
             # "f[e] = gamma * f[e] + (1 if e was selected else 0)" (router demand)
             f[e] = gamma * f[e] + (1.0 if e in selected else 0.0)
-        # LRU: "the last token at which e was computed here (hit, fetch or substitute)"
+        # LRU: "the last token at which e was computed here (hit, fetch or substitute)";
+        # "lru keys are updated by full-precision computes only" (`used` holds exactly those)
         for e in used:
             last[e] = t
         if evict == "crf":
@@ -361,9 +457,15 @@ def _replay_layer(
                 cnt["substitutions"] += 1
             elif decision[j] == DROP:
                 cnt["drops"] += 1
+            elif decision[j] == LOWBIT:
+                cnt["lowbit_computes"] += 1
             else:
                 cnt["host_computes"] += 1
         cnt["substituted_mass"] += m
+        cnt["lowbit_mass"] += lm
+        cnt["prefetches"] += len(loaded)
+        # "prefetched experts that the token then selected"
+        cnt["prefetch_used"] += sum(1 for e in loaded if e in selected)
 
         # ---- 6 (queueing). "after the token, every expert that is neither
         # resident nor already queued and has a[e] >= beta is queued for

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.errors import InputError
-from runtime.kernel import PolicyCache, next_use, warm_residency
+from runtime.kernel import COUNTER_NAMES, PolicyCache, next_use, predicted_lists, warm_residency
 from runtime.policy import PRESETS, PolicyConfig, resolve_capacities
 from tests.reference import reference_replay, warm_residency_reference
 
@@ -30,7 +31,22 @@ def random_case(seed: int, T: int, L: int, E: int, k: int, M: int, p_valid: floa
     return ids, w, ranking, valid
 
 
-def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks):
+def random_lookahead(seed: int, ids, E: int, P: int):
+    """[T, L, P] distinct ids: on layer l's row a guess at layer l + 1's selection (half of it right)."""
+    rng = np.random.default_rng(seed + 7)
+    T, L, k = ids.shape
+    out = np.empty((T, L, P), np.int32)
+    for t in range(T):
+        for l_ in range(L):
+            nxt = ids[t, min(l_ + 1, L - 1)]
+            keep = [int(e) for e in nxt[: rng.integers(0, min(k, P) + 1)]]
+            rest = [int(e) for e in rng.permutation(E) if e not in keep]
+            row = keep + rest[: P - len(keep)]
+            out[t, l_] = rng.permutation(row) if rng.random() < 0.5 else row
+    return out
+
+
+def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks, lookahead=None):
     T, L, k = ids.shape
     first_use, nxts = None, [None] * L
     if policy.evict == "belady":
@@ -48,24 +64,37 @@ def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks):
             if b <= a:
                 continue
             nxt = None if nxts[l_] is None else nxts[l_][a:b]
-            r = cache.step(l_, ids[a:b, l_], w[a:b, l_], ranking[a:b, l_], valid[a:b, l_], t0=a, nxt=nxt)
+            pred = predicted_lists(policy, l_, ids, valid, lookahead)
+            r = cache.step(l_, ids[a:b, l_], w[a:b, l_], ranking[a:b, l_], valid[a:b, l_], t0=a, nxt=nxt,
+                           predicted=None if pred is None else pred[a:b])
             kind[a:b, l_] = r.kind
             served[a:b, l_] = r.served
     return cache, kind, served
 
 
+def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n):
+    if evict == "belady":
+        rule = "fetch_all"
+        prefetch = "lookahead" if prefetch == "oracle" else prefetch
+    return PolicyConfig(
+        rule=rule, tau=tau if rule in ("threshold", "band") else None,
+        tau_high=tau + 0.2 if rule == "band" else None,
+        fallback="substitute" if rule == "cpu" else fallback,
+        beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d, prefetch=prefetch, prefetch_n=n)
+
+
 policies = st.builds(
-    lambda rule, tau, beta, evict, gamma, h, d: PolicyConfig(
-        rule=rule if evict != "belady" else "fetch_all",
-        tau=tau if rule == "threshold" else None,
-        beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d),
-    rule=st.sampled_from(["fetch_all", "threshold", "first_choice", "substitute_all", "cpu"]),
+    _policy,
+    rule=st.sampled_from(["fetch_all", "threshold", "first_choice", "substitute_all", "cpu", "band"]),
     tau=st.sampled_from([0.0, 0.05, 0.15, 0.3, 0.9]),
     beta=st.sampled_from([None, None, 0.05, 0.2, 0.5, 1.0]),
     evict=st.sampled_from(["lfu", "lfu", "lru", "crf", "belady"]),
     gamma=st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.73]),
     h=st.sampled_from([1.0, 4.0, 32.0]),
     d=st.integers(1, 3),
+    fallback=st.sampled_from(["substitute", "substitute", "drop", "host", "lowbit"]),
+    prefetch=st.sampled_from(["off", "off", "lookahead", "oracle"]),
+    n=st.sampled_from([None, 1, 2, 5]),
 )
 
 
@@ -87,11 +116,18 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
     rng = np.random.default_rng(seed + 1)
     init = [rng.choice(E, size=int(rng.integers(0, c + 1)), replace=False).astype(np.int32) for c in caps]
     chunks = data.draw(st.lists(st.integers(1, max(T - 1, 1)), max_size=3))
-    cache, kind, served = drive_kernel(policy, ids, w, ranking, valid, E, np.array(caps), init, chunks)
+    look = None
+    if policy.prefetch == "lookahead":
+        look = random_lookahead(seed, ids, E, min(E, 5))
+        if (policy.prefetch_n or k) > look.shape[2]:
+            policy = replace(policy, prefetch_n=look.shape[2])
+    cache, kind, served = drive_kernel(policy, ids, w, ranking, valid, E, np.array(caps), init, chunks, look)
     ref = reference_replay(
         ids.tolist(), w.tolist(), ranking.tolist(), valid.tolist(), E, caps, [list(map(int, x)) for x in init],
-        "cpu" if policy.fallback == "host" else policy.rule, tau=policy.tau, beta=policy.beta, evict=policy.evict, gamma=policy.gamma,
-        half_life=policy.half_life, admission_delay=policy.admission_delay,
+        policy.rule, tau=policy.tau, beta=policy.beta, evict=policy.evict, gamma=policy.gamma,
+        half_life=policy.half_life, admission_delay=policy.admission_delay, fallback=policy.fallback,
+        tau_high=policy.tau_high, prefetch=policy.prefetch, prefetch_n=policy.prefetch_n,
+        lookahead=None if look is None else look.tolist(),
     )
     for t in range(T):
         for l_ in range(L):
@@ -100,6 +136,7 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
             assert list(kind[t, l_]) == list(ref["kind"][t][l_]), (t, l_)
             assert list(served[t, l_]) == list(ref["served"][t][l_]), (t, l_)
     for l_, row in enumerate(cache.per_layer()):
+        assert set(ref["counters"][l_]) <= set(COUNTER_NAMES)
         for key, val in ref["counters"][l_].items():
             assert row[key] == val, (l_, key, row[key], val)
         assert set(cache.resident(l_).tolist()) == set(ref["final_resident"][l_])
