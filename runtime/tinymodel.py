@@ -4,9 +4,13 @@
 that are not cached yet and prints their folders and evaluation texts; ``ensure_model(size)`` is
 what the rest of the project calls when it needs one.
 
-Each model is a ``Qwen3MoeForCausalLM`` (64 experts, top-8, every layer sparse) with a byte-level
-BPE tokenizer trained by ``tokenizers`` on the same corpus (``runtime.corpus``: the running
-Python's standard library by default). Training is a fixed number of AdamW steps with warmup and
+The ``demo`` and ``test`` models are ``Qwen3MoeForCausalLM`` (64 experts, top-8, every layer
+sparse) trained on the running Python's standard library; ``mix`` (128 experts, top-8) is trained
+on a mixture of code, English prose and verse (``runtime.corpus`` source ``mix``) and has
+held-out calibration and evaluation texts per domain; ``next-shape`` has Qwen3-Next's routing
+shape (48 MoE layers, 512 experts, top-10, one shared expert; ``Qwen2MoeForCausalLM``, since
+Qwen3-MoE has no shared expert) at a tiny hidden size, briefly trained, for rehearsals. Each has a
+byte-level BPE tokenizer trained by ``tokenizers`` on its corpus. Training is a fixed number of AdamW steps with warmup and
 cosine decay over packed sequences of the train documents, including the router's load-balancing
 loss, and is deterministic given the spec's seed. A build goes to a temporary folder that is
 renamed into place only when complete, under ``$EXPERTSWEEP_CACHE`` (default
@@ -15,7 +19,8 @@ corpus text and the builder version. The folder holds a standard checkpoint that
 ``from_pretrained`` loads offline (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json), the calibration and evaluation texts (calib.txt, eval.txt: documents
 each followed by ``<|endoftext|>``) and train_log.json (steps, losses, validation perplexity,
-gate-weight statistics, wall time, corpus digest). See docs/tiny_models.md.
+gate-weight statistics, wall time, corpus digest); a ``mix``-corpus model also has
+calib_<domain>.txt and eval_<domain>.txt and per-domain perplexities. See docs/tiny_models.md.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ REQUIRED_FILES = (
     "train_log.json",
 )
 GATE_THRESHOLD = 0.15
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
+_LATER_FIELDS = {"architecture": "qwen3_moe", "shared_expert_intermediate_size": 0}
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class TinySpec:
     train_bytes: int = 6_000_000
     heldout_bytes: int = 150_000
     eval_max_tokens: int = 0  # 0: the whole eval.txt
+    # Fields added later: left out of the cache key while at their defaults (see model_digest).
+    architecture: str = "qwen3_moe"  # or "qwen2_moe" (has a shared expert)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe only; 0 = no shared expert
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -119,6 +129,14 @@ class TinySpec:
             raise InputError(
                 f"TinySpec.num_key_value_heads: {self.num_key_value_heads} does not divide "
                 f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.architecture not in ARCHITECTURES:
+            raise InputError(
+                f"TinySpec.architecture: {self.architecture!r} (choose from {', '.join(ARCHITECTURES)})"
+            )
+        if self.shared_expert_intermediate_size and self.architecture != "qwen2_moe":
+            raise InputError(
+                "TinySpec.shared_expert_intermediate_size: only qwen2_moe has a shared expert"
             )
         if self.vocab_size < 257 + 1:
             raise InputError(f"TinySpec.vocab_size: must be >= 258, got {self.vocab_size}")
@@ -163,7 +181,58 @@ SPECS: dict[str, TinySpec] = {
         lr=3e-3,
         seed=0,
     ),
+    # 128 experts, top-8 (a 25% cache holds 32 = 4 x top-k), on code + English prose + verse;
+    # ~22.6M parameters. 1400 steps: ~0.78 s/step on an idle 2-core machine (docs/tiny_models.md).
+    "mix": TinySpec(
+        name="mix",
+        num_layers=4,
+        hidden_size=192,
+        intermediate_size=768,
+        moe_intermediate_size=64,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        vocab_size=8192,
+        seq_len=256,
+        batch_size=8,
+        steps=1400,
+        lr=2e-3,
+        seed=0,
+        corpus="mix",
+        train_bytes=2_000_000,  # per domain
+        heldout_bytes=50_000,  # per domain and held-out split
+    ),
+    # Qwen3-Next's routing shape (48 MoE layers, 512 experts, top-10, a shared expert) at a tiny
+    # hidden size, briefly trained: for rehearsing every stage at that shape, not for quality.
+    "next-shape": TinySpec(
+        name="next-shape",
+        num_layers=48,
+        hidden_size=64,
+        intermediate_size=256,
+        moe_intermediate_size=16,
+        num_experts=512,
+        num_experts_per_tok=10,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=4096,
+        seq_len=256,
+        batch_size=4,
+        steps=60,
+        warmup_steps=10,
+        lr=3e-3,
+        seed=0,
+        corpus="mix",
+        train_bytes=400_000,
+        heldout_bytes=20_000,
+        architecture="qwen2_moe",
+        shared_expert_intermediate_size=64,
+    ),
 }
+DEFAULT_SIZES = ("demo", "test", "mix")
+"""What ``--size all`` (``make model``) builds; ``next-shape`` is built on demand."""
 
 
 # --------------------------------------------------------------------------- paths and keys
@@ -195,8 +264,12 @@ def model_digest(spec: TinySpec, corpus_digest: str | None = None) -> str:
     """Cache key: spec, corpus text and builder version."""
     if corpus_digest is None:
         corpus_digest = _corpus(spec).digest
+    fields = dataclasses.asdict(spec)
+    for name, default in _LATER_FIELDS.items():  # keeps the demo/test keys of before they existed
+        if fields[name] == default:
+            del fields[name]
     payload = json.dumps(
-        {"spec": dataclasses.asdict(spec), "corpus": corpus_digest, "build": BUILD_VERSION},
+        {"spec": fields, "corpus": corpus_digest, "build": BUILD_VERSION},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
@@ -210,6 +283,15 @@ def model_dir(size: str | TinySpec) -> Path:
 
 def is_complete(path: Path) -> bool:
     return path.is_dir() and all((path / f).is_file() for f in REQUIRED_FILES)
+
+
+def domain_texts(path: str | Path, kind: str = "eval") -> dict[str, Path]:
+    """``{domain: path/<kind>_<domain>.txt}`` of a model folder (empty for one-domain models)."""
+    path = Path(path)
+    out = {}
+    for f in sorted(path.glob(f"{kind}_*.txt")):
+        out[f.stem[len(kind) + 1 :]] = f
+    return out
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -247,8 +329,31 @@ def hf_tokenizer(tok: Any, spec: TinySpec) -> Any:
 
 
 def make_config(spec: TinySpec, vocab_size: int, eos_id: int) -> Any:
-    from transformers import Qwen3MoeConfig
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
+    if spec.architecture == "qwen2_moe":
+        return Qwen2MoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            norm_topk_prob=spec.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+            router_aux_loss_coef=spec.router_aux_loss_coef,
+            max_position_embeddings=spec.seq_len,
+            tie_word_embeddings=False,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+        )
     return Qwen3MoeConfig(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
@@ -499,7 +604,7 @@ def build(spec: TinySpec, out_dir: Path, progress: bool = True) -> dict[str, Any
     import tokenizers
     import torch
     import transformers
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
     t_start = time.perf_counter()
     corpus = _corpus(spec)
@@ -518,7 +623,7 @@ def build(spec: TinySpec, out_dir: Path, progress: bool = True) -> dict[str, Any
 
     with _torch_state(spec.seed):
         config = make_config(spec, tok.get_vocab_size(), eos_id)
-        model = Qwen3MoeForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
         n_params = sum(p.numel() for p in model.parameters())
         expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         active = n_params - expert_params * (1 - spec.num_experts_per_tok / spec.num_experts)
@@ -532,12 +637,26 @@ def build(spec: TinySpec, out_dir: Path, progress: bool = True) -> dict[str, Any
         )
         train_log = train_model(model, train_tokens, spec, progress=progress)
         ev = evaluate(model, eval_tokens, spec)
+        by_domain: dict[str, dict[str, float]] = {}
+        for dom in corpus.domains():
+            docs = [d for d in corpus.evaluation if d.domain == dom]
+            ids = tok.encode(join_documents(docs), add_special_tokens=False).ids
+            d_ev = evaluate(model, torch.tensor(ids, dtype=torch.long), spec)
+            by_domain[dom] = {
+                "val_ppl": d_ev["val_ppl"],
+                "val_tokens": d_ev["val_tokens"],
+                "frac_topk_ge_threshold": d_ev["gate_stats"]["frac_topk_ge_threshold"],
+            }
 
     model.config.output_router_logits = False
     model.save_pretrained(out_dir)
     hf_tok.save_pretrained(out_dir)
     (out_dir / "calib.txt").write_text(calib_text, encoding="utf-8")
     (out_dir / "eval.txt").write_text(eval_text, encoding="utf-8")
+    for dom in corpus.domains():
+        for kind, docs in (("calib", corpus.calib), ("eval", corpus.evaluation)):
+            text = join_documents(d for d in docs if d.domain == dom)
+            (out_dir / f"{kind}_{dom}.txt").write_text(text, encoding="utf-8")
     sample = eval_tokens[: spec.seq_len][None]
     reload_diff = _check_reload(out_dir, model, sample)
 
@@ -550,6 +669,7 @@ def build(spec: TinySpec, out_dir: Path, progress: bool = True) -> dict[str, Any
         "active_parameters_per_token": int(active),
         **{k: v for k, v in train_log.items()},
         **ev,
+        "val_by_domain": by_domain,
         "reload_max_abs_logit_diff": reload_diff,
         "build_wall_s": time.perf_counter() - t_start,
         "corpus_digest": corpus.digest,
@@ -664,11 +784,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m runtime.tinymodel",
         description="Build (if not cached) the tiny reference Qwen3-MoE models and print their paths.",
     )
-    parser.add_argument("--size", choices=[*SPECS, "all"], default="all")
+    parser.add_argument(
+        "--size",
+        choices=[*SPECS, "all"],
+        default="all",
+        help=f"model to build; all = {', '.join(DEFAULT_SIZES)}",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument(
         "--corpus",
-        choices=["stdlib", "shakespeare"],
+        choices=["stdlib", "shakespeare", "mix"],
         default=None,
         help="training corpus (default: the spec's, stdlib)",
     )
@@ -679,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
 
     def run() -> None:
-        sizes = list(SPECS) if args.size == "all" else [args.size]
+        sizes = list(DEFAULT_SIZES) if args.size == "all" else [args.size]
         for size in sizes:
             spec = SPECS[size]
             if args.corpus:

