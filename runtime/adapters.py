@@ -97,9 +97,16 @@ class Context:
         self.substitute_weight = "missed"
         self.num_layers = num_layers
         self.last: list[dict | None] = [None] * num_layers  # last step's decisions per layer (tests)
+        # per layer, the (kind, served, slot) [N, k] of every step in stream order, when recording
+        self.decisions: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None
         # engine hook (runtime/engine.py): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
         # decisions: StepResult | None) computes the experts instead of the Hugging Face module
         self.executor = None
+
+    def decision_arrays(self) -> dict[str, np.ndarray]:
+        """The recorded decisions as {"kind", "served", "slot"}: int [T, L, k] each."""
+        return {name: np.stack([np.concatenate([step[i] for step in per_layer]) for per_layer in self.decisions], axis=1)
+                for i, name in enumerate(("kind", "served", "slot"))}
 
     def start_recording(self, depth: int) -> Recorder:
         self.recorder = Recorder(depth, [[] for _ in range(self.num_layers)], [[] for _ in range(self.num_layers)],
@@ -163,6 +170,8 @@ class PolicyExperts(nn.Module):
             return self.compute(hidden_states, top_k_index, top_k_weights, None)
         res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float32).astype(np.float64), ranking.cpu().numpy())
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
+        if ctx.decisions is not None:
+            ctx.decisions[self.layer].append((res.kind, res.served, res.slot))
         kind = torch.from_numpy(res.kind.astype(np.int64)).to(ids.device)
         served = torch.from_numpy(res.served.astype(np.int64)).to(ids.device)
         new_w = w.clone()

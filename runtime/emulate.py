@@ -7,9 +7,13 @@ tokens of the batch in stream order, so every decision equals what a one-token-a
 decode with a KV cache would make (tests/test_emulate.py checks it). The policy cache is
 carried across windows and documents.
 
-Per policy: perplexity, its change versus the exact model with a 95% bootstrap interval
-over windows, the spec's counters and substituted mass; per-token NLLs go to Parquet.
-`python -m runtime.emulate --model DIR --text FILE --policy PRESET --capacity-fraction F --json`.
+`evaluate_group(m, specs)` is the `emulation` backend (runtime/backends.py) for RunSpecs that
+share one input: the exact pass runs once (and is kept for the next call), then each policy.
+Per policy: perplexity, its change versus the exact model with a 95% bootstrap interval over
+windows, the spec's counters and substituted mass; per-token NLLs go to Parquet. Warm start:
+runtime/spec.py (the calibration never depends on `max_tokens`).
+`python -m runtime.emulate --model DIR --text FILE --policy PRESET --capacity-fraction F --json`
+(policy flags from runtime/policy.py's table; `--backend engine` decodes with the engine).
 """
 
 from __future__ import annotations
@@ -21,27 +25,51 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.errors import InputError, atomic_write, cli_main
+from runtime import costmodel
+from runtime.errors import ArgumentParser, InputError, atomic_write, check_output_path, cli_main
 from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime.emulate
     Loaded,
+    calib_windows_ids,
     calibration_ids,
     default_window,
     load,
     make_trace,
+    read_tokens,
     record,
     run_stream,
+    to_windows,
     tokenize_file,
 )
 from runtime.kernel import PolicyCache, warm_residency
-from runtime.policy import PRESETS, PolicyConfig, preset, resolve_capacities
-from runtime.trace import save_trace
+from runtime.policy import PolicyConfig, add_policy_flags, policies_from_flags, resolve_capacities
+from runtime.spec import HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
+from runtime.trace import load_trace, save_trace
 
 log = logging.getLogger(__name__)
 
-COUNTER_KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions")
+# fields every spec of one group shares (one exact pass, one warm-start source)
+GROUP_FIELDS = ("model", "text", "max_tokens", "window", "batch_windows", "initial_residency", "calib_text",
+                "calib_max_tokens", "dtype", "device", "host_store", "nll_out")
+
+
+@dataclass
+class Exact:
+    """The exact model on one input: evaluated windows, NLL, and the warm-start calibration ids."""
+
+    windows: np.ndarray  # [n, W] int64
+    sha: str
+    nll: np.ndarray  # [n, W-1]
+    seconds: float
+    calib_ids: np.ndarray | None  # [T_c, L, k] router ids of the calibration tokens, None = cold / file
+    init_source: str
+    init_file: list | None = None  # per-layer ids from a .npy or a calibration trace
+
+
+_EXACT: dict[tuple, Exact] = {}  # kept between calls (a sweep worker evaluates many policies on one input)
 
 
 def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float, float]:
@@ -56,87 +84,137 @@ def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1
     return point, float(lo), float(hi)
 
 
-def emulate(
-    model_dir: str | os.PathLike | Loaded,
-    text_path: str | os.PathLike,
-    policies: dict[str, PolicyConfig],
-    capacity_fraction: float | None = 0.25,
-    capacity=None,
-    max_tokens: int | None = None,
-    window: int | None = None,
-    batch_windows: int = 8,
-    calib_text: str | os.PathLike | None = None,
-    substitute_weight: str = "missed",
-    nll_out: str | os.PathLike | None = None,
-    trace_out: str | os.PathLike | None = None,
-    residency_out: str | os.PathLike | None = None,
-    progress: bool = False,
-    policy_runner=None,
-) -> dict:
-    """Exact perplexity and per-policy perplexity/counters. Returns {"exact": {...}, name: {...}}.
-
-    `policy_runner(m, windows, cache, name) -> (nll [n, window-1], extra keys)`, when given, replaces
-    the batched forward of each policy (the engine backend decodes token by token instead).
-    """
-    m = model_dir if isinstance(model_dir, Loaded) else load(model_dir)
-    if substitute_weight not in ("missed", "own"):
-        raise InputError(f"--substitute-weight = {substitute_weight!r} must be 'missed' or 'own'")
-    W = window or default_window(m)
-    windows, sha = tokenize_file(m, text_path, max_tokens, W)
-    caps = resolve_capacities(capacity, m.num_layers, m.E, m.k, capacity_fraction)
-    cids, init_src = calibration_ids(m, calib_text, max_tokens, W, batch_windows, progress)
+def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False) -> Exact:
+    """Tokenize, split off the warm-start tokens, run the exact model; cached per input."""
+    key = (id(m.model),) + tuple(getattr(spec, f) for f in GROUP_FIELDS[1:-1])
+    if key in _EXACT:
+        return _EXACT[key]
+    W = spec.window or default_window(m)
+    ids, sha = read_tokens(m, spec.text)
+    ir = spec.initial_residency
+    calib_ids, source, init_file = None, "cold", None
+    if ir is None and spec.calib_text is None and not (m.model_dir / "calib.txt").is_file():
+        log.warning("no calibration text (--calib-text, or calib.txt beside the model): warm start from the "
+                    "held-out last %d%% of %s (not evaluated)", round(HELD_OUT_FRACTION * 100), spec.text)
+        ir = HELD_OUT
+    if ir == HELD_OUT:
+        cut = int(len(ids) * (1 - HELD_OUT_FRACTION))
+        cwin = to_windows(ids[cut:], spec.calib_max_tokens, W, f"--text {spec.text} (held-out part)")
+        calib_ids = calib_windows_ids(m, cwin, spec.batch_windows, progress)
+        source = f"held-out: text tokens {cut}..{len(ids) - 1} of {spec.text}"
+        ids = ids[:cut]
+    elif ir is None:
+        calib_ids, source = calibration_ids(m, spec.calib_text, spec.calib_max_tokens, W, spec.batch_windows, progress)
+    elif ir.startswith("warm:"):
+        tr = load_trace(ir[5:])
+        if (tr.E, tr.k, tr.L) != (m.E, m.k, m.num_layers):
+            raise InputError(f"--initial-residency {ir}: trace has E={tr.E}, k={tr.k}, L={tr.L}; the model has "
+                             f"E={m.E}, k={m.k}, L={m.num_layers}")
+        calib_ids, source = tr.topk_ids, ir
+    elif ir.endswith(".npy"):
+        arr = np.load(ir, allow_pickle=False) if os.path.isfile(ir) else None
+        if arr is None or arr.ndim != 2 or arr.shape[0] != m.num_layers or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"--initial-residency {ir}: expected an existing .npy of int [L={m.num_layers}, C]")
+        init_file, source = [arr[l_] for l_ in range(m.num_layers)], ir
+    windows = to_windows(ids, spec.max_tokens, W, f"--text {spec.text}")
     t0 = time.perf_counter()
-    ids, w, rank, nll_exact = record(m, windows, m.k, batch_windows, progress, desc="exact")
-    exact_seconds = time.perf_counter() - t0
-    init = warm_residency(cids if cids is not None else ids, None, m.E, caps)
+    _, _, _, nll = record(m, windows, m.k, spec.batch_windows, progress, desc="exact")
+    ex = Exact(windows, sha, nll, time.perf_counter() - t0, calib_ids, source, init_file)
+    if len(_EXACT) >= 4:
+        _EXACT.pop(next(iter(_EXACT)))
+    _EXACT[key] = ex
+    return ex
+
+
+def capacities_of(m: Loaded, spec: RunSpec) -> np.ndarray:
+    """Slots per layer of a RunSpec on a loaded model (a VRAM budget: runtime.costmodel's one meaning)."""
+    if spec.vram_budget_GiB is not None:
+        shape = costmodel.model_shape_for(m.model.config.to_dict(), spec.dtype)
+        caps = costmodel.capacities_for_budget(shape, spec.vram_budget_GiB, spec.policy)
+        return resolve_capacities(caps, m.num_layers, m.E, m.k, flag=f"--vram-budget {spec.vram_budget_GiB!r} GiB: capacity")
+    return resolve_capacities(spec.capacity, m.num_layers, m.E, m.k, spec.capacity_fraction)
+
+
+def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = "emulation",
+                   progress: bool = False, capacities=None) -> list[Result]:
+    """Evaluate RunSpecs that share one input (GROUP_FIELDS) on a loaded model.
+
+    `runner(m, windows, cache, name) -> (nll [n, W-1], extra)`, when given, replaces the batched
+    forward of each policy (the engine backend decodes token by token); `capacities(spec)` replaces
+    `capacities_of` (the engine's budget)."""
+    first = specs[0]
+    for s in specs[1:]:
+        for f in GROUP_FIELDS:
+            if getattr(s, f) != getattr(first, f):
+                raise InputError(f"one evaluation group: {f} differs between policies ({getattr(first, f)!r} vs "
+                                 f"{getattr(s, f)!r})")
+    ex = exact_pass(m, first, progress)
+    windows, nll_exact = ex.windows, ex.nll
     exact_ppl = float(math.exp(nll_exact.mean()))
-    results: dict = {"exact": {"perplexity": exact_ppl, "tokens": int(windows.size), "scored_tokens": int(nll_exact.size),
-                               "windows": int(windows.shape[0]), "window": W, "seconds": exact_seconds}}
-    nll_cols = {"nll_exact": nll_exact.ravel()}
-    for name, pol in policies.items():
-        pol.validate(where=f"policy {name}")
+    T = int(windows.size)
+    out, nll_cols = [], {"nll_exact": nll_exact.ravel()}
+    for spec in specs:
+        pol = spec.policy
+        caps = capacities(spec) if capacities is not None else capacities_of(m, spec)
+        init = ex.init_file if ex.init_file is not None else (
+            warm_residency(ex.calib_ids, None, m.E, caps) if ex.calib_ids is not None else None)
         cache = PolicyCache(pol, m.E, m.k, caps, init)
-        m.ctx.substitute_weight = substitute_weight
+        m.ctx.substitute_weight = spec.substitute_weight
+        m.ctx.decisions = [[] for _ in range(m.num_layers)] if spec.record_decisions else None
         t0 = time.perf_counter()
         extra: dict = {}
         try:
-            if policy_runner is not None:
-                nll, extra = policy_runner(m, windows, cache, name)
-            elif trace_out is not None and len(policies) == 1:
-                pids, pw, prank, nll = record(m, windows, m.E, batch_windows, progress, cache=cache, desc=name)
-                tr = make_trace(m, pids, pw, prank, windows, sha, f"runtime.emulate policy={name}")
-                save_trace(tr, trace_out)
+            if runner is not None:
+                nll, extra = runner(m, windows, cache, spec.label)
+            elif spec.trace_out is not None:
+                pids, pw, prank, nll = record(m, windows, m.E, spec.batch_windows, progress, cache=cache, desc=spec.label)
+                save_trace(make_trace(m, pids, pw, prank, windows, ex.sha, f"runtime.emulate policy={pol.label()}"),
+                           spec.trace_out)
             else:
                 m.ctx.cache = cache
-                nll = run_stream(m, windows, batch_windows, progress, desc=name)
+                nll = run_stream(m, windows, spec.batch_windows, progress, desc=spec.label)
+            decisions = m.ctx.decision_arrays() if spec.record_decisions else None
         finally:
             m.ctx.cache = None
+            m.ctx.decisions = None
             m.ctx.substitute_weight = "missed"
-        secs = time.perf_counter() - t0
         point, lo, hi = bootstrap_change(nll_exact, nll)
-        tot = cache.counter_totals()
-        T = int(windows.size)
-        r = {"policy": pol.label(), "policy_config": pol.to_dict(), "perplexity": float(math.exp(nll.mean())),
-             "exact_perplexity": exact_ppl, "ppl_change_pct": point, "ppl_change_ci95": [lo, hi]}
-        r.update({key: tot[key] for key in COUNTER_KEYS})
-        r["substituted_mass"] = tot["substituted_mass"]
-        r["mass_per_token"] = tot["substituted_mass"] / T
-        r["mass_per_token_layer"] = tot["substituted_mass"] / (T * m.num_layers)
-        r["substituted_call_fraction"] = (tot["substitutions"] + tot["drops"]) / max(tot["calls"], 1)
-        r["per_layer"] = cache.per_layer()
-        r.update({"capacity": caps.tolist(), "num_experts": m.E, "top_k": m.k, "tokens": T, "seconds": secs, "initial_residency": init_src,
-                  "substitute_weight": substitute_weight})
-        r.update(extra)
-        results[name] = r
-        nll_cols[f"nll_{name}"] = nll.ravel()
-    if residency_out is not None:
-        res_arr = np.stack([np.asarray(x, np.int64) for x in init]) if len(set(caps.tolist())) == 1 else None
-        if res_arr is None:
-            raise InputError("--residency-out needs the same capacity in every layer")
-        atomic_write(residency_out, lambda tmp: np.save(open(tmp, "wb"), res_arr))
-    if nll_out is not None:
-        _write_nll(nll_out, windows, nll_cols)
-    return results
+        extra.update({"seconds": time.perf_counter() - t0, "exact_seconds": ex.seconds, "substitute_weight":
+                      spec.substitute_weight, "windows": int(windows.shape[0]), "window": int(windows.shape[1]),
+                      "scored_tokens": int(nll.size)})
+        out.append(Result(backend=backend, policy=pol.label(), policy_config=pol.to_dict(), capacity=caps.tolist(),
+                          initial_residency=ex.init_source, tokens=T, num_layers=m.num_layers, num_experts=m.E,
+                          top_k=m.k, counters=cache.counter_totals(), per_layer=cache.per_layer(),
+                          perplexity=float(math.exp(nll.mean())), exact_perplexity=exact_ppl, ppl_change_pct=point,
+                          ppl_ci_low=lo, ppl_ci_high=hi, extra=extra, decisions=decisions))
+        nll_cols[f"nll_{spec.label}"] = nll.ravel()
+        if spec.residency_out is not None:
+            if init is None or len(set(caps.tolist())) != 1:
+                raise InputError(f"--residency-out {spec.residency_out}: needs a warm start and the same capacity in every layer")
+            arr = np.stack([np.asarray(x, np.int64) for x in init])
+            atomic_write(spec.residency_out, lambda tmp, arr=arr: np.save(open(tmp, "wb"), arr))
+    if first.nll_out is not None:
+        _write_nll(first.nll_out, windows, nll_cols)
+    return out
+
+
+def emulate(model_dir: str | os.PathLike | Loaded, text_path: str | os.PathLike, policies: dict[str, PolicyConfig],
+            capacity_fraction: float | None = 0.25, capacity=None, max_tokens: int | None = None, **spec_fields) -> dict:
+    """Library shorthand: {"exact": {...}, name: Result.to_dict()} for named policies on one text."""
+    m = model_dir if isinstance(model_dir, Loaded) else load(model_dir)
+    progress = spec_fields.pop("progress", False)
+    specs = [RunSpec(policy=p, name=name, capacity=capacity, capacity_fraction=None if capacity is not None else capacity_fraction,
+                     model=str(m.model_dir), text=str(text_path), max_tokens=max_tokens, **spec_fields)
+             for name, p in policies.items()]
+    res = evaluate_group(m, specs, progress=progress)
+    ex = exact_pass(m, specs[0])
+    out: dict = {"exact": {"perplexity": res[0].exact_perplexity, "tokens": res[0].tokens,
+                           "scored_tokens": int(ex.nll.size), "windows": int(ex.windows.shape[0]),
+                           "window": int(ex.windows.shape[1]), "seconds": ex.seconds,
+                           "initial_residency": ex.init_source}}
+    for name, r in zip(policies, res, strict=True):
+        out[name] = r.to_dict()
+    return out
 
 
 def _write_nll(path, windows: np.ndarray, cols: dict) -> None:
@@ -151,21 +229,27 @@ def _write_nll(path, windows: np.ndarray, cols: dict) -> None:
     atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.emulate", description=__doc__.splitlines()[0])
+def build_parser(backends: tuple[str, ...] = ("emulation", "engine")) -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="python -m runtime.emulate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--text", required=True, help="UTF-8 text file to evaluate")
-    p.add_argument("--policy", action="append", required=True,
-                   help=f"preset (repeatable), or 'all': {', '.join(PRESETS)}")
+    add_policy_flags(p, repeatable_preset=True)
     cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-fraction", type=float, default=None)
+    cap.add_argument("--capacity-fraction", type=float, default=None, help="default 0.25")
     cap.add_argument("--capacity", type=int, default=None)
+    cap.add_argument("--vram-budget", type=float, default=None, help="GiB (runtime.costmodel.capacities_for_budget)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--window", type=int, default=None, help="tokens per context window (default: min(max positions, 512))")
     p.add_argument("--batch-windows", type=int, default=8)
+    p.add_argument("--initial-residency", default=None, help="warm:TRACE | cold | FILE.npy | held-out "
+                   "(default: --calib-text, else calib.txt beside the model, else held-out: the text's last 20%%)")
     p.add_argument("--calib-text", default=None, help="text for the warm start (default: calib.txt beside the model)")
-    p.add_argument("--substitute-weight", default="missed", choices=["missed", "own"])
-    p.add_argument("--backend", default="emulation", choices=["emulation", "engine"])
+    p.add_argument("--calib-max-tokens", type=int, default=16384, help="calibration tokens read (independent of --max-tokens)")
+    p.add_argument("--substitute-weight", default="missed", help="missed | own")
+    p.add_argument("--backend", default="emulation", help=" | ".join(backends))
+    p.add_argument("--device", default=None, help="engine: cpu | cuda")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16")
+    p.add_argument("--host-store", default="ram", help="engine: ram | mmap")
     p.add_argument("--nll-out", default=None, help="per-token NLLs (Parquet)")
     p.add_argument("--trace-out", default=None, help="router trace seen under the (single) policy")
     p.add_argument("--residency-out", default=None, help="initial residency used (.npy int [L, C])")
@@ -173,39 +257,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
-    names = list(PRESETS) if a.policy == ["all"] else a.policy
-    pols = {n: preset(n) for n in names}
-    if a.capacity is None and a.capacity_fraction is None:
+def specs_from_args(a: argparse.Namespace) -> dict[str, RunSpec]:
+    pols = policies_from_flags(a)
+    if a.trace_out and len(pols) > 1:
+        raise InputError(f"--trace-out {a.trace_out}: records one policy's trace; {len(pols)} policies given")
+    if a.residency_out and len(pols) > 1:
+        raise InputError(f"--residency-out {a.residency_out}: one policy's warm start; {len(pols)} policies given")
+    for flag, path in (("--nll-out", a.nll_out), ("--trace-out", a.trace_out), ("--residency-out", a.residency_out)):
+        check_output_path(path, flag)
+    if a.capacity is None and a.capacity_fraction is None and a.vram_budget is None:
         a.capacity_fraction = 0.25
-    for flag, v in (("--max-tokens", a.max_tokens), ("--window", a.window), ("--batch-windows", a.batch_windows)):
-        if v is not None and v < 2:
-            raise InputError(f"{flag} = {v} must be >= 2")
-    if a.backend == "engine":
-        from runtime.engine import emulate_engine
+    return {name: RunSpec(policy=pol, name=name, capacity=a.capacity, capacity_fraction=a.capacity_fraction,
+                          vram_budget_GiB=a.vram_budget, model=a.model, text=a.text, max_tokens=a.max_tokens,
+                          window=a.window, batch_windows=a.batch_windows, initial_residency=a.initial_residency,
+                          calib_text=a.calib_text, calib_max_tokens=a.calib_max_tokens, device=a.device,
+                          dtype=a.dtype, host_store=a.host_store, substitute_weight=a.substitute_weight,
+                          nll_out=a.nll_out, trace_out=a.trace_out, residency_out=a.residency_out)
+            for name, pol in pols.items()}
 
-        res = emulate_engine(a.model, a.text, pols, capacity_fraction=a.capacity_fraction, capacity=a.capacity,
-                             max_tokens=a.max_tokens, window=a.window, calib_text=a.calib_text)
-    else:
-        res = emulate(a.model, a.text, pols, capacity_fraction=a.capacity_fraction, capacity=a.capacity,
-                      max_tokens=a.max_tokens, window=a.window, batch_windows=a.batch_windows,
-                      calib_text=a.calib_text, substitute_weight=a.substitute_weight, nll_out=a.nll_out,
-                      trace_out=a.trace_out, residency_out=a.residency_out, progress=sys.stderr.isatty())
+
+def main(argv: list[str] | None = None) -> None:
+    from runtime import backends
+
+    a = build_parser(tuple(backends.BACKENDS)).parse_args(argv)
+    specs = specs_from_args(a)
+    backend = backends.get_backend(a.backend, flag="--backend")
+    results = dict(zip(specs, backend.evaluate_many(list(specs.values()), progress=sys.stderr.isatty()), strict=True))
     if a.json:
-        out = res[names[0]] if len(names) == 1 else res
-        if len(names) == 1:
-            out = {**out, "exact": res["exact"]}
-        print(json.dumps(out, indent=2))
-    else:
-        print(f"exact perplexity {res['exact']['perplexity']:.4f} over {res['exact']['tokens']} tokens")
-        for n in names:
-            r = res[n]
-            print(f"{n:18s} ppl {r['perplexity']:.4f}  change {r['ppl_change_pct']:+.2f}% "
-                  f"[{r['ppl_change_ci95'][0]:+.2f}, {r['ppl_change_ci95'][1]:+.2f}]  "
-                  f"mass/token {r['mass_per_token']:.4f}  fetches {r['fetches']}  subs {r['substitutions']}")
+        out = {n: r.to_dict() for n, r in results.items()}
+        print(json.dumps(next(iter(out.values())) if len(out) == 1 else out, indent=2))
+        return
+    first = next(iter(results.values()))
+    print(f"exact perplexity {first.exact_perplexity:.4f} over {first.tokens} tokens (warm start: {first.initial_residency})")
+    for n, r in results.items():
+        print(f"{n:18s} ppl {r.perplexity:.4f}  change {r.ppl_change_pct:+.2f}% [{r.ppl_ci_low:+.2f}, {r.ppl_ci_high:+.2f}]  "
+              f"mass/token {r.mass_per_token:.4f}  fetches {r.counters['fetches']}  subs {r.counters['substitutions']}"
+              + (f"  {r.time_per_token_s * 1e3:.2f} ms/token" if r.time_per_token_s is not None else ""))
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="expertsweep: warning: %(message)s")
     cli_main(main)

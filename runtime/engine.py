@@ -17,8 +17,9 @@ router weight, HOST computes on the host from the store, DROP computes nothing; 
 admissions queued at this token start copying into staging buffers on the admission stream
 (CPU device mode: a background thread; torch copies release the GIL).
 
-`emulate_engine()` is the `--backend engine` of `python -m runtime.emulate`: the same evaluation,
-with every policy decoded token by token (batch 1, KV cache, teacher forcing).
+The `engine` backend of runtime/backends.py (`python -m runtime.emulate --backend engine`) is the
+emulation's evaluation with every policy decoded token by token by `Engine.teacher_forced`
+(batch 1, KV cache, teacher forcing).
 """
 
 from __future__ import annotations
@@ -621,34 +622,6 @@ def cpu_threads(device: torch.device, threads: int | None):
         yield
     finally:
         torch.set_num_threads(old)
-
-
-def emulate_engine(model: str | os.PathLike, text: str | os.PathLike, policies: dict[str, PolicyConfig],
-                   capacity_fraction: float | None = 0.25, capacity=None, max_tokens: int | None = None,
-                   window: int | None = None, calib_text: str | os.PathLike | None = None, *,
-                   device: str | None = None, vram_budget: float | None = None, dtype: torch.dtype = torch.float32,
-                   host_store: str = "ram", threads: int | None = 1, debug: bool = False,
-                   batch_windows: int = 8) -> dict:
-    """`python -m runtime.emulate --backend engine`: emulate() with every policy decoded by the engine.
-
-    Same result keys as runtime.emulate.emulate(), plus per policy `time_per_token_s`, `peak_device_bytes`
-    and `engine` (copies, stalls, bytes). The exact reference runs batched through the engine's exact
-    (streaming) path; the warm start is emulate()'s (calib.txt beside the model, else the evaluated text).
-    """
-    from runtime import emulate  # noqa: I001 - moving to runtime/backends.py (the engine backend)
-
-    dev = resolve_device(device)
-    with device_errors(), cpu_threads(dev, threads):
-        m = hfmodel.load(model, dtype)
-        eng = Engine(m, dev, host_store=host_store, debug=debug)
-        try:
-            if vram_budget is not None:
-                capacity, capacity_fraction = eng.capacities_for_budget(vram_budget, list(policies.values())), None
-            return emulate.emulate(m, text, policies, capacity_fraction=capacity_fraction, capacity=capacity,
-                                   max_tokens=max_tokens, window=window, batch_windows=batch_windows,
-                                   calib_text=calib_text, policy_runner=eng.teacher_forced)
-        finally:
-            eng.close()
 
 
 def load_engine(model_dir: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype = "fp32",

@@ -8,6 +8,7 @@ a partial output file behind.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -31,6 +32,27 @@ def cli_main(fn: Callable[[], Any]) -> None:
     except InputError as e:
         print(f"expertsweep: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for every command: a usage error is an InputError (one line, exit 2 through cli_main),
+    not the usage block."""
+
+    def error(self, message: str) -> None:  # argparse's documented override point
+        raise InputError(f"{self.prog}: {message}")
+
+
+def check_output_path(path: str | os.PathLike[str] | None, flag: str = "--out") -> None:
+    """Before any work: an output file must be writable where it is asked for (its folder exists)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag} {p}: is a directory, expected a file path")
+    if not p.parent.is_dir():
+        raise InputError(f"{flag} {p}: folder {p.parent} does not exist")
+    if not os.access(p.parent, os.W_OK):
+        raise InputError(f"{flag} {p}: folder {p.parent} is not writable")
 
 
 def _umask() -> int:

@@ -80,26 +80,35 @@ def _layer_index(name: str, default: int) -> int:
     return default
 
 
-def tokenize_file(m: Loaded, text_path: str | os.PathLike, max_tokens: int | None, window: int,
-                  flag: str = "--text") -> tuple[np.ndarray, str]:
-    """Token stream [n_windows, window] (int64) of a text file, and the text's sha256."""
+def read_tokens(m: Loaded, text_path: str | os.PathLike, flag: str = "--text") -> tuple[np.ndarray, str]:
+    """The whole text file as one token stream int64 [N], and the text's sha256."""
     p = Path(text_path)
     try:
         raw = p.read_bytes()
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{flag} {p}: cannot be read as UTF-8 text ({type(exc).__name__})") from None
-    m.tokenizer.model_max_length = int(1e12)  # the stream is cut into windows below
-    ids = m.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
+    m.tokenizer.model_max_length = int(1e12)  # the stream is cut into windows later
+    ids = np.asarray(m.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    if ids.size and ids.max() >= m.model.config.vocab_size:
+        raise InputError(f"{flag} {p}: token id {int(ids.max())} >= vocab_size {m.model.config.vocab_size}")
+    return ids, hashlib.sha256(raw).hexdigest()
+
+
+def to_windows(ids: np.ndarray, max_tokens: int | None, window: int, where: str) -> np.ndarray:
+    """The first `max_tokens` tokens cut into windows [n, window] (a trailing partial window dropped)."""
+    ids = ids[:max_tokens] if max_tokens is not None else ids
     n = len(ids) // window
     if n == 0:
-        raise InputError(f"{flag} {p}: {len(ids)} tokens, fewer than one window of {window}")
-    arr = np.asarray(ids[: n * window], dtype=np.int64).reshape(n, window)
-    if arr.max() >= m.model.config.vocab_size:
-        raise InputError(f"{flag} {p}: token id {int(arr.max())} >= vocab_size {m.model.config.vocab_size}")
-    return arr, hashlib.sha256(raw).hexdigest()
+        raise InputError(f"{where}: {len(ids)} tokens, fewer than one window of {window}")
+    return np.ascontiguousarray(ids[: n * window].reshape(n, window))
+
+
+def tokenize_file(m: Loaded, text_path: str | os.PathLike, max_tokens: int | None, window: int,
+                  flag: str = "--text") -> tuple[np.ndarray, str]:
+    """Token stream [n_windows, window] (int64) of a text file, and the text's sha256."""
+    ids, sha = read_tokens(m, text_path, flag)
+    return to_windows(ids, max_tokens, window, f"{flag} {text_path}"), sha
 
 
 def default_window(m: Loaded) -> int:
@@ -147,14 +156,21 @@ def make_trace(m: Loaded, ids, w, rank, windows: np.ndarray, text_sha: str, sour
                  meta=meta)
 
 
-def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, max_tokens: int | None, window: int,
+def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, calib_max_tokens: int, window: int,
                     batch_windows: int = 8, progress: bool = False) -> tuple[np.ndarray | None, str]:
-    """Router ids [T, L, k] of the warm-start text (--calib-text, else calib.txt beside the model) and
-    its name; (None, "evaluated text") when there is none (the caller then uses the evaluated text)."""
+    """Router ids [T, L, k] of the warm-start text (`calib_text`, else calib.txt beside the model), read
+    up to `calib_max_tokens` tokens, and its name; (None, "") when there is none (the caller then holds
+    out part of the evaluated text: runtime/spec.py)."""
     calib = Path(calib_text) if calib_text else (m.model_dir / "calib.txt")
     if not calib.is_file():
-        log.warning("no calibration text (%s): warm residency from the evaluated text itself", calib)
-        return None, "evaluated text"
-    cwin, _ = tokenize_file(m, calib, max_tokens, window, flag="--calib-text")
-    cids, _, _, _ = record(m, cwin, m.k, batch_windows, progress, desc="calibration")
-    return cids, str(calib)
+        if calib_text:
+            raise InputError(f"--calib-text {calib}: no such file")
+        return None, ""
+    cwin, _ = tokenize_file(m, calib, calib_max_tokens, window, flag="--calib-text")
+    return calib_windows_ids(m, cwin, batch_windows, progress), f"calib text {calib} (first {cwin.size} tokens)"
+
+
+def calib_windows_ids(m: Loaded, windows: np.ndarray, batch_windows: int = 8, progress: bool = False) -> np.ndarray:
+    """Router ids [T, L, k] of the exact model over calibration windows."""
+    cids, _, _, _ = record(m, windows, m.k, batch_windows, progress, desc="calibration")
+    return cids

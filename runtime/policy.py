@@ -66,32 +66,35 @@ class Param:
         return f"{'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
 
     def check(self, value: Any, where: str) -> Any:
-        """The value converted to this parameter's type, or an InputError naming field, flag and value."""
-        name = f"{where}{self.name} ({self.flag})"
+        """The value converted to this parameter's type, or an InputError naming flag, field and value."""
+
+        def bad(why: str) -> InputError:
+            return InputError(f"{where}{self.flag} = {value!r} {why} (policy field {self.name})")
+
         if value is None:
             if self.nullable:
                 return None
-            raise InputError(f"{name} = None: a value is required ({self.range_text()})")
+            raise bad(f"needs a value ({self.range_text()})")
         if self.type is str:
             if value not in self.choices:
-                raise InputError(f"{name} = {value!r} is unknown (choose from {', '.join(self.choices)})")
+                raise bad(f"is unknown (choose from {', '.join(self.choices)})")
             return value
         if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-            raise InputError(f"{name} = {value!r} must be a number")
+            raise bad("must be a number")
         if self.type is int:
             if float(value) != int(value):
-                raise InputError(f"{name} = {value!r} must be an integer")
+                raise bad("must be an integer")
             value = int(value)
         else:
             value = float(value)
             if not math.isfinite(value):
-                raise InputError(f"{name} = {value!r} must be finite")
+                raise bad("must be finite")
         if self.choices is not None and value not in self.choices:
-            raise InputError(f"{name} = {value!r} must be one of {', '.join(map(str, self.choices))}")
+            raise bad(f"must be one of {', '.join(map(str, self.choices))}")
         bad_lo = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         bad_hi = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         if bad_lo or bad_hi:
-            raise InputError(f"{name} = {value!r} must be in {self.range_text()}")
+            raise bad(f"must be in {self.range_text()}")
         return value
 
 
@@ -149,19 +152,19 @@ class PolicyConfig:
         if self.rule in RULE_ALIASES:
             rule, fb = RULE_ALIASES[self.rule]
             if self.fallback not in ("substitute", fb):
-                raise InputError(f"{where}rule (--rule) = {self.rule!r} means fetch nothing + fallback {fb}; "
+                raise InputError(f"{where}--rule = {self.rule!r} means fetch nothing + fallback {fb}; "
                                  f"fallback = {self.fallback!r} contradicts it")
             object.__setattr__(self, "rule", rule)
             object.__setattr__(self, "fallback", fb)
         if self.rule in ("threshold", "band") and self.tau is None:
-            raise InputError(f"{where}tau (--tau) = None: rule {self.rule} needs a threshold")
+            raise InputError(f"{where}--tau = None: rule {self.rule} needs a threshold (policy field tau)")
         if self.rule == "band" and (self.tau_high is None or not self.tau_high > self.tau):
-            raise InputError(f"{where}tau_high (--tau-high) = {self.tau_high!r} must be > tau = {self.tau!r} for rule band")
+            raise InputError(f"{where}--tau-high = {self.tau_high!r} must be > tau = {self.tau!r} for rule band")
         if self.evict == "belady" and self.rule != "fetch_all":
-            raise InputError(f"{where}evict (--evict) = 'belady' is an offline bound for rule fetch_all only "
+            raise InputError(f"{where}--evict = 'belady' is an offline bound for rule fetch_all only "
                              f"(rule = {self.rule!r})")
         if self.prefetch == "oracle" and self.evict == "belady":
-            raise InputError(f"{where}prefetch (--prefetch) = 'oracle' with evict = 'belady' is not supported")
+            raise InputError(f"{where}--prefetch = 'oracle' with evict = 'belady' is not supported")
         return self
 
     @property

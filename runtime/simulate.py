@@ -1,8 +1,10 @@
 """Trace simulator: replay router traces through the policy kernel and a host cost model.
 
-`simulate()` is the library entry (the sweep calls it per trial); `python -m runtime.simulate`
-is the command line. Every run also replays fetch-every-miss and host-compute at the same
-capacity and start, and reports the all-resident bound, so speed ratios come with every result.
+`evaluate(spec) -> Result` is the `simulator` backend (runtime/backends.py); `simulate()` is the
+same for a trace already in memory; `python -m runtime.simulate` is the command line (policy
+flags from runtime/policy.py's parameter table). Every run also replays fetch-every-miss and
+host-compute at the same capacity and start, and reports the all-resident bound, so speed
+ratios come with every result. Warm start: runtime/spec.py (never the evaluated rows).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -19,14 +20,19 @@ from pathlib import Path
 import numpy as np
 
 from runtime import costmodel
-from runtime.errors import InputError, cli_main
+from runtime.errors import ArgumentParser, InputError, atomic_write, check_output_path, cli_main
 from runtime.kernel import N_EV, PolicyCache, next_use, warm_residency, warmup
-from runtime.policy import PRESETS, PolicyConfig, preset, resolve_capacities
-from runtime.trace import Trace, load_trace
+from runtime.policy import (
+    PRESETS,
+    PolicyConfig,
+    add_policy_flags,
+    policies_from_flags,
+    resolve_capacities,
+)
+from runtime.spec import HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
+from runtime.trace import Trace, calibration_split, load_trace
 
 log = logging.getLogger(__name__)
-
-COUNTER_KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions")
 
 
 @dataclass
@@ -34,9 +40,11 @@ class Replay:
     cache: PolicyCache
     events: np.ndarray  # int32 [T, L, 5]
     seconds: float  # the kernel loop alone
+    decisions: dict[str, np.ndarray] | None = None  # kind / served / slot [T, L, k] when asked for
 
 
-def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_residency) -> Replay:
+def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_residency,
+           decisions: bool = False) -> Replay:
     """Run the kernel over every layer of a trace (layers are independent caches)."""
     T, L = trace.T, trace.L
     first_use, nxts = None, [None] * L
@@ -54,19 +62,33 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     valids = [np.ascontiguousarray(trace.valid[:, l_]) for l_ in range(L)]
     warmup()
     t_start = time.perf_counter()
+    steps = []
     for l_ in range(L):
-        cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_], logs=False)
+        steps.append(cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_],
+                                logs=False))
     seconds = time.perf_counter() - t_start
-    return Replay(cache, np.ascontiguousarray(events.transpose(1, 0, 2)), seconds)
+    dec = None
+    if decisions:  # [T, L, k] per field
+        dec = {f: np.stack([getattr(st, f) for st in steps], axis=1) for f in ("kind", "served", "slot")}
+    return Replay(cache, np.ascontiguousarray(events.transpose(1, 0, 2)), seconds, dec)
 
 
-def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray, flag: str = "--initial-residency"):
-    """'warm:TRACE' | 'warm:self' | 'cold' | FILE.npy (int [L, C]) -> per-layer resident ids."""
-    spec = spec or "warm:self"
+def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray,
+                          flag: str = "--initial-residency") -> tuple[list | None, Trace, str]:
+    """Warm start of a replay: (per-layer resident ids or None for cold, the trace to evaluate, source).
+
+    'warm:TRACE' | 'cold' | FILE.npy (int [L, C]) | 'held-out' (runtime/spec.py: the last 20% of the
+    trace calibrates and is not evaluated). Unset: held-out, with a warning (never the evaluated rows)."""
+    if spec is None:
+        log.warning("no --initial-residency: warm start from the held-out last %d%% of the trace (not evaluated)",
+                    round(HELD_OUT_FRACTION * 100))
+        spec = HELD_OUT
     if spec == "cold":
-        return None
-    if spec == "warm:self":
-        return warm_residency(trace.topk_ids, trace.valid, trace.E, capacities)
+        return None, trace, "cold"
+    if spec == HELD_OUT:
+        evaluated, calib = calibration_split(trace, 1.0 - HELD_OUT_FRACTION)
+        return (warm_residency(calib.topk_ids, calib.valid, trace.E, capacities), evaluated,
+                f"held-out: trace tokens {evaluated.T}..{trace.T - 1}")
     if spec.startswith("warm:"):
         calib = load_trace(spec[5:], num_experts=trace.E if spec.endswith(".npz") else None)
         known = {calib.meta.model, trace.meta.model}.isdisjoint({"", "unknown"})
@@ -76,10 +98,8 @@ def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray
         if (calib.E, calib.k, calib.L) != (trace.E, trace.k, trace.L):
             raise InputError(f"{flag}: calibration trace {spec[5:]} has E={calib.E}, k={calib.k}, L={calib.L}; "
                              f"the trace has E={trace.E}, k={trace.k}, L={trace.L}")
-        return warm_residency(calib.topk_ids, calib.valid, trace.E, capacities)
+        return warm_residency(calib.topk_ids, calib.valid, trace.E, capacities), trace, spec
     path = Path(spec)
-    if path.suffix != ".npy":
-        raise InputError(f"{flag} = {spec!r}: expected warm:TRACE, warm:self, cold or a .npy file")
     try:
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -92,24 +112,14 @@ def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray
     for l_ in range(trace.L):
         if arr.shape[1] > capacities[l_] or len(np.unique(arr[l_])) != arr.shape[1]:
             raise InputError(f"{flag}: {spec} row {l_} = {arr[l_].tolist()[:12]} repeats an id or exceeds C={capacities[l_]}")
-    return [arr[l_] for l_ in range(trace.L)]
+    return [arr[l_] for l_ in range(trace.L)], trace, spec
 
 
-def _summary(rep: Replay, trace: Trace, params) -> dict:
-    tot = rep.cache.counter_totals()
-    T = trace.T
-    tl = int(trace.valid.sum())
+def _timing(rep: Replay, trace: Trace, params) -> dict:
     timing = costmodel.replay_time(rep.events, trace.valid, params)
-    out = {key: tot[key] for key in COUNTER_KEYS}
-    out["admissions_skipped"] = tot["admissions_skipped"]
-    out["substituted_mass"] = tot["substituted_mass"]
-    out["mass_per_token_layer"] = tot["substituted_mass"] / max(tl, 1)
-    out["mass_per_token"] = tot["substituted_mass"] / max(T, 1)
-    out["substituted_call_fraction"] = (tot["substitutions"] + tot["drops"]) / max(tot["calls"], 1)
-    out["time_per_token_s"] = timing.per_token_s
-    out["stall_fetch_s"] = timing.stall_fetch_s / max(T, 1)
-    out["stall_admission_s"] = timing.stall_admission_s / max(T, 1)
-    return out
+    T = max(trace.T, 1)
+    return {"time_per_token_s": timing.per_token_s, "stall_fetch_s": timing.stall_fetch_s / T,
+            "stall_admission_s": timing.stall_admission_s / T}
 
 
 def simulate(
@@ -118,39 +128,74 @@ def simulate(
     capacity=None,
     *,
     capacity_fraction: float | None = None,
+    vram_budget_GiB: float | None = None,
     initial_residency: str | list | None = None,
     host: str | costmodel.HostProfile = "rtx4090",
     model_shape: str | costmodel.ModelShape | None = None,
+    max_tokens: int | None = None,
     baselines: bool = True,
-) -> dict:
-    """Replay `trace` under `policy`; returns the spec's counters, times and speed ratios."""
-    policy.validate()
-    caps = resolve_capacities(capacity, trace.L, trace.E, trace.k, capacity_fraction)
-    init = initial_residency if not isinstance(initial_residency, str | None) else initial_residency_for(initial_residency, trace, caps)
-    profile = host if isinstance(host, costmodel.HostProfile) else costmodel.load_host_profile(host)
+    record_decisions: bool = False,
+) -> Result:
+    """Replay a trace in memory under `policy` (the library form of `evaluate`; `initial_residency` may
+    also be per-layer id arrays, `host` / `model_shape` loaded objects)."""
     shape = model_shape if isinstance(model_shape, costmodel.ModelShape) else shape_for_trace(trace, model_shape)
+    if vram_budget_GiB is not None:
+        caps = costmodel.capacities_for_budget(shape, vram_budget_GiB, policy)
+        caps = resolve_capacities(caps, trace.L, trace.E, trace.k, flag=f"--vram-budget {vram_budget_GiB!r} GiB: capacity")
+    else:
+        caps = resolve_capacities(capacity, trace.L, trace.E, trace.k, capacity_fraction)
+    if isinstance(initial_residency, str | None):
+        init, trace, source = initial_residency_for(initial_residency, trace, caps)
+    else:
+        init, source = initial_residency, "given"
+    if max_tokens is not None:
+        trace = trace.slice_tokens(0, max_tokens)
+    profile = host if isinstance(host, costmodel.HostProfile) else costmodel.load_host_profile(host)
     params = costmodel.cost_params(profile, shape)
-    rep = replay(trace, policy, caps, init)
-    out = {"policy": policy.label(), "policy_config": policy.to_dict(), "host": profile.name,
-           "model_shape": shape.name, "weight_format": shape.weight_format,
-           "tokens": trace.T, "layers": trace.L, "num_experts": trace.E, "top_k": trace.k,
-           "capacity": caps.tolist() if len(set(caps.tolist())) > 1 else int(caps[0])}
-    out.update(_summary(rep, trace, params))
-    out["replay_seconds"] = rep.seconds
-    out["token_layers_per_second"] = int(trace.valid.sum()) / max(rep.seconds, 1e-12)
-    valid_per_token = trace.valid.sum(axis=1)
-    out["all_resident_time_per_token_s"] = costmodel.all_resident_time(valid_per_token, params, trace.k)
+    rep = replay(trace, policy, caps, init, decisions=record_decisions)
+    timing = _timing(rep, trace, params)
+    extra = {"host": profile.name, "model_shape": shape.name, "weight_format": shape.weight_format,
+             "stall_fetch_s": timing["stall_fetch_s"], "stall_admission_s": timing["stall_admission_s"],
+             "replay_seconds": rep.seconds,
+             "token_layers_per_second": int(trace.valid.sum()) / max(rep.seconds, 1e-12),
+             "device_memory_GiB": float(costmodel.expert_bytes(shape) * caps.sum()) / 2**30}
+    extra["all_resident_time_per_token_s"] = costmodel.all_resident_time(trace.valid.sum(axis=1), params, trace.k)
+    t = timing["time_per_token_s"]
+    ratio = None
     if baselines:
         for name, base in (("fetch_all", PRESETS["fetch-every-miss"]), ("host_compute", PRESETS["host-compute"])):
-            if base == policy:
-                t_base = out["time_per_token_s"]
-            else:
-                t_base = _summary(replay(trace, base, caps, init), trace, params)["time_per_token_s"]
-            out[f"{name}_time_per_token_s"] = t_base
-            out[f"speed_ratio_vs_{name}"] = t_base / out["time_per_token_s"]
-        out["speed_ratio_vs_all_resident"] = out["all_resident_time_per_token_s"] / out["time_per_token_s"]
-    out["per_layer"] = rep.cache.per_layer()
-    return out
+            t_base = t if base == policy else _timing(replay(trace, base, caps, init), trace, params)["time_per_token_s"]
+            extra[f"{name}_time_per_token_s"] = t_base
+            extra[f"speed_ratio_vs_{name}"] = t_base / t
+        ratio = extra.pop("speed_ratio_vs_fetch_all")
+        extra["speed_ratio_vs_all_resident"] = extra["all_resident_time_per_token_s"] / t
+    return Result(backend="simulator", policy=policy.label(), policy_config=policy.to_dict(), capacity=caps.tolist(),
+                  initial_residency=source, tokens=trace.T, num_layers=trace.L, num_experts=trace.E, top_k=trace.k,
+                  counters=rep.cache.counter_totals(), per_layer=rep.cache.per_layer(), time_per_token_s=t,
+                  time_kind="simulated", speed_ratio_vs_fetch_all=ratio, extra=extra, decisions=rep.decisions)
+
+
+def evaluate(spec: RunSpec, trace: Trace | None = None) -> Result:
+    """The simulator backend: replay `spec.trace` (loaded here unless given)."""
+    trace = load_trace(spec.trace) if trace is None else trace
+    shape = shape_for_trace(trace, spec.model_shape)
+    if spec.weight_format:
+        shape = costmodel.with_format(shape, spec.weight_format)
+    res = simulate(trace, spec.policy, spec.capacity, capacity_fraction=spec.capacity_fraction,
+                   vram_budget_GiB=spec.vram_budget_GiB, initial_residency=spec.initial_residency, host=spec.host,
+                   model_shape=shape, max_tokens=spec.max_tokens, record_decisions=spec.record_decisions)
+    if spec.residency_out is not None:
+        init = initial_residency_for(spec.initial_residency, trace, np.asarray(res.capacity))[0]
+        save_residency(spec.residency_out, init, res.capacity)
+    return res
+
+
+def save_residency(path: str, init: list | None, caps: list[int]) -> None:
+    """The initial residency used, as .npy int [L, C] (the same capacity in every layer)."""
+    if init is None or len(set(caps)) != 1:
+        raise InputError(f"--residency-out {path}: needs a warm start and the same capacity in every layer")
+    arr = np.stack([np.asarray(x, np.int64) for x in init])
+    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), arr))
 
 
 def shape_for_trace(trace: Trace, name: str | None) -> costmodel.ModelShape:
@@ -173,46 +218,24 @@ def shape_for_trace(trace: Trace, name: str | None) -> costmodel.ModelShape:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.simulate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.simulate", description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True, help="router trace: .parquet, .arrow or .npz")
     p.add_argument("--num-experts", type=int, default=None, help="E for .npz files without num_experts")
-    p.add_argument("--policy", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--rule", help="fetch_all | threshold | first_choice | substitute_all | cpu")
-    p.add_argument("--tau", type=float)
-    p.add_argument("--beta", type=float)
-    p.add_argument("--evict", help="lfu | lru | crf | belady")
-    p.add_argument("--gamma", type=float)
-    p.add_argument("--half-life", type=float)
-    p.add_argument("--delay", type=int, help="admission delay d >= 1")
+    add_policy_flags(p)
     cap = p.add_mutually_exclusive_group(required=True)
     cap.add_argument("--capacity", type=str, help="slots per layer: C, or C0,C1,... per layer")
     cap.add_argument("--capacity-fraction", type=float)
-    p.add_argument("--initial-residency", default=None, help="warm:CALIB_TRACE | warm:self (default) | cold | FILE.npy")
+    cap.add_argument("--vram-budget", type=float, help="GiB of device memory (runtime.costmodel.capacities_for_budget)")
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens (after any held-out split)")
+    p.add_argument("--initial-residency", default=None,
+                   help="warm:CALIB_TRACE | cold | FILE.npy | held-out (default: held-out, the trace's last 20%%)")
     p.add_argument("--host", default="rtx4090", help="host profile preset or YAML file")
     p.add_argument("--model-shape", default=None, help="model shape preset or YAML (default: from the trace)")
     p.add_argument("--weight-format", default=None, help="bf16 | q8_0 | q4_k_m")
+    p.add_argument("--residency-out", default=None, help="write the initial residency used (.npy int [L, C])")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.add_argument("--out", help="also write the JSON to this file")
     return p
-
-
-def policy_from_args(a: argparse.Namespace) -> PolicyConfig:
-    if a.policy and a.rule:
-        raise InputError(f"--policy {a.policy!r} and --rule {a.rule!r}: give one of them")
-    if not a.policy and not a.rule:
-        raise InputError("--policy or --rule is required")
-    base = preset(a.policy) if a.policy else PolicyConfig(rule=a.rule)
-    kw = {"tau": a.tau, "beta": a.beta, "evict": a.evict, "gamma": a.gamma, "half_life": a.half_life,
-          "admission_delay": a.delay}
-    pol = replace(base, **{k: v for k, v in kw.items() if v is not None})
-    for flag, v in (("--tau", a.tau), ("--beta", a.beta), ("--gamma", a.gamma), ("--half-life", a.half_life)):
-        if v is not None and not math.isfinite(v):
-            raise InputError(f"{flag} = {v!r} must be finite")
-    try:
-        return pol.validate(where="flags")
-    except InputError as exc:
-        raise InputError(str(exc).replace("flags: ", "--", 1).replace("admission_delay", "delay")
-                         .replace("half_life", "half-life")) from None
 
 
 def parse_capacity(text: str | None):
@@ -222,32 +245,35 @@ def parse_capacity(text: str | None):
         vals = [int(x) for x in text.split(",")]
     except ValueError:
         raise InputError(f"--capacity = {text!r} must be an integer or a comma-separated list of integers") from None
-    return vals[0] if len(vals) == 1 else vals
+    return vals[0] if len(vals) == 1 else tuple(vals)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    pol = policy_from_args(a)
-    trace = load_trace(a.trace, num_experts=a.num_experts)
-    shape = shape_for_trace(trace, a.model_shape)
-    if a.weight_format:
-        shape = costmodel.with_format(shape, a.weight_format)
-    res = simulate(trace, pol, parse_capacity(a.capacity), capacity_fraction=a.capacity_fraction,
-                   initial_residency=a.initial_residency, host=a.host, model_shape=shape)
+    pols = policies_from_flags(a)
+    check_output_path(a.out, "--out")
+    check_output_path(a.residency_out, "--residency-out")
+    if len(pols) > 1:
+        raise InputError(f"--policy: one policy per simulator run ({len(pols)} given)")
+    (pol,) = pols.values()
+    spec = RunSpec(policy=pol, capacity=parse_capacity(a.capacity), capacity_fraction=a.capacity_fraction,
+                   vram_budget_GiB=a.vram_budget, trace=a.trace, max_tokens=a.max_tokens,
+                   initial_residency=a.initial_residency, host=a.host, model_shape=a.model_shape,
+                   weight_format=a.weight_format, residency_out=a.residency_out)
+    r = evaluate(spec, load_trace(a.trace, num_experts=a.num_experts))
+    res = r.to_dict()
     res["trace"] = str(a.trace)
     text = json.dumps(res, indent=2)
     if a.out:
-        from runtime.errors import atomic_write
-
         atomic_write(a.out, lambda tmp: Path(tmp).write_text(text))
     if a.json:
         print(text)
     else:
         print(f"{res['policy']}: {res['time_per_token_s'] * 1e3:.3f} ms/token, "
               f"{res['speed_ratio_vs_fetch_all']:.2f}x vs fetch-every-miss, "
-              f"substituted mass {res['mass_per_token']:.4f}/token")
+              f"substituted mass {res['mass_per_token']:.4f}/token (warm start: {res['initial_residency']})")
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="expertsweep: warning: %(message)s")
     cli_main(main)

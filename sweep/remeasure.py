@@ -21,6 +21,7 @@ from typing import Any
 import pandas as pd
 
 from runtime.errors import InputError
+from runtime.policy import PARAM_BY_NAME
 from sweep.report import policy_key
 from sweep.space import PARAMETERS, policy_of
 
@@ -54,7 +55,8 @@ def _clean(name: str, v: Any) -> Any:
     """A table cell back to a config value (pandas turns integer columns with gaps into floats)."""
     if hasattr(v, "item"):
         v = v.item()
-    return int(v) if name == "admission_delay" else v
+    prm = PARAM_BY_NAME.get(name)
+    return int(v) if prm is not None and prm.type is int and isinstance(v, float) else v
 
 
 def _capacity_fraction(params: dict[str, Any], slots_of) -> float:  # noqa: ANN001 - callable
@@ -77,10 +79,13 @@ def _emulate_task(model_dir: str, text: str, policies: dict[str, dict[str, Any]]
         pass
     pols = {name: policy_of(p) for name, p in policies.items()}
     if engine:
-        from runtime.engine import emulate_engine
+        from runtime.backends import get_backend
+        from runtime.spec import RunSpec
 
-        return emulate_engine(model_dir, text, pols, capacity_fraction=capacity_fraction, max_tokens=max_tokens,
-                              calib_text=calib_text)
+        specs = [RunSpec(policy=p, name=n, capacity_fraction=capacity_fraction, model=str(model_dir), text=str(text),
+                         max_tokens=max_tokens, calib_text=calib_text) for n, p in pols.items()]
+        res = get_backend("engine").evaluate_many(specs)
+        return {"exact": {"perplexity": res[0].exact_perplexity}, **{n: r.to_dict() for n, r in zip(pols, res, strict=True)}}
     from runtime.emulate import emulate
 
     return emulate(model_dir, text, pols, capacity_fraction=capacity_fraction, max_tokens=max_tokens,

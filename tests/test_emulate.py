@@ -64,7 +64,7 @@ def test_all_resident_every_policy_is_exact(ckpts, family):
     caps = np.full(m.num_layers, m.E)
     init = [np.arange(m.E)] * m.num_layers
     for name, pol in PRESETS.items():
-        cache = PolicyCache(pol, m.E, m.k, caps, init)
+        cache = PolicyCache(pol, m.E, m.k, caps, init, allow_full=True)
         got = logits_under(m, ids, cache)
         assert (got - exact).abs().max().item() <= 1e-5, name
         assert cache.counter_totals()["hits"] == cache.counter_totals()["calls"], name
@@ -112,11 +112,11 @@ def test_emulation_trace_replays_in_simulator(ckpts, text, tmp_path):
     tr_path, res_path = tmp_path / "seen.parquet", tmp_path / "res.npy"
     pol = PolicyConfig(rule="threshold", tau=0.3, beta=0.2, evict="lru", admission_delay=2)
     res = emulate.emulate(ckpts["qwen3_moe"], text, {"p": pol}, capacity=3,
-                          window=32, max_tokens=640, trace_out=tr_path, residency_out=res_path)
+                          window=32, max_tokens=640, trace_out=str(tr_path), residency_out=str(res_path))
     emu = res["p"]
     tr = load_trace(tr_path)
     assert tr.M == tr.E and tr.T == emu["tokens"]
-    sim = simulate(tr, pol, 3, initial_residency=[r for r in np.load(res_path)], baselines=False)
+    sim = simulate(tr, pol, 3, initial_residency=[r for r in np.load(res_path)], baselines=False).to_dict()
     for key in ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions"):
         assert sim[key] == emu[key], key
     assert sim["substituted_mass"] == pytest.approx(emu["substituted_mass"], rel=1e-12)

@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from runtime import calibrate, costmodel, emulate, generate
-from runtime.engine import Engine, device_errors, emulate_engine, engine_cli
+from runtime.backends import get_backend
+from runtime.engine import Engine, device_errors, engine_cli
 from runtime.errors import InputError
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PRESETS, PolicyConfig
 from runtime.prefill import prefill
+from runtime.spec import RunSpec
 from tests.tiny_hf import build_tiny
 
 DEVICE = os.environ.get("EXPERTSWEEP_ENGINE_DEVICE", "cpu")
@@ -143,9 +145,9 @@ def test_vram_budget_sizes_pools_and_reports_peak(ckpts, text):
         eng.close()
     if DEVICE == "cpu":
         budget = (need(4, staging=2 + eng.L * eng.k) + 1) / 2**30  # quality-first: admission staging too
-        res = emulate_engine(ckpts["e8"], text, {"quality-first": PRESETS["quality-first"]}, max_tokens=48, window=24,
-                             vram_budget=budget)
-        r = res["quality-first"]
+        spec = RunSpec(policy=PRESETS["quality-first"], model=str(ckpts["e8"]), text=str(text), max_tokens=48,
+                       window=24, vram_budget_GiB=budget)
+        r = get_backend("engine").evaluate(spec).to_dict()
         assert r["capacity"] == [4] * eng.L
         assert 0 < r["peak_device_bytes"] <= budget * 2**30
 

@@ -65,7 +65,7 @@ def test_rule_flags_equal_preset(traces, capsys):
 
 def test_belady_is_a_lower_bound_on_fetches(traces):
     tr = load_trace(traces[0])
-    fetches = {ev: simulate(tr, PolicyConfig(rule="fetch_all", evict=ev), 16, baselines=False)["fetches"]
+    fetches = {ev: simulate(tr, PolicyConfig(rule="fetch_all", evict=ev), 16, baselines=False).counters["fetches"]
                for ev in ("lfu", "lru", "crf", "belady")}
     assert fetches["belady"] <= min(fetches.values())
 
@@ -78,7 +78,7 @@ def test_explicit_residency_npy(traces, tmp_path, capsys):
                             "--initial-residency", str(tmp_path / "res.npy"), "--json"], capsys)
     assert code == 0
     cold = simulate(load_trace(ev), PRESETS["fetch-every-miss"], 16, initial_residency="cold", baselines=False)
-    assert json.loads(out)["fetches"] < cold["fetches"]  # a filled cache misses less than an empty one
+    assert json.loads(out)["fetches"] < cold.counters["fetches"]  # a filled cache misses less than an empty one
 
 
 BAD_FLAGS = [
@@ -181,7 +181,7 @@ def test_real_traces(name, cap):
     from runtime.kernel import warm_residency
 
     init = warm_residency(calib.topk_ids, calib.valid, tr.E, np.full(tr.L, cap))
-    res = {n: simulate(ev, PRESETS[n], cap, initial_residency=init) for n in PRESETS}
+    res = {n: simulate(ev, PRESETS[n], cap, initial_residency=init).to_dict() for n in PRESETS}
     calls = int(ev.valid.sum()) * tr.k
     for n, r in res.items():
         assert r["calls"] == calls, n

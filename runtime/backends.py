@@ -1,0 +1,156 @@
+"""The backends, chosen by name: `simulator`, `emulation`, `engine`; each `evaluate(spec) -> Result`.
+
+Like transformers' `integrations/moe.py`: one contract, several implementations behind a
+registry. Every backend drives the same policy kernel (runtime/kernel.py) through
+`PolicyCache`, so for the same router scores they make the same decisions
+(tests/test_contract.py checks it token by token).
+
+- `simulator` (runtime/simulate.py): replays a router trace; time from the host cost model.
+- `emulation` (runtime/emulate.py): exact teacher-forced perplexity of a checkpoint.
+- `engine` (runtime/engine.py): the same evaluation decoded token by token by the offloading
+  engine (CPU device mode without a GPU); time measured.
+
+A backend honours a fixed set of RunSpec fields (`honours`); a spec that sets any other field,
+or a policy the backend cannot run, is refused by `check` with a one-line InputError before any
+work. `evaluate_many` groups specs that share an input so the exact pass runs once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from runtime.errors import InputError
+from runtime.spec import FLAGS, Result, RunSpec
+
+log = logging.getLogger(__name__)
+
+_COMMON = frozenset({"capacity", "capacity_fraction", "vram_budget_GiB", "max_tokens", "initial_residency",
+                     "residency_out", "record_decisions"})
+_TEXT = frozenset({"model", "text", "window", "batch_windows", "calib_text", "calib_max_tokens", "dtype", "nll_out",
+                   "substitute_weight"})
+
+
+class Backend:
+    """The contract. Subclasses set `name`, `honours`, and implement `_evaluate_group`."""
+
+    name = ""
+    honours: frozenset[str] = _COMMON
+    # policy (field, value) pairs the backend cannot run, with the reason
+    refuses: dict[tuple[str, object], str] = {}
+
+    def check(self, spec: RunSpec) -> None:
+        """A one-line InputError for every request this backend cannot honour (never ignored)."""
+        for fld, value in spec.requested().items():
+            if fld not in self.honours:
+                raise InputError(f"backend {self.name}: cannot honour {FLAGS[fld]} = {value!r} "
+                                 f"(it honours {', '.join(sorted(FLAGS[f] for f in self.honours))})")
+        for (fld, value), why in self.refuses.items():
+            if getattr(spec.policy, fld) == value:
+                raise InputError(f"backend {self.name}: policy {fld} = {value!r} is not supported ({why})")
+
+    def evaluate(self, spec: RunSpec, progress: bool = False) -> Result:
+        return self.evaluate_many([spec], progress)[0]
+
+    def evaluate_many(self, specs: list[RunSpec], progress: bool = False) -> list[Result]:
+        """Results in the order of `specs`; specs sharing an input share its exact pass."""
+        for s in specs:
+            self.check(s)
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(specs):
+            groups.setdefault(self._group_key(s), []).append(i)
+        out: list[Result | None] = [None] * len(specs)
+        for idx in groups.values():
+            for i, r in zip(idx, self._evaluate_group([specs[i] for i in idx], progress), strict=True):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+    def _group_key(self, spec: RunSpec) -> tuple:
+        from runtime.emulate import GROUP_FIELDS
+
+        return tuple(getattr(spec, f) for f in GROUP_FIELDS)
+
+    def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
+        raise NotImplementedError
+
+
+class Simulator(Backend):
+    name = "simulator"
+    honours = _COMMON | {"trace", "host", "model_shape", "weight_format"}
+
+    def _group_key(self, spec: RunSpec) -> tuple:
+        return (id(spec),)
+
+    def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
+        from runtime import simulate
+
+        return [simulate.evaluate(s) for s in specs]
+
+
+class Emulation(Backend):
+    name = "emulation"
+    honours = _COMMON | _TEXT | {"trace_out"}
+    refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
+
+    def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
+        from runtime import emulate, hfmodel
+
+        m = _loaded(specs[0], hfmodel)
+        return emulate.evaluate_group(m, specs, backend=self.name, progress=progress)
+
+
+class EngineBackend(Backend):
+    name = "engine"
+    honours = _COMMON | _TEXT | {"device", "host_store"}
+    refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
+
+    def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
+        from runtime import emulate, engine, hfmodel
+
+        first = specs[0]
+        dev = engine.resolve_device(first.device)
+        with engine.device_errors(), engine.cpu_threads(dev, 1):
+            m = hfmodel.load(first.model, engine.parse_dtype(first.dtype))
+            eng = engine.Engine(m, dev, host_store=first.host_store)
+            try:
+                def caps(spec: RunSpec):
+                    if spec.vram_budget_GiB is not None:
+                        return eng.capacities_for_budget(spec.vram_budget_GiB, [spec.policy])
+                    return emulate.capacities_of(m, spec)
+
+                res = emulate.evaluate_group(m, specs, runner=eng.teacher_forced, backend=self.name,
+                                             progress=progress, capacities=caps)
+            finally:
+                eng.close()
+        for r in res:
+            r.time_kind = "measured"
+            r.time_per_token_s = r.extra.pop("time_per_token_s", None)
+        return res
+
+
+_MODELS: dict[tuple, object] = {}
+
+
+def _loaded(spec: RunSpec, hfmodel):
+    """The emulation's loaded checkpoint, kept between calls (one per model and dtype)."""
+    from runtime.engine import parse_dtype
+
+    key = (spec.model, spec.dtype)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = hfmodel.load(spec.model, parse_dtype(spec.dtype))
+    return _MODELS[key]
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {"simulator": Simulator, "emulation": Emulation, "engine": EngineBackend}
+
+
+def get_backend(name: str, flag: str = "backend") -> Backend:
+    if name not in BACKENDS:
+        raise InputError(f"{flag} = {name!r} is unknown (choose from {', '.join(BACKENDS)})")
+    return BACKENDS[name]()
+
+
+def evaluate(spec: RunSpec, backend: str = "simulator", progress: bool = False) -> Result:
+    """`spec` through the named backend."""
+    return get_backend(backend).evaluate(spec, progress)
