@@ -182,3 +182,55 @@ def test_policy_errors_name_the_field(field, value):
     base[field] = value
     with pytest.raises(InputError, match=field):
         PolicyConfig(**base).validate()
+
+
+def test_prefetch_requeue_case_matches_reference():
+    """The hand-worked case of tests/test_reference_cases.py where a prefetched expert keeps a >= beta and
+    is queued again after its eviction (rare in random traces)."""
+    from tests.test_reference_cases import lookahead_requeue_case, run_layers
+
+    layers, kw = lookahead_requeue_case()
+    ref = run_layers(layers, **kw)
+    ids = np.array([[layers[l_][t][0] for l_ in range(2)] for t in range(8)], np.int32)
+    w = np.array([[layers[l_][t][1] for l_ in range(2)] for t in range(8)], np.float32)
+    E = kw["E"]
+    ranking = np.array([[list(r) + [e for e in range(E) if e not in r] for r in row] for row in ids], np.int32)
+    look = np.array(kw["lookahead"], np.int32).transpose(1, 0, 2)  # [T, L, P]
+    pol = PolicyConfig(rule="substitute_all", beta=0.5, admission_delay=3, evict="lru", prefetch="lookahead", prefetch_n=1)
+    cache, kind, _ = drive_kernel(pol, ids, w, ranking, np.ones((8, 2), bool), E, np.array(kw["caps"]),
+                                  [np.array(x) for x in kw["inits"]], [3], look)
+    for l_, row in enumerate(cache.per_layer()):
+        for key, val in ref["counters"][l_].items():
+            assert row[key] == pytest.approx(val, rel=1e-6), (l_, key)  # the kernel saw float32 weights
+    assert set(cache.resident(1).tolist()) == ref["final_resident"][1] == {0, 2}
+
+
+def test_step_returns_the_prefetch_plan():
+    """StepResult.prefetched lists (token, expert, slot) loads; the slots are where the experts now live."""
+    pol = PolicyConfig(rule="fetch_all", prefetch="oracle")
+    cache = PolicyCache(pol, 6, 2, np.array([3, 3]), [np.arange(3), np.arange(3)])
+    ids = np.array([[3, 4], [0, 3]], np.int32)
+    r = cache.step(1, ids, np.full((2, 2), 0.5), predicted=ids)
+    assert r.prefetched[:, :2].tolist() == [[0, 3], [0, 4], [1, 0]]
+    assert (r.kind == 0).all()  # every call a hit
+    for t, e, s in r.prefetched.tolist():
+        assert cache.slot_expert[1, s] in (e, -1) or t == 0
+    assert cache.counter_totals()["prefetches"] == cache.counter_totals()["prefetch_used"] == 3
+
+
+@pytest.mark.parametrize("caps", [[1, 3], [3, 6], [3, 7]])
+def test_policy_cache_validates_capacity(caps):
+    with pytest.raises(InputError, match=r"capacity = \d+ \(layer \d\) must satisfy k=2 <= C < E=6"):
+        PolicyCache(PRESETS["rule-0.15"], 6, 2, np.array(caps))
+
+
+def test_predicted_lists_errors():
+    ids = np.zeros((4, 2, 2), np.int32)
+    valid = np.ones((4, 2), bool)
+    with pytest.raises(InputError, match="lookahead column"):
+        predicted_lists(PolicyConfig(prefetch="lookahead"), 1, ids, valid, None)
+    with pytest.raises(InputError, match="prefetch_n"):
+        predicted_lists(PolicyConfig(prefetch="lookahead", prefetch_n=4), 1, ids, valid, np.zeros((4, 2, 3), np.int32))
+    assert predicted_lists(PolicyConfig(prefetch="oracle"), 0, ids, valid) is None
+    valid[2, 0] = False
+    assert predicted_lists(PolicyConfig(prefetch="oracle", prefetch_n=1), 1, ids, valid)[:, 0].tolist() == [0, 0, -1, 0]

@@ -19,6 +19,7 @@ from tests.reference import (
     FETCH,
     HIT,
     HOST,
+    LOWBIT,
     SUB,
     reference_replay,
     warm_residency_reference,
@@ -694,3 +695,158 @@ def test_invariants_on_random_traces(rule, evict):
         if rule == "cpu":
             assert out["final_resident"][layer] == set(init[layer])
             assert c["fetches"] == c["substitutions"] == c["admissions"] == 0
+
+
+# --------------------------------------------------------------------------- additions: band, fallbacks, prefetch
+
+
+def run_layers(layers, E, caps, inits, rule, valid=None, lookahead=None, **kw):
+    """Several layers. ``layers[l]``: list over tokens of (sel, weights); default rankings as in run1.
+    ``valid[l]``: per-token flags of layer l; ``lookahead[l]``: per-token lists on layer l's rows."""
+    T, L = len(layers[0]), len(layers)
+    ids = [[list(layers[l_][t][0]) for l_ in range(L)] for t in range(T)]
+    ws = [[list(layers[l_][t][1]) for l_ in range(L)] for t in range(T)]
+    rks = [[row + [e for e in range(E) if e not in row] for row in ids[t]] for t in range(T)]
+    v = [[True] * L for _ in range(T)] if valid is None else [[bool(valid[l_][t]) for l_ in range(L)] for t in range(T)]
+    look = None if lookahead is None else [[list(lookahead[l_][t]) for l_ in range(L)] for t in range(T)]
+    return reference_replay(ids, ws, rks, v, E, caps, inits, rule, lookahead=look, **kw)
+
+
+def test_band_fetches_first_choice_light_and_heavy_misses():
+    # E=10, k=4, C=5, R={0,1,2,3,8}, band(.2, .4), lfu (all f=0).
+    # t0 (4,5,6,7) w (.3,.25,.05,.4): 4 j=0 FETCH (first choice, although .2 <= .3 < .4);
+    #   5 .25 in [.2,.4) -> not fetched -> fallback SUB; 6 .05 < .2 -> FETCH; 7 .4 >= .4 -> FETCH.
+    #   FETCH 4: evict 0 (ties lower id) -> R={1,2,3,4,8}; FETCH 6: pinned {4} -> evict 1;
+    #   FETCH 7: pinned {4,6} -> evict 2. R={3,4,6,7,8}.
+    #   SUB 5: rk 4,5,6,7 used/not resident, 0,1,2 gone, 3 -> served 3. m = .25, a5 = .25.
+    toks = [((4, 5, 6, 7), (0.3, 0.25, 0.05, 0.4))]
+    out = run1(toks, 10, 5, [0, 1, 2, 3, 8], "band", tau=0.2, tau_high=0.4)
+    assert kinds(out) == [[FETCH, SUB, FETCH, FETCH]]
+    assert served(out) == [[4, 3, 6, 7]]
+    assert res(out) == {3, 4, 6, 7, 8}
+    assert (cnt(out)["fetches"], cnt(out)["substitutions"], cnt(out)["substituted_mass"]) == (3, 1, 0.25)
+    assert state(out)["a"][5] == 0.25
+    with pytest.raises(ValueError, match="tau_high"):
+        run1(toks, 10, 5, [0, 1, 2, 3, 8], "band", tau=0.2, tau_high=0.2)
+
+
+def test_fallback_drop_counts_mass_and_feeds_admission():
+    # E=6, k=2, C=3, R={0,1,2}, threshold(.3) + drop, beta .2.
+    # t0 (3,4) w (.6,.25): FETCH 3 (evict 0, ties lower id) -> R={1,2,3}; 4 below tau -> DROP although
+    #   a substitute (1) is resident. m = .25, a4 = .25 >= .2 -> queued (due t1), a4 = 0.
+    # t1: admit 4: victims {1,2,3} f 0,0,1 -> evict 1. R={2,3,4}. (1,2) w (.5,.5): 2 HIT;
+    #   1 j=0 FETCH: pinned {2}, cand {3,4} f 1,1 -> evict 3. R={1,2,4}.
+    toks = [((3, 4), (0.6, 0.25)), ((1, 2), (0.5, 0.5))]
+    out = run1(toks, 6, 3, [0, 1, 2], "threshold", tau=0.3, fallback="drop", beta=0.2)
+    assert kinds(out) == [[FETCH, DROP], [FETCH, HIT]]
+    assert served(out) == [[3, -1], [1, 2]]
+    c = cnt(out)
+    assert (c["drops"], c["substitutions"], c["fetches"], c["admissions"], c["substituted_mass"]) == (1, 0, 2, 1, 0.25)
+    assert out["admission_log"][0] == [(1, 4, 1)]
+    assert res(out) == {1, 2, 4}
+
+
+def test_fallback_host_is_exact_and_adds_nothing_to_a():
+    # E=6, k=2, C=3, R={0,1,2}, threshold(.3) + host, beta .1 (would trigger if a grew).
+    # t0 (3,4) w (.6,.25): FETCH 3 (evict 0) -> R={1,2,3}; 4 HOST (served 4, no cache change, a4 stays 0).
+    # t1 (4,3) w (.5,.5): 3 HIT; 4 j=0 FETCH: pinned {3}, cand {1,2} f 0,0 -> evict 1. R={2,3,4}.
+    toks = [((3, 4), (0.6, 0.25)), ((4, 3), (0.5, 0.5))]
+    out = run1(toks, 6, 3, [0, 1, 2], "threshold", tau=0.3, fallback="host", beta=0.1)
+    assert kinds(out) == [[FETCH, HOST], [FETCH, HIT]]
+    assert served(out) == [[3, 4], [4, 3]]
+    c = cnt(out)
+    assert (c["host_computes"], c["admissions"], c["substituted_mass"], c["drops"]) == (1, 0, 0.0, 0)
+    assert state(out)["a"] == [0.0] * 6
+    assert res(out) == {2, 3, 4}
+
+
+def test_fallback_lowbit_mass_admission_and_lru_untouched():
+    # E=6, k=2, C=3, R={0,1,2}, first_choice + lowbit, lru, beta .3.
+    # t0 (3,4) w (.7,.3): FETCH 3 (lru all -1 -> evict 0) -> R={1,2,3}; 4 LOWBIT (served 4, no slot).
+    #   lowbit_mass .3, a4 = .3 >= .3 -> queued (due t1), a4 = 0. last3 = 0; last4 stays -1 (lowbit is
+    #   not a full-precision compute).
+    # t1: admit 4: victims {1,2,3} last -1,-1,0 -> evict 1. R={2,3,4}. (4,5) w (.6,.4): 4 HIT (last4=1);
+    #   5 LOWBIT; lowbit_mass .7; a5 = .4 -> queued at t1 (never applied: the trace ends).
+    toks = [((3, 4), (0.7, 0.3)), ((4, 5), (0.6, 0.4))]
+    out = run1(toks, 6, 3, [0, 1, 2], "first_choice", fallback="lowbit", evict="lru", beta=0.3)
+    assert kinds(out) == [[FETCH, LOWBIT], [HIT, LOWBIT]]
+    assert served(out) == [[3, 4], [4, 5]]
+    c = cnt(out)
+    assert (c["lowbit_computes"], c["admissions"], c["substitutions"], c["drops"]) == (2, 1, 0, 0)
+    assert c["lowbit_mass"] == pytest.approx(0.7, abs=1e-15) and c["substituted_mass"] == 0.0
+    assert out["mass"] == [[0.0], [0.0]]
+    assert state(out)["last"] == [-1, -1, -1, 0, 1, -1]
+    assert res(out) == {2, 3, 4}
+
+
+def test_prefetch_oracle_loads_the_next_selection():
+    # Two layers, E=6, k=2, C=3, fetch_all, lfu, prefetch oracle (n = k). Layer 0 always hits (0,1).
+    # Layer 1, R={0,1,2}:
+    # t0 P = (3,4): load 3: protected {3,4}, victims {0,1,2} f 0 -> evict 0; load 4: evict 1. R={2,3,4}.
+    #   (3,4) both HIT: no sync fetch. prefetches 2, used 2. f3 = f4 = 1.
+    # t1 P = (0,3): load 0: protected {0,3}, victims {2,4} f 0,1 -> evict 2. R={0,3,4}. (0,3) HIT HIT.
+    # t2 layer 0 invalid -> no list for layer 1. (5,0): 0 HIT; FETCH 5: cand {3,4} f 2,1 -> evict 4.
+    layer0 = [((0, 1), (0.5, 0.5))] * 3
+    layer1 = [((3, 4), (0.5, 0.5)), ((0, 3), (0.5, 0.5)), ((5, 0), (0.5, 0.5))]
+    out = run_layers([layer0, layer1], 6, [3, 3], [[0, 1, 2], [0, 1, 2]], "fetch_all",
+                     valid=[[1, 1, 0], [1, 1, 1]], prefetch="oracle")
+    assert [out["kind"][t][1] for t in range(3)] == [[HIT, HIT], [HIT, HIT], [FETCH, HIT]]
+    c0, c1 = out["counters"]
+    assert (c0["prefetches"], c0["prefetch_used"]) == (0, 0)  # layer 0 gets no prefetch
+    assert (c1["prefetches"], c1["prefetch_used"], c1["fetches"]) == (3, 3, 1)
+    assert out["final_resident"][1] == {0, 3, 5}
+    # prefetch_n = 1: only the first entry of each selection is loaded
+    out = run_layers([layer0, layer1], 6, [3, 3], [[0, 1, 2], [0, 1, 2]], "fetch_all",
+                     valid=[[1, 1, 0], [1, 1, 1]], prefetch="oracle", prefetch_n=1)
+    assert out["counters"][1]["prefetches"] == 2  # expert 3 at t0, expert 0 at t1
+
+
+def test_prefetch_lookahead_protects_same_token_admissions_and_skips():
+    # Two layers, E=6, k=1, C=2, substitute_all, beta .5, lfu, lookahead P of width 2 (prefetch_n 2).
+    # Layer 0 always hits (0). Layer 1, R={0,1}:
+    # t0 P=[0,1] (both resident: nothing). (2) w .6: SUB -> served 0. a2 = .6 -> queued (due t1). f2 = 1.
+    # t1 admit 2: victims {0,1} f 0,0 -> evict 0. R={1,2}. P=[3,1]: protected {3,1} and {2} (admitted
+    #   at this token): no victim left -> the load of 3 is skipped. (1): HIT. f1 = 1.
+    # t2 P=[3,4]: load 3: victims {1,2} f 1,1 -> evict 1; load 4: protected {3,4}: evict 2. R={3,4}.
+    #   (3): HIT. prefetches 2, used 1. No f, a or lru change from the loads: f4 stays 0.
+    layer0 = [((0,), (1.0,))] * 3
+    layer1 = [((2,), (0.6,)), ((1,), (1.0,)), ((3,), (1.0,))]
+    look0 = [[0, 1], [3, 1], [3, 4]]
+    out = run_layers([layer0, layer1], 6, [2, 2], [[0, 1], [0, 1]], "substitute_all", beta=0.5,
+                     prefetch="lookahead", prefetch_n=2, lookahead=[look0, [[0, 1]] * 3])
+    assert [out["kind"][t][1] for t in range(3)] == [[SUB], [HIT], [HIT]]
+    c1 = out["counters"][1]
+    assert (c1["admissions"], c1["prefetches"], c1["prefetch_used"]) == (1, 2, 1)
+    assert out["final_resident"][1] == {3, 4}
+    assert out["final_state"][1]["f"] == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="prefetch_n"):
+        run_layers([layer0, layer1], 6, [2, 2], [[0, 1], [0, 1]], "substitute_all", prefetch="lookahead",
+                   prefetch_n=3, lookahead=[look0, [[0, 1]] * 3])
+
+
+def lookahead_requeue_case():
+    """Layer 1 of this case: an expert made resident by a prefetch keeps its a (>= beta); once evicted
+    it is queued again after that token (step 6: every expert ... not resident, not queued, a >= beta)."""
+    layer0 = [((0,), (1.0,))] * 8
+    layer1 = [((2,), (0.6,)), ((2,), (0.6,)), ((3,), (0.1,)), ((4,), (0.1,))] + [((0,), (0.5,))] * 4
+    look0 = [[0], [0], [2], [0], [3], [0], [0], [0]]
+    kw = dict(E=5, caps=[2, 2], inits=[[0, 1], [0, 1]], rule="substitute_all", beta=0.5, admission_delay=3,
+              evict="lru", prefetch="lookahead", prefetch_n=1, lookahead=[look0, [[0]] * 8])
+    return [layer0, layer1], kw
+
+
+def test_prefetched_expert_keeps_a_and_is_requeued_after_eviction():
+    # Layer 1, E=5, k=1, C=2, R={0,1}, substitute_all, beta .5, d = 3, lru, lookahead n = 1.
+    # t0 (2) .6: SUB -> 0; a2 = .6 -> queued at t0 (due t3), a2 = 0. last0 = 0.
+    # t1 (2) .6: SUB -> 0; a2 = .6 (already queued: not queued again). last0 = 1.
+    # t2 P=[2]: victims {0,1} last 1,-1 -> evict 1; 2 resident, a2 stays .6. (3) .1: SUB -> 0. last0 = 2.
+    # t3 admission of 2 skipped (resident). (4) .1: SUB -> 0. last0 = 3.
+    # t4 P=[3]: victims {0,2} last 3,-1 -> evict 2. (0): HIT. After t4: 2 is not resident, not queued,
+    #   a2 = .6 >= .5 -> queued at t4 (due t7).
+    # t7 admit 2: victims {0,3} last 6,-1 -> evict 3. R={0,2}.
+    layers, kw = lookahead_requeue_case()
+    out = run_layers(layers, **kw)
+    c1 = out["counters"][1]
+    assert (c1["substitutions"], c1["prefetches"], c1["prefetch_used"], c1["admissions"]) == (4, 2, 0, 1)
+    assert out["admission_log"][1] == [(7, 2, 3)]
+    assert out["final_resident"][1] == {0, 2}
