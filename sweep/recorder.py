@@ -3,8 +3,8 @@
 `Ledger` is `trials.jsonl` in the output folder: one JSON row per finished trial (simulator,
 emulation or engine; ok or failed), appended and flushed as results arrive, keyed by
 `key` (`HOST:NUMBER` for Optuna trials, `HOST:baseline:NAME` for baselines). A key is written
-once, so a task that is retried or resumed never records a trial twice. `Session` adds the MLflow
-child run and refreshes the Pareto tables at most every `refresh_s` seconds. `SweepRecorder` is
+once, so a task that is retried or resumed never records a trial twice. `Session` refreshes the
+Pareto tables and the MLflow parent's progress metrics at most every `refresh_s` seconds. `SweepRecorder` is
 the Tune callback; it is pickled with the experiment, so it holds only the output folder and finds
 the live `Session` of this driver in `SESSIONS`.
 """
@@ -88,8 +88,6 @@ class Session:
                 if row.get("fidelity") == "simulator":
                     self.new_rows += 1
                     self.eval_seconds += row.get("eval_seconds", 0.0)
-                if self.tracker is not None:
-                    self.tracker.log_child(row, self.gpus.get(row["host"], "-"))
             elif "eval_seconds" in row:
                 self.repeated += 1
         now = time.monotonic()
@@ -99,19 +97,28 @@ class Session:
             self._last_progress = now
             self.progress()
 
+    def counts(self) -> dict[str, list[int]]:
+        """host -> [ok, failed] simulator trials recorded."""
+        counts = {h: [0, 0] for h in self.hosts}
+        for r in self.ledger.rows:
+            if r.get("fidelity") == "simulator" and r["host"] in counts:
+                counts[r["host"]][0 if r["status"] == "ok" else 1] += 1
+        return counts
+
     def refresh(self) -> None:
         self._last_refresh = time.monotonic()
         try:
             report.write_tables(self.out, self.ledger.rows, self.hosts, self.objectives)
         except Exception as exc:  # noqa: BLE001 - the tables are refreshed again later
             log.warning("could not refresh the Pareto tables: %s", exc)
+        if self.tracker is not None:
+            counts = self.counts()
+            self.tracker.log_parent_metrics({**{f"trials_ok_{h}": ok for h, (ok, _) in counts.items()},
+                                             **{f"trials_failed_{h}": bad for h, (_, bad) in counts.items()}},
+                                            step=sum(ok + bad for ok, bad in counts.values()))
 
     def progress(self) -> None:
-        counts = {h: [0, 0] for h in self.hosts}
-        for r in self.ledger.rows:
-            if r.get("fidelity") == "simulator" and r["host"] in counts:
-                counts[r["host"]][0 if r["status"] == "ok" else 1] += 1
-        log.warning("progress: %s", ", ".join(f"{h} {ok} ok/{bad} failed" for h, (ok, bad) in counts.items()))
+        log.info("progress: %s", ", ".join(f"{h} {ok} ok/{bad} failed" for h, (ok, bad) in self.counts().items()))
 
     def missing(self, items: list[dict[str, Any]], host: str, error: str) -> list[dict[str, Any]]:
         """Failed rows for the items of a task that never reported them."""

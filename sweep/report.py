@@ -184,6 +184,40 @@ def _engine(rows: list[dict[str, Any]], host: str) -> pd.DataFrame | None:
     return pd.DataFrame(recs).drop_duplicates("policy_key", keep="last") if recs else None
 
 
+def policy_records(rows: list[dict[str, Any]], fronts: dict[str, pd.DataFrame], hosts: list[str]
+                   ) -> list[dict[str, Any]]:
+    """One record per (host, policy) that matters: a baseline, a front member or a re-measured policy,
+    with its simulated figures and, where measured, the emulation's and the engine's (MLflow children)."""
+    import hashlib
+
+    emu = {policy_key(r["params"]): r for r in rows if r.get("fidelity") == "emulation" and r["status"] == "ok"}
+    eng = {(r["host"], policy_key(r["params"])): r for r in rows
+           if r.get("fidelity") == "engine" and r["status"] == "ok"}
+    out = []
+    for host in hosts:
+        on_front = set(fronts[host]["policy_key"]) if host in fronts and not fronts[host].empty else set()
+        seen = set()
+        for r in rows:
+            if r.get("fidelity") != "simulator" or r["host"] != host:
+                continue
+            pk = policy_key(r["params"])
+            if pk in seen or not (r.get("baseline") or pk in on_front or pk in emu or (host, pk) in eng):
+                continue
+            seen.add(pk)
+            rec = {k: v for k, v in r.items() if k not in ("key", "number", "node", "pid")}
+            rec.update(key=f"{host}:{hashlib.sha1(pk.encode()).hexdigest()[:16]}", on_front=pk in on_front,
+                       policy=r.get("policy") or policy_of(r["params"]).label())
+            if pk in emu:
+                e = emu[pk]
+                rec.update(fidelity="emulation", **{k: e.get(k) for k in (
+                    "perplexity", "exact_perplexity", "ppl_change_pct", "ppl_ci_low", "ppl_ci_high")},
+                    emulated_mass_per_token=e.get("mass_per_token"))
+            if (host, pk) in eng:
+                rec.update(fidelity="engine", engine_time_per_token_s=eng[(host, pk)].get("time_per_token_s"))
+            out.append(rec)
+    return out
+
+
 def mass_hypothesis(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Pearson r (substituted mass vs perplexity change) over re-measured first-choice-fetching policies."""
     pts = [(r["mass_per_token"], r["ppl_change_pct"]) for r in rows

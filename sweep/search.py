@@ -1,22 +1,22 @@
-"""Search algorithms: Ray Tune's OptunaSearch per host, batched, behind one host-routing Searcher.
+"""Search algorithms: one Optuna study per host behind one host-routing Ray Tune `Searcher`.
 
-`BatchOptunaSearch` is Ray Tune's `OptunaSearch` (multi-objective, TPE or NSGA-II, define-by-run
-space, persistent Optuna storage) whose Tune trials each carry a batch of Optuna trials: one Ray task
-then evaluates many cheap simulator trials, so Ray's per-task cost is paid once per batch.
-Results are told to Optuna per Optuna trial as the task reports them.
+`HostStudy` wraps one host's Optuna study (multi-objective, TPE or NSGA-II) through its public
+ask-and-tell interface: `Study.ask()` gives a trial, the space draws the policy on it define-by-run
+(`Space.sample`), and `Study.tell(number, ...)` reports the result. A Tune trial carries a batch of
+Optuna trials: one Ray task then evaluates many cheap simulator trials, so Ray's per-task cost is
+paid once per batch. Results are told per Optuna trial as the task reports them.
 
-`HostSearch` is the Searcher handed to the Tuner. It owns one `BatchOptunaSearch` (one study)
-per host, suggests each host's named baselines first (they also seed that host's study when
-they lie inside the space, as soon as they are reported), then Optuna batches, preferring the
-host whose task just ended (so Tune reuses its actor) and else round-robin, until every host has
-asked its `trials`. With `batch: auto` a batch holds about `task_seconds` of simulation at the
-median seconds per trial measured lately on that host. Its state is saved with Tune's experiment
-state (the studies' trials live in their storage), so `Tuner.restore` resumes it; Optuna trials
-asked after the last save are marked failed (user attribute `orphaned`) on restore and asked anew.
+`HostSearch` is the `ray.tune.search.Searcher` handed to the Tuner. It suggests each host's named
+baselines first (they also seed that host's study when they lie inside the space, as soon as they
+are reported), then Optuna batches, preferring the host whose task just ended (so Tune reuses its
+actor) and else round-robin, until every host has asked its `trials`. With `batch: auto` a batch
+holds about `task_seconds` of simulation at the median seconds per trial measured lately on that
+host. Its state is saved as JSON with Tune's experiment state (the studies' trials live in their
+storage), so `Tuner.restore` resumes it; Optuna trials asked after the last save are failed on
+restore, listed in the study's user attribute `orphaned`, and asked anew.
 
-The studies live in an Optuna `JournalStorage` on `DriverJournalBackend`: the journal file format
-of Optuna's `JournalFileBackend`, but written by the driver alone, so it keeps the log in memory
-and appends without file locks or fsync (an ask or tell costs ~1 ms instead of ~10).
+The studies live in Optuna's own `JournalStorage` on `JournalFileBackend` (`<out>/optuna.journal`,
+file lock and fsync per append).
 """
 
 from __future__ import annotations
@@ -24,67 +24,29 @@ from __future__ import annotations
 import json
 import logging
 import math
-import pickle
 import statistics
 import warnings
 from collections import deque
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 from ray.tune.search import Searcher
-from ray.tune.search.optuna import OptunaSearch
 
-from sweep.space import Space, SpaceSampler
+from sweep.space import Space
 
 log = logging.getLogger(__name__)
 
 DEFAULT_EVAL_S = 0.05  # assumed seconds per simulator trial until a host has reported some
-
-
-class DriverJournalBackend(optuna.storages.journal.BaseJournalBackend):
-    """An Optuna journal file with a single writer (the sweep driver): log in memory, appends flushed.
-
-    The file is the JSON-lines journal of `JournalFileBackend`, readable by it. A killed driver
-    loses no flushed append; a line cut short by a crash is ignored when the file is read back.
-    """
-
-    def __init__(self, path: str | Path):
-        self.path = str(path)
-        self._load()
-
-    def _load(self) -> None:
-        self._logs: list[dict[str, Any]] = []
-        p = Path(self.path)
-        if p.exists():
-            with open(p, "rb") as f:
-                for line in f:
-                    try:
-                        self._logs.append(json.loads(line))
-                    except ValueError:
-                        break  # the tail of an interrupted append
-        self._f = open(p, "ab")
-
-    def read_logs(self, log_number_from: int) -> Iterable[dict[str, Any]]:
-        return self._logs[log_number_from:]
-
-    def append_logs(self, logs: list[dict[str, Any]]) -> None:
-        self._f.write(("\n".join(json.dumps(x, separators=(",", ":")) for x in logs) + "\n").encode())
-        self._f.flush()
-        self._logs.extend(logs)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path = state["path"]
-        self._load()
+ORPHANED = "orphaned"  # study user attribute: numbers of trials failed because no task held them
 
 
 def journal_storage(path: str | Path) -> optuna.storages.JournalStorage:
-    return optuna.storages.JournalStorage(DriverJournalBackend(path))
+    """Optuna's journal storage on a file (its own backend: a lock and fsync per append)."""
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
 
 
 def make_sampler(kind: str, seed: int, population: int) -> optuna.samplers.BaseSampler:
@@ -96,88 +58,78 @@ def make_sampler(kind: str, seed: int, population: int) -> optuna.samplers.BaseS
                                           n_startup_trials=10)
 
 
-class BatchOptunaSearch(OptunaSearch):
-    """OptunaSearch over one host's study; a Tune trial asks and tells a batch of Optuna trials."""
+class HostStudy:
+    """One host's Optuna study, asked and told through the public ask-and-tell interface."""
 
     def __init__(self, space: Space, objectives: tuple[str, ...], sampler: optuna.samplers.BaseSampler,
                  storage: optuna.storages.BaseStorage, study_name: str):
-        super().__init__(space=SpaceSampler(space), metric=list(objectives), mode=["min"] * len(objectives),
-                         sampler=sampler, storage=storage, study_name=study_name)
-        self.space_def = space
+        self.space = space
         self.objectives = tuple(objectives)
-        self._ot_trials: dict[str, set[int]] = {}  # Tune trial id -> Optuna numbers not yet told
-
-    @property
-    def study(self) -> optuna.Study:
-        return self._ot_study
+        self.study = optuna.create_study(storage=storage, study_name=study_name, sampler=sampler,
+                                         directions=["minimize"] * len(self.objectives), load_if_exists=True)
+        self.pending: dict[str, set[int]] = {}  # Tune trial id -> Optuna numbers not yet told
 
     def ask_batch(self, trial_id: str, n: int) -> list[tuple[int, dict[str, Any]]]:
         out = []
         for _ in range(n):
-            ot = self._ot_study.ask()
-            out.append((ot.number, self._suggest_from_define_by_run_func(self._space, ot)))
-        self._ot_trials[trial_id] = {num for num, _ in out}
+            trial = self.study.ask()
+            out.append((trial.number, self.space.sample(trial)))
+        self.pending[trial_id] = {num for num, _ in out}
         return out
 
     def tell_row(self, trial_id: str, row: dict[str, Any]) -> None:
         """Tell one reported result (once: a repeated report of the same number is ignored)."""
-        pending = self._ot_trials.get(trial_id)
+        pending = self.pending.get(trial_id)
         if pending is None or row["number"] not in pending:
             return
         pending.discard(row["number"])
         values = [row.get(o) for o in self.objectives] if row["status"] == "ok" else None
         if values is not None and all(isinstance(v, float) and math.isfinite(v) for v in values):
-            self._tell(row["number"], values=values)
+            self.study.tell(row["number"], values, skip_if_finished=True)
         else:
-            self._tell(row["number"], state=TrialState.FAIL)
-
-    def _tell(self, number: int, **kw: Any) -> None:
-        try:
-            self._ot_study.tell(number, **kw)
-        except ValueError as exc:  # already finished: told before a driver restart
-            log.debug("Optuna trial %d: %s", number, exc)
+            self.study.tell(row["number"], state=TrialState.FAIL, skip_if_finished=True)
 
     def finish(self, trial_id: str) -> None:
         """A Tune trial ended: every Optuna trial it never reported is failed."""
-        for num in sorted(self._ot_trials.pop(trial_id, set())):
-            self._tell(num, state=TrialState.FAIL)
+        for num in sorted(self.pending.pop(trial_id, set())):
+            self.study.tell(num, state=TrialState.FAIL, skip_if_finished=True)
 
     def add_baseline(self, row: dict[str, Any]) -> None:
         """Seed the study with a baseline's result when the baseline is a point of the space (once)."""
-        if row["status"] != "ok" or not self.space_def.contains(row["params"]):
+        if row["status"] != "ok" or not self.space.contains(row["params"]):
             return
-        if any(t.user_attrs.get("baseline") == row["baseline"] for t in self._ot_study.get_trials(deepcopy=False)):
+        if any(t.user_attrs.get("baseline") == row["baseline"] for t in self.study.get_trials(deepcopy=False)):
             return
-        params, dists = self.space_def.optuna_params(row["params"])
-        self._ot_study.add_trial(optuna.trial.create_trial(
+        params, dists = self.space.optuna_params(row["params"])
+        self.study.add_trial(optuna.trial.create_trial(
             params=params, distributions=dists, values=[row[o] for o in self.objectives],
             user_attrs={"baseline": row["baseline"]}))
 
     def counted(self) -> int:
         """Optuna trials that count against the host's budget (not baselines, not orphans)."""
-        return sum(1 for t in self._ot_study.get_trials(deepcopy=False)
-                   if "baseline" not in t.user_attrs and "orphaned" not in t.user_attrs)
+        orphans = set(self.study.user_attrs.get(ORPHANED, []))
+        return sum(1 for t in self.study.get_trials(deepcopy=False)
+                   if "baseline" not in t.user_attrs and t.number not in orphans)
 
     def fail_orphans(self) -> int:
         """After a restore: forget the held trials that finished meanwhile (told after the saved
         state), and fail the running Optuna trials that no restored Tune trial holds."""
-        running = {t.number: t for t in self._ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-        for nums in self._ot_trials.values():
-            nums &= running.keys()
-        held = set().union(*self._ot_trials.values()) if self._ot_trials else set()
-        n = 0
-        for num, t in running.items():
-            if num not in held:
-                self._ot_study._storage.set_trial_user_attr(t._trial_id, "orphaned", True)
-                self._tell(num, state=TrialState.FAIL)
-                n += 1
-        return n
+        running = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        for nums in self.pending.values():
+            nums &= running
+        held = set().union(*self.pending.values()) if self.pending else set()
+        orphans = sorted(running - held)
+        if orphans:
+            self.study.set_user_attr(ORPHANED, sorted(set(self.study.user_attrs.get(ORPHANED, [])) | set(orphans)))
+            for num in orphans:
+                self.study.tell(num, state=TrialState.FAIL, skip_if_finished=True)
+        return len(orphans)
 
 
 class HostSearch(Searcher):
     """Routes Tune's suggestions over hosts: baselines first, then batches of each host's study."""
 
-    def __init__(self, searchers: dict[str, BatchOptunaSearch], baselines: dict[str, list[dict[str, Any]]],
+    def __init__(self, searchers: dict[str, HostStudy], baselines: dict[str, list[dict[str, Any]]],
                  trials: int, batch: int | str, task_seconds: float, parallelism: int):
         super().__init__(metric=None, mode=None)
         self.searchers = searchers
@@ -266,12 +218,26 @@ class HostSearch(Searcher):
         else:
             self.searchers[host].finish(trial_id)
 
+    STATE_KEYS = ("asked", "baseline_todo", "trial_host", "baseline_trials", "_rr", "_last_done")
+
     def save(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "wb") as f:
-            pickle.dump(self.__dict__, f)
+        """The routing state as JSON (the studies themselves live in their storage)."""
+        state = {k: getattr(self, k) for k in self.STATE_KEYS}
+        state["baseline_trials"] = sorted(self.baseline_trials)
+        state["eval_seconds"] = {h: list(v) for h, v in self.eval_seconds.items()}
+        state["pending"] = {h: {tid: sorted(nums) for tid, nums in s.pending.items()}
+                            for h, s in self.searchers.items()}
+        with open(checkpoint_path, "w") as f:
+            json.dump(state, f)
 
     def restore(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "rb") as f:
-            self.__dict__.update(pickle.load(f))
+        with open(checkpoint_path) as f:
+            state = json.load(f)
+        for k in self.STATE_KEYS:
+            setattr(self, k, state[k])
+        self.baseline_trials = set(state["baseline_trials"])
+        self.eval_seconds = {h: deque(state["eval_seconds"].get(h, []), maxlen=200) for h in self.hosts}
+        for h, s in self.searchers.items():
+            s.pending = {tid: set(nums) for tid, nums in state["pending"].get(h, {}).items()}
         # the searcher and Tune's trials were saved together, so they agree; the studies may hold more
         self.sync_from_storage()

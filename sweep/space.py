@@ -1,19 +1,21 @@
 """Declarative search spaces: the `space:` mapping of a sweep YAML -> a validated Optuna space.
 
-Every parameter name is a `runtime.policy.PolicyConfig` field (`rule`, `tau`, `beta`, `evict`,
-`gamma`, `half_life`, `admission_delay`) or a cache size (`capacity_fraction`, or
-`vram_budget_GiB`: GiB of device memory for the expert cache). A parameter is given as
+Every parameter name is a row of `runtime.policy.PARAMS` (the one table of policy parameters: its
+type, range or choices, and when it is active) or a cache size (`capacity_fraction`, or
+`vram_budget_GiB`: GiB of device memory for the expert cache). Nothing here lists the policy
+fields again: names, types, ranges and conditions all come from that table. A parameter is given as
 
     rule: threshold                      # a fixed value
     evict: {choices: [lfu, lru, crf]}    # a categorical choice
     tau: {low: 0.02, high: 0.5, log: true}          # a float (or int) range, optional step
-    beta: {low: 0.1, high: 2.0, log: true, off: true}  # beta only: also try admission off
+    beta: {low: 0.1, high: 2.0, log: true, off: true}  # beta, prefetch_n: also try None (admission off / k)
     beta: {choices: [off, 0.25, 0.5, 1.0]}
 
-Conditional parameters follow the policy semantics (docs/policies.md) and need no markup:
-`tau` is only drawn for rule `threshold`, `gamma` only for eviction `lfu`, `half_life` only for
-`crf`, `admission_delay` only when `beta` is on. `SpaceSampler` is the define-by-run function
-handed to Ray Tune's `OptunaSearch`; it returns the full policy config of a trial.
+Conditional parameters follow the table's activity conditions (docs/policies.md) and need no
+markup: `tau` is only drawn for rule `threshold`/`band`, `gamma` only for eviction `lfu`,
+`lowbit_bits` only for fallback `lowbit`, `admission_delay` only when `beta` is set, and so on.
+Admission off is only ever `beta = None` (written `off` in YAML). `Space.sample` is the
+define-by-run draw on an Optuna trial; it returns the full, canonical policy config of a trial.
 """
 
 from __future__ import annotations
@@ -21,46 +23,44 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
 
 from runtime.errors import InputError
-from runtime.policy import EVICTS, RULES, PolicyConfig
+from runtime.policy import PARAM_BY_NAME, PARAM_NAMES, PARAMS, PolicyConfig
 
 log = logging.getLogger(__name__)
 
-POLICY_FIELDS = ("rule", "tau", "beta", "evict", "gamma", "half_life", "admission_delay")
+POLICY_FIELDS = PARAM_NAMES
 CAPACITY_FIELDS = ("capacity_fraction", "vram_budget_GiB")
 PARAMETERS = POLICY_FIELDS + CAPACITY_FIELDS
 OFF = "off"
-BETA_SWITCH = "beta_off"  # the Optuna switch behind `beta: {low, high, off: true}`
-
-# name -> (kind, lower bound, lower inclusive, upper bound, upper inclusive) for numeric fields
-_NUMERIC: dict[str, tuple[str, float, bool, float, bool]] = {
-    "tau": ("float", 0.0, True, math.inf, False),
-    "beta": ("float", 0.0, False, math.inf, False),
-    "gamma": ("float", 0.0, False, 1.0, True),
-    "half_life": ("float", 0.0, False, math.inf, False),
-    "admission_delay": ("int", 1, True, math.inf, False),
-    "capacity_fraction": ("float", 0.0, False, 1.0, False),
-    "vram_budget_GiB": ("float", 0.0, False, math.inf, False),
-}
-_CATEGORICAL = {"rule": RULES, "evict": EVICTS}
+OFFABLE = ("beta", "prefetch_n")  # nullable fields whose None is a setting (admission off; k experts)
+_DEFAULTS = {p.name: p.default for p in PARAMS}
+_CAPACITY = {"capacity_fraction": (0.0, 1.0), "vram_budget_GiB": (0.0, math.inf)}  # open intervals
 _RANGE_KEYS = {"low", "high", "log", "step", "off"}
 
 
+def _switch(name: str) -> str:
+    return f"{name}_off"  # the Optuna switch behind `{low, high, off: true}`
+
+
 def _active(name: str, cfg: dict[str, Any]) -> bool:
-    """Whether `name` matters for a (partial) config, by the policy semantics."""
-    if name == "tau":
-        return cfg.get("rule") == "threshold"
-    if name == "gamma":
-        return cfg.get("evict") == "lfu"
-    if name == "half_life":
-        return cfg.get("evict") == "crf"
-    if name == "admission_delay":
-        return cfg.get("beta") is not None
-    return True
+    """Whether `name` matters for a (partial) config, by the parameter table's activity condition."""
+    prm = PARAM_BY_NAME.get(name)
+    return True if prm is None else prm.is_active(SimpleNamespace(**{**_DEFAULTS, **cfg}))
+
+
+def _categorical(name: str) -> bool:
+    prm = PARAM_BY_NAME.get(name)
+    return prm is not None and prm.choices is not None
+
+
+def _kind(name: str) -> str:
+    prm = PARAM_BY_NAME.get(name)
+    return "int" if prm is not None and prm.type is int else "float"
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,12 @@ class Param:
     name: str
     kind: str  # "fixed" | "choice" | "float" | "int"
     value: Any = None  # fixed
-    choices: tuple = ()  # choice (beta: "off" stands for None)
+    choices: tuple = ()  # choice ("off" stands for None)
     low: float = 0.0
     high: float = 0.0
     log: bool = False
     step: float | None = None
-    off: bool = False  # beta range: also try off
+    off: bool = False  # a range of an OFFABLE field: also try None
 
     def values(self) -> tuple:
         """The values this parameter can take when it is fixed or categorical."""
@@ -94,7 +94,7 @@ class Param:
         if self.kind == "choice":
             v = trial.suggest_categorical(self.name, [OFF if c is None else c for c in self.choices])
             return None if v == OFF else v
-        if self.off and trial.suggest_categorical(BETA_SWITCH, [False, True]):
+        if self.off and trial.suggest_categorical(_switch(self.name), [False, True]):
             return None
         if self.kind == "int":
             return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log,
@@ -111,8 +111,8 @@ class Param:
                     {self.name: optuna.distributions.CategoricalDistribution(choices)})
         params, dists = {}, {}
         if self.off:
-            params[BETA_SWITCH] = v is None
-            dists[BETA_SWITCH] = optuna.distributions.CategoricalDistribution([False, True])
+            params[_switch(self.name)] = v is None
+            dists[_switch(self.name)] = optuna.distributions.CategoricalDistribution([False, True])
             if v is None:
                 return params, dists
         if self.kind == "int":
@@ -137,23 +137,24 @@ def _match(v: Any, choices: tuple) -> Any:
 
 
 def _check_value(where: str, name: str, v: Any) -> Any:
-    """Type- and range-check one value of parameter `name`; returns it normalised."""
-    if name in _CATEGORICAL:
-        if v not in _CATEGORICAL[name]:
-            raise InputError(f"{where} = {v!r} is not a {name} (choose from {', '.join(_CATEGORICAL[name])})")
-        return v
-    if name == "beta" and (v is None or v is False or v == OFF):  # YAML reads a bare off as false
+    """Type- and range-check one value of parameter `name` (by the parameter table); returns it normalised."""
+    if name in OFFABLE and (v is None or v is False or v == OFF):  # YAML reads a bare off as false
         return None
-    kind, lo, lo_in, hi, hi_in = _NUMERIC[name]
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise InputError(f"{where} = {v!r} must be a number" + (" or off" if name == "beta" else ""))
-    if kind == "int" and int(v) != v:
-        raise InputError(f"{where} = {v!r} must be an integer")
-    if not math.isfinite(v) or v < lo or (v == lo and not lo_in) or v > hi or (v == hi and not hi_in):
-        lo_s = f"{'[' if lo_in else '('}{lo:g}"
-        hi_s = f"{hi:g}{']' if hi_in else ')'}" if math.isfinite(hi) else "inf)"
-        raise InputError(f"{where} = {v!r} is out of range {lo_s}, {hi_s}")
-    return int(v) if kind == "int" else float(v)
+    if name in _CAPACITY:
+        lo, hi = _CAPACITY[name]
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise InputError(f"{where} = {v!r} must be a number")
+        if not (math.isfinite(v) and lo < v < hi):
+            raise InputError(f"{where} = {v!r} is out of range ({lo:g}, {hi:g})")
+        return float(v)
+    prm = PARAM_BY_NAME[name]
+    if v is None:
+        raise InputError(f"{where} = None: give a value ({prm.range_text()})")
+    try:
+        return prm.check(v, "")
+    except InputError as exc:  # the table names the field and its flag; the space names the file and key
+        msg = str(exc)
+        raise InputError(f"{where} = {msg[msg.index(' = ') + 3:] if ' = ' in msg else msg}") from None
 
 
 def parse_param(where: str, name: str, spec: Any) -> Param:
@@ -177,14 +178,14 @@ def parse_param(where: str, name: str, spec: Any) -> Param:
     if unknown:
         raise InputError(f"{where}: unknown key {sorted(unknown)[0]!r} (a parameter is a value, "
                          f"{{choices: [...]}} or {{low, high, log, step}})")
-    if name in _CATEGORICAL:
+    if _categorical(name):
         raise InputError(f"{where}: {name} is categorical; give a value or {{choices: [...]}}")
     if "low" not in keys or "high" not in keys:
         raise InputError(f"{where}: a range needs both low and high (got {', '.join(sorted(keys))})")
     low = _check_value(f"{where}.low", name, spec["low"])
     high = _check_value(f"{where}.high", name, spec["high"])
     if low is None or high is None:
-        raise InputError(f"{where}: low/high must be numbers; use off: true to also try beta off")
+        raise InputError(f"{where}: low/high must be numbers; use off: true to also try {name} unset")
     if not low < high:
         raise InputError(f"{where}: empty range low = {low!r} >= high = {high!r} (give a single value to fix it)")
     log_ = spec.get("log", False)
@@ -199,9 +200,9 @@ def parse_param(where: str, name: str, spec: Any) -> Param:
     off = spec.get("off", False)
     if not isinstance(off, bool):
         raise InputError(f"{where}.off = {off!r} must be true or false")
-    if off and name != "beta":
-        raise InputError(f"{where}.off: only beta can be switched off")
-    kind = _NUMERIC[name][0]
+    if off and name not in OFFABLE:
+        raise InputError(f"{where}.off: only {' and '.join(OFFABLE)} can be switched off")
+    kind = _kind(name)
     return Param(name, kind, low=low, high=high, log=log_, step=step, off=off)
 
 
@@ -230,7 +231,9 @@ class Space:
         for p in self.params:
             if _active(p.name, cfg) and not p.contains(cfg.get(p.name)):
                 return False
-        return True
+        # a field the space leaves out is fixed at its default
+        return all(cfg.get(prm.name) == prm.default for prm in PARAMS
+                   if prm.name not in self.names and _active(prm.name, cfg))
 
     def optuna_params(self, cfg: dict[str, Any]) -> tuple[dict, dict]:
         """(params, distributions) of a config inside the space, for `optuna.trial.create_trial`."""
@@ -252,13 +255,10 @@ class Space:
 
 
 def complete(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Fill the policy fields a config leaves out with PolicyConfig defaults (tau None unless threshold)."""
-    out = PolicyConfig().to_dict()
-    out.update({k: v for k, v in cfg.items() if k in POLICY_FIELDS})
-    if out["rule"] != "threshold":
-        out["tau"] = None
-    if out["beta"] is None:
-        out["admission_delay"] = PolicyConfig().admission_delay
+    """The canonical full config: every policy field (aliases normalised, inactive fields at their
+    defaults, so one policy has one key) plus the capacity field the config gives."""
+    pol = PolicyConfig(**{k: cfg[k] for k in POLICY_FIELDS if k in cfg})
+    out = {p.name: getattr(pol, p.name) if p.is_active(pol) else p.default for p in PARAMS}
     for k in CAPACITY_FIELDS:
         if k in cfg:
             out[k] = cfg[k]
@@ -267,16 +267,6 @@ def complete(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def policy_of(cfg: dict[str, Any]) -> PolicyConfig:
     return PolicyConfig(**{k: cfg[k] for k in POLICY_FIELDS if k in cfg})
-
-
-class SpaceSampler:
-    """The define-by-run function handed to OptunaSearch (a picklable callable)."""
-
-    def __init__(self, space: Space):
-        self.space = space
-
-    def __call__(self, trial: optuna.Trial) -> dict[str, Any]:
-        return self.space.sample(trial)
 
 
 def parse_space(spec: Any, where: str = "space") -> Space:
@@ -294,18 +284,28 @@ def parse_space(spec: Any, where: str = "space") -> Space:
     parsed.setdefault("rule", Param("rule", "fixed", value="fetch_all"))
     parsed.setdefault("evict", Param("evict", "fixed", value="lfu"))
     rules, evicts = parsed["rule"].values(), parsed["evict"].values()
-    if "threshold" in rules and "tau" not in parsed:
-        raise InputError(f"{where}: rule can be threshold but tau is not given")
+    for rule, needs in (("threshold", "tau"), ("band", "tau"), ("band", "tau_high")):
+        if rule in rules and needs not in parsed:
+            raise InputError(f"{where}: rule can be {rule} but {needs} is not given")
     if "belady" in evicts and set(rules) != {"fetch_all"}:
         raise InputError(f"{where}.evict: belady is an offline bound for rule fetch_all only; "
                          f"rule can be {', '.join(r for r in rules if r != 'fetch_all')}")
-    unused = {"tau": "threshold" not in rules, "gamma": "lfu" not in evicts, "half_life": "crf" not in evicts,
-              "admission_delay": "beta" not in parsed or parsed["beta"].values() == (None,)}
-    for name, never in unused.items():
-        if never and name in parsed:
-            log.warning("%s.%s is never used by this space (its condition never holds)", where, name)
-    order = [n for n in ("rule", "tau", "evict", "gamma", "half_life", "beta", "admission_delay", caps[0])
-             if n in parsed]
+    # the values each field's activity condition can see: categorical values, and set/unset for the rest
+    seen = [{}]
+    for prm in PARAMS:
+        p = parsed.get(prm.name)
+        if p is None:
+            vals: tuple = (prm.default,)
+        elif p.kind in ("fixed", "choice"):
+            vals = p.values()
+        else:
+            vals = (p.low,) + ((None,) if p.off else ())
+        seen = [{**c, prm.name: v} for c in seen for v in vals] if prm.choices or prm.nullable else seen
+    for name in parsed:
+        if name in PARAM_BY_NAME and not any(_active(name, c) for c in seen):
+            log.warning("%s.%s is never used by this space (its condition, %s, never holds)", where, name,
+                        PARAM_BY_NAME[name].active)
+    order = [n for n in PARAMETERS if n in parsed]
     space = Space(tuple(parsed[n] for n in order))
     if not space.searched():
         raise InputError(f"{where}: nothing to search (every parameter is fixed)")

@@ -1,15 +1,23 @@
-"""MLflow tracking of a sweep: one parent run per sweep, one child run per trial, written in the background.
+"""MLflow tracking of a sweep through MLflow's public client: a parent run, fewer and richer child runs.
 
 The default store is SQLite under the repository's `mlflow/` folder (artifacts in
 `mlflow/mlruns/`); `--mlflow-uri http://HOST:PORT` logs to a tracking server (checked with its
-`/health` endpoint before any trial starts). Child runs carry the tags `host`, `gpu`, `fidelity`
-(simulator | emulation | engine), `policy` (its label) and `key` (the sweep's trial key), the
-policy's fields as params and its figures as metrics. Children are written by one background
-thread, so the sweep never waits on the store; `close` drains it. Writes are batched: against a
-server each child is one `create_run`, one `log_batch` and one `set_terminated`; against the
-default SQLite store the thread inserts every queued child in one transaction into MLflow's own
-tables (through its SQLAlchemy models: ~10x less CPU per child), falling back to the client calls
-if that fails (another MLflow schema).
+`/health` endpoint before any trial starts). The experiment is created as a traditional-ML
+experiment (tag `mlflow.experimentKind = custom_model_development`), so the UI opens on its runs.
+
+What is written (all through `MlflowClient`, by one background thread, so the sweep never waits
+on the store; `close` drains it):
+
+- the parent run (one per sweep): the config as params; while the sweep runs, progress metrics
+  (trials recorded per host) at most every few seconds; at the end the summary metrics, each
+  host's front and every trial as MLflow tables (`log_table`), and the output files as artifacts;
+- one child run per policy that matters on a host (a baseline, a front member or a policy measured
+  beyond the simulator), named by its policy label, tagged `host`, `gpu`, `policy`, `fidelity`
+  (the highest it reached), `key`; the policy's fields as params, its simulated and measured
+  figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`.
+
+Every screened trial is a row of the parent's `trials` table rather than a run of its own: a child
+run costs ~16 ms of CPU, a third of a simulator trial, and would break the 20% overhead target.
 """
 
 from __future__ import annotations
@@ -22,7 +30,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +42,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DB = REPO / "mlflow" / "mlflow.db"
 EXPERIMENT = "expertsweep"
-PARAM_FIELDS = ("rule", "tau", "beta", "evict", "gamma", "half_life", "admission_delay",
-                "capacity_fraction", "vram_budget_GiB")
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the UI opens on the runs
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -67,37 +73,44 @@ def resolve_uri(uri: str | None) -> str:
     raise InputError(f"--mlflow-uri {uri!r}: expected http(s)://HOST:PORT or sqlite:///PATH")
 
 
-def _param(v: Any, name: str = "") -> str:
+def _param(v: Any) -> str:
     if v is None:
-        return "off" if name == "beta" else "none"
+        return ""
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def child_payload(row: dict[str, Any], gpu: str) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
-    """(tags, params, metrics) of a ledger row."""
-    tags = {"host": row["host"], "gpu": gpu, "fidelity": row["fidelity"], "key": row["key"],
-            "policy": row.get("policy") or row["params"].get("rule", "?"), "status": row["status"],
-            "mlflow.runName": row["key"]}
-    if row.get("baseline"):
-        tags["baseline"] = row["baseline"]
-    if row.get("number") is not None:
-        tags["optuna_number"] = str(row["number"])
-    if row.get("node"):
-        tags["node"] = str(row["node"])
-    if row.get("error"):
-        tags["error"] = str(row["error"])[:4000]
-    params = {k: _param(row["params"][k], k) for k in PARAM_FIELDS if k in row["params"]}
-    metrics = {}
-    for k, v in row.items():
-        if k in ("number", "pid", "finished_at") or isinstance(v, bool) or not isinstance(v, int | float):
+def _metrics(rec: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in rec.items():
+        if k in ("number", "pid", "finished_at", "attempts") or isinstance(v, bool):
             continue
-        if math.isfinite(v):
-            metrics[k] = float(v)
-    return tags, params, metrics
+        if isinstance(v, int | float) and math.isfinite(v):
+            out[k] = float(v)
+    return out
+
+
+def child_payload(rec: dict[str, Any], gpu: str) -> tuple[str, dict[str, str], dict[str, str], dict[str, float]]:
+    """(run name, tags, params, metrics) of a child run from a merged record of one policy on one host.
+
+    `rec` holds `key`, `host`, `policy` (label), `params` (policy fields + capacity), `fidelity`,
+    `status` and its figures (simulated and, where measured, emulated / engine)."""
+    name = rec["policy"] if not rec.get("baseline") else f"{rec['baseline']}: {rec['policy']}"
+    tags = {"host": rec["host"], "gpu": gpu, "fidelity": rec.get("fidelity", "simulator"), "key": rec["key"],
+            "policy": rec["policy"], "status": rec.get("status", "ok"), "mlflow.runName": name}
+    for k in ("baseline", "on_front", "initial_residency", "family"):
+        if rec.get(k) is not None and rec.get(k) is not False:
+            tags[k] = str(rec[k])
+    if rec.get("error"):
+        tags["error"] = str(rec["error"])[:4000]
+    params = {k: _param(v) for k, v in rec["params"].items()}
+    if rec.get("initial_residency"):
+        params["initial_residency"] = str(rec["initial_residency"])[:6000]
+    metrics = _metrics({k: v for k, v in rec.items() if k != "params"})
+    return name, tags, params, metrics
 
 
 class Tracker:
-    """A sweep's MLflow parent run and its background child-run writer."""
+    """A sweep's MLflow parent run and the background writer of its metrics, tables and child runs."""
 
     def __init__(self, uri: str, experiment: str = EXPERIMENT):
         from mlflow.tracking import MlflowClient
@@ -109,17 +122,19 @@ class Tracker:
             art = None
             if uri.startswith("sqlite:///"):
                 art = (Path(uri[len("sqlite:///"):]).parent / "mlruns").as_uri()
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=art)
-            exp = self.client.get_experiment(self.experiment_id)
-        self.experiment_id = exp.experiment_id
-        self.artifact_location = exp.artifact_location.rstrip("/")
-        self.user = os.environ.get("USER") or os.environ.get("LOGNAME") or "expertsweep"
-        self._bulk = uri.startswith("sqlite:///")
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=art,
+                                                               tags=EXPERIMENT_KIND)
+        else:
+            self.experiment_id = exp.experiment_id
+            for k, v in EXPERIMENT_KIND.items():
+                if exp.tags.get(k) != v:
+                    self.client.set_experiment_tag(self.experiment_id, k, v)
         self.parent_id: str | None = None
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._step = 0
         self.cpu_seconds = 0.0  # CPU time spent by the writer thread
-        self.written = 0
+        self.written = 0  # child runs written
         self.errors = 0
 
     def start_parent(self, name: str, params: dict[str, Any], tags: dict[str, str],
@@ -139,7 +154,7 @@ class Tracker:
         return self.parent_id
 
     def logged_keys(self) -> set[str]:
-        """Keys of the child runs already in the store (to fill gaps after a killed driver)."""
+        """Keys of the child runs already in the store (a resumed sweep does not write them again)."""
         keys, token = set(), None
         while True:
             page = self.client.search_runs([self.experiment_id], f"tags.mlflow.parentRunId = '{self.parent_id}'",
@@ -149,103 +164,68 @@ class Tracker:
             if not token:
                 return keys
 
-    def log_child(self, row: dict[str, Any], gpu: str) -> None:
-        self._queue.put(("child", row, gpu))
+    def log_children(self, recs: list[dict[str, Any]], gpus: dict[str, str]) -> None:
+        """Queue child runs (one per record) not yet in the store."""
+        done = self.logged_keys()
+        for rec in recs:
+            if rec["key"] not in done:
+                self._queue.put(("child", rec, gpus.get(rec["host"], "-")))
 
-    def log_parent_metrics(self, metrics: dict[str, float]) -> None:
-        self._queue.put(("parent_metrics", metrics, None))
+    def log_parent_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if step is None:
+            self._step += 1
+            step = self._step
+        self._queue.put(("parent_metrics", metrics, step))
 
-    def _write_child(self, row: dict[str, Any], gpu: str) -> None:
+    def log_table(self, df: Any, artifact_file: str) -> None:
+        """A pandas DataFrame as an MLflow table of the parent run (shown in the UI's artifacts)."""
+        self._queue.put(("table", df, artifact_file))
+
+    def _write_child(self, rec: dict[str, Any], gpu: str) -> None:
         from mlflow.entities import Metric, Param
 
-        tags, params, metrics = child_payload(row, gpu)
+        name, tags, params, metrics = child_payload(rec, gpu)
         tags["mlflow.parentRunId"] = self.parent_id
-        ts = int(row.get("finished_at", time.time()) * 1000)
-        run = self.client.create_run(self.experiment_id, start_time=ts, tags=tags, run_name=row["key"])
+        ts = int(rec.get("finished_at", time.time()) * 1000)
+        run = self.client.create_run(self.experiment_id, start_time=ts, tags=tags, run_name=name)
         self.client.log_batch(run.info.run_id, metrics=[Metric(k, v, ts, 0) for k, v in metrics.items()],
                               params=[Param(k, v) for k, v in params.items()])
-        self.client.set_terminated(run.info.run_id, "FINISHED" if row["status"] == "ok" else "FAILED", end_time=ts)
+        self.client.set_terminated(run.info.run_id, "FINISHED" if rec.get("status", "ok") == "ok" else "FAILED",
+                                   end_time=ts)
+        self.written += 1
 
-    def _write_children_sql(self, batch: list[tuple[dict[str, Any], str]]) -> None:
-        """All of `batch` in one SQLite transaction: the rows MLflow's store writes for each run
-        (runs, tags, params, metrics, latest_metrics), as five multi-row inserts."""
-        from mlflow.store.tracking.dbmodels.models import (
-            SqlLatestMetric,
-            SqlMetric,
-            SqlParam,
-            SqlRun,
-            SqlTag,
-        )
-
-        runs, tag_rows, param_rows, metric_rows = [], [], [], []
-        for row, gpu in batch:
-            tags, params, metrics = child_payload(row, gpu)
-            tags["mlflow.parentRunId"] = self.parent_id
-            ts = int(row.get("finished_at", time.time()) * 1000)
-            run_id = uuid.uuid4().hex
-            runs.append({"run_uuid": run_id, "name": row["key"], "source_type": "UNKNOWN", "source_name": "",
-                         "entry_point_name": "", "user_id": self.user, "source_version": "",
-                         "status": "FINISHED" if row["status"] == "ok" else "FAILED", "start_time": ts,
-                         "end_time": ts, "deleted_time": None, "lifecycle_stage": "active",
-                         "artifact_uri": f"{self.artifact_location}/{run_id}/artifacts",
-                         "experiment_id": int(self.experiment_id)})
-            tag_rows += [{"key": k, "value": v, "run_uuid": run_id} for k, v in tags.items()]
-            param_rows += [{"key": k, "value": v, "run_uuid": run_id} for k, v in params.items()]
-            metric_rows += [{"key": k, "value": v, "timestamp": ts, "step": 0, "is_nan": False, "run_uuid": run_id}
-                            for k, v in metrics.items()]
-        store = self.client._tracking_client.store
-        with store.ManagedSessionMaker() as session:
-            for model, rows in ((SqlRun, runs), (SqlTag, tag_rows), (SqlParam, param_rows),
-                                (SqlMetric, metric_rows), (SqlLatestMetric, metric_rows)):
-                if rows:
-                    session.execute(model.__table__.insert(), rows)
-
-    def _write_children(self, batch: list[tuple[dict[str, Any], str]]) -> None:
-        if self._bulk:
-            try:
-                self._write_children_sql(batch)
-                return
-            except Exception as exc:  # noqa: BLE001 - another MLflow version: use the client API
-                self._bulk = False
-                log.warning("MLflow bulk insert unavailable (%s); writing child runs one by one", exc)
-        for row, gpu in batch:
-            self._write_child(row, gpu)
-
-    def _drain(self) -> None:
+    def _write(self, kind: str, payload: Any, extra: Any) -> None:
         from mlflow.entities import Metric
 
-        stop = False
-        while not stop:
-            items = [self._queue.get()]
-            while len(items) < 200:  # take what has queued up meanwhile: one transaction for all
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+        if kind == "child":
+            self._write_child(payload, extra)
+        elif kind == "parent_metrics":
+            ts = int(time.time() * 1000)
+            self.client.log_batch(self.parent_id, metrics=[Metric(k, float(v), ts, extra)
+                                                           for k, v in payload.items()
+                                                           if isinstance(v, int | float) and math.isfinite(v)])
+        elif kind == "table":
+            self.client.log_table(self.parent_id, data=payload, artifact_file=extra)
+
+    def _drain(self) -> None:
+        while True:
+            kind, payload, extra = self._queue.get()
             t0 = time.thread_time()
-            children = [(payload, extra) for kind, payload, extra in items if kind == "child"]
             try:
-                if children:
-                    self._write_children(children)
-                    self.written += len(children)
-                for kind, payload, _ in items:
-                    if kind == "parent_metrics":
-                        ts = int(time.time() * 1000)
-                        self.client.log_batch(self.parent_id, metrics=[Metric(k, float(v), ts, 0)
-                                                                       for k, v in payload.items()])
-                    stop = stop or kind == "stop"
+                if kind == "stop":
+                    return
+                self._write(kind, payload, extra)
             except Exception as exc:  # noqa: BLE001 - tracking must not stop the sweep
                 self.errors += 1
-                log.warning("MLflow write failed: %s", exc)
+                log.warning("MLflow write failed (%s): %s", kind, exc)
             finally:
                 self.cpu_seconds += time.thread_time() - t0
-                for _ in items:
-                    self._queue.task_done()
+                self._queue.task_done()
 
     def flush(self) -> None:
         self._queue.join()
 
-    def log_artifacts(self, folder: Path, files: list[Path]) -> None:
+    def log_artifacts(self, files: list[Path]) -> None:
         self.flush()
         for f in files:
             try:

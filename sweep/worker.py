@@ -30,10 +30,12 @@ from typing import Any
 import numpy as np
 
 from runtime import costmodel
+from runtime.backends import get_backend
 from runtime.errors import InputError
-from runtime.kernel import warm_residency
+from runtime.kernel import COUNTER_NAMES
 from runtime.policy import PRESETS, resolve_capacities
-from runtime.simulate import shape_for_trace, simulate
+from runtime.simulate import initial_residency_for, shape_for_trace, simulate
+from runtime.spec import HELD_OUT, RunSpec
 from runtime.trace import Trace, load_trace
 from sweep.space import policy_of
 
@@ -43,19 +45,36 @@ GiB = 2.0**30
 METRICS = ("time_per_token_s", "mass_per_token", "mass_per_token_layer", "substituted_call_fraction",
            "speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute", "speed_ratio_vs_all_resident",
            "fetch_all_time_per_token_s", "host_compute_time_per_token_s", "all_resident_time_per_token_s",
-           "device_memory_GiB", "calls", "hits", "fetches", "substitutions", "drops", "host_computes",
-           "admissions")
+           "device_memory_GiB") + COUNTER_NAMES
+
+
+def run_spec(cfg: dict[str, Any], trace: str, initial_residency: str, host: str, model_shape: str | None
+             ) -> RunSpec:
+    """The RunSpec of a trial: its policy and cache size on the sweep's trace (what the backend runs)."""
+    size = {k: cfg[k] for k in ("capacity_fraction", "vram_budget_GiB") if cfg.get(k) is not None}
+    return RunSpec(policy=policy_of(cfg), trace=trace, initial_residency=initial_residency, host=host,
+                   model_shape=model_shape, **size)
 
 
 class Evaluator:
-    """A loaded trace (and calibration trace) with the caches that make repeated trials cheap."""
+    """The simulator backend on a trace held in memory, with the caches that make repeated trials cheap.
+
+    Every trial is a `RunSpec` checked by the simulator backend (`runtime.backends`), then replayed
+    by its in-memory form (`runtime.simulate.simulate`) with three things computed once instead of
+    per trial: the loaded trace, the warm start per capacity, and the fetch-every-miss / host-compute
+    replays per (host, capacity) that the speed ratios divide by (a third of a trial's cost each).
+    The warm start is `warm:<calibration trace>` when the sweep has one, else the held-out last part
+    of the trace (runtime/spec.py `held-out`; those tokens are then not evaluated)."""
 
     def __init__(self, trace_path: str, calib_path: str | None, model_shape: str | None):
+        self.trace_path = trace_path
         self.trace: Trace = load_trace(trace_path)
-        self.calib: Trace | None = load_trace(calib_path, num_experts=self.trace.E) if calib_path else None
+        self.initial_residency = f"warm:{calib_path}" if calib_path else HELD_OUT
+        self.model_shape = model_shape
         self.shape = shape_for_trace(self.trace, model_shape)
         self.expert_bytes = costmodel.expert_bytes(self.shape)
-        self._residency: dict[tuple, list] = {}
+        self.backend = get_backend("simulator")
+        self._residency: dict[tuple, tuple[list | None, Trace, str]] = {}
         self._baselines: dict[tuple, tuple[float, float]] = {}
         self._profiles: dict[str, costmodel.HostProfile] = {}
 
@@ -66,23 +85,26 @@ class Evaluator:
         return self._profiles[key]
 
     def capacities(self, cfg: dict[str, Any]) -> np.ndarray:
+        """Slots per layer of a config (a VRAM budget: what the engine really holds, costmodel)."""
         t = self.trace
         if cfg.get("vram_budget_GiB") is not None:
-            slots = int(cfg["vram_budget_GiB"] * GiB // (t.L * self.expert_bytes))
-            return resolve_capacities(slots, t.L, t.E, t.k, flag=f"vram_budget_GiB = {cfg['vram_budget_GiB']:g}: capacity")
+            caps = costmodel.capacities_for_budget(self.shape, cfg["vram_budget_GiB"], policy_of(cfg),
+                                                   flag="vram_budget_GiB")
+            return resolve_capacities(caps, t.L, t.E, t.k, flag=f"vram_budget_GiB = {cfg['vram_budget_GiB']:g}")
         return resolve_capacities(None, t.L, t.E, t.k, capacity_fraction=cfg["capacity_fraction"])
 
-    def residency(self, caps: np.ndarray) -> list:
+    def residency(self, caps: np.ndarray) -> tuple[list | None, Trace, str]:
+        """(warm-start ids per layer, the evaluated trace, the source) at these capacities, cached."""
         key = tuple(caps.tolist())
         if key not in self._residency:
-            src = self.calib or self.trace
-            self._residency[key] = warm_residency(src.topk_ids, src.valid, self.trace.E, caps)
-        return [r.copy() for r in self._residency[key]]
+            self._residency[key] = initial_residency_for(self.initial_residency, self.trace, caps)
+        init, trace, source = self._residency[key]
+        return [r.copy() for r in init] if init is not None else None, trace, source
 
-    def _time(self, policy, caps, profile) -> float:
-        res = simulate(self.trace, policy, caps, initial_residency=self.residency(caps), host=profile,
-                       model_shape=self.shape, baselines=False)
-        return res["time_per_token_s"]
+    def _time(self, policy, caps: np.ndarray, profile: costmodel.HostProfile) -> float:  # noqa: ANN001
+        init, trace, _ = self.residency(caps)
+        return simulate(trace, policy, caps, initial_residency=init, host=profile, model_shape=self.shape,
+                        baselines=False).time_per_token_s
 
     def baselines(self, caps: np.ndarray, profile: costmodel.HostProfile) -> tuple[float, float]:
         key = (profile, tuple(caps.tolist()))
@@ -92,20 +114,25 @@ class Evaluator:
         return self._baselines[key]
 
     def evaluate(self, cfg: dict[str, Any], profile: costmodel.HostProfile) -> dict[str, Any]:
-        """Simulate one policy at one capacity on one host; the sweep's metrics."""
-        policy = policy_of(cfg).validate(where="trial")
+        """Simulate one policy at one capacity on one host; the sweep's metrics (a flat row)."""
+        spec = run_spec(cfg, self.trace_path, self.initial_residency, profile.name, self.model_shape)
+        self.backend.check(spec)
         caps = self.capacities(cfg)
-        res = simulate(self.trace, policy, caps, initial_residency=self.residency(caps), host=profile,
-                       model_shape=self.shape, baselines=False)
+        init, trace, source = self.residency(caps)
+        res = simulate(trace, spec.policy, caps, initial_residency=init, host=profile, model_shape=self.shape,
+                       baselines=False)
+        res.initial_residency = source
         t_fetch, t_host = self.baselines(caps, profile)
-        t = res["time_per_token_s"]
-        res.update(fetch_all_time_per_token_s=t_fetch, host_compute_time_per_token_s=t_host,
-                   speed_ratio_vs_fetch_all=t_fetch / t, speed_ratio_vs_host_compute=t_host / t,
-                   speed_ratio_vs_all_resident=res["all_resident_time_per_token_s"] / t,
-                   device_memory_GiB=float(caps.sum()) * self.expert_bytes / GiB)
-        out = {k: float(res[k]) for k in METRICS}
-        out["capacity_slots"] = res["capacity"]
-        out["policy"] = policy.label()
+        t = res.time_per_token_s
+        d = res.to_dict()
+        d.update(fetch_all_time_per_token_s=t_fetch, host_compute_time_per_token_s=t_host,
+                 speed_ratio_vs_fetch_all=t_fetch / t, speed_ratio_vs_host_compute=t_host / t,
+                 speed_ratio_vs_all_resident=d["all_resident_time_per_token_s"] / t,
+                 device_memory_GiB=float(caps.sum()) * self.expert_bytes / GiB)
+        out = {k: float(d[k]) for k in METRICS}
+        out["capacity_slots"] = res.capacity
+        out["policy"] = res.policy
+        out["initial_residency"] = source
         return out
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pandas as pd
 import pytest
 
 from tests.sweep_fixtures import free_port, ledger, micro_model_fixture, run_driver, write_config  # noqa: F401
@@ -75,18 +79,33 @@ def test_embedded_sweep_end_to_end(tmp_path):
 
     client = MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("expertsweep")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     parents = client.search_runs([exp.experiment_id], "tags.fidelity = 'sweep'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'",
                                   max_results=1000)
-    assert sorted(c.data.tags["key"] for c in children) == sorted(keys)
+    # one child per (host, policy) that matters: every baseline and every front member of each host
+    for host in ("rtx3090", "rtx4090"):
+        mine = [c for c in children if c.data.tags["host"] == host]
+        assert {c.data.tags.get("baseline") for c in mine} >= {"fetch-every-miss", "rule-0.15", "substitute-all",
+                                                               "host-compute", "quality-first"}
+        front = pd.read_csv(out / f"pareto_{host}.csv")
+        assert sum(c.data.tags.get("on_front") == "True" for c in mine) == len(front)
+        assert len({c.data.tags["key"] for c in mine}) == len(mine)
     child = next(c for c in children if c.data.tags.get("baseline") == "rule-0.15")
+    assert child.info.run_name == "rule-0.15: threshold(0.15) + lfu"
     assert child.data.tags["host"] in ("rtx3090", "rtx4090") and "GeForce" in child.data.tags["gpu"]
-    assert child.data.tags["fidelity"] == "simulator" and child.data.tags["policy"].startswith("threshold(0.15)")
+    assert child.data.tags["fidelity"] == "simulator" and child.data.tags["policy"] == "threshold(0.15) + lfu"
     assert child.data.params["rule"] == "threshold" and child.data.params["tau"] == "0.15"
     assert child.data.metrics["time_per_token_s"] > 0 and "speed_ratio_vs_fetch_all" in child.data.metrics
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
-    assert {"summary.md", "pareto.png", "speed_ratios.csv", "pareto_rtx3090.csv"} <= arts
+    assert {"summary.md", "pareto.png", "speed_ratios.csv", "pareto_rtx3090.csv", "tables"} <= arts
+    tables = {a.path for a in client.list_artifacts(parents[0].info.run_id, "tables")}
+    assert tables == {"tables/trials.json", "tables/front_rtx3090.json", "tables/front_rtx4090.json"}
+    # the trials table holds every screened trial
+    table = json.loads(Path(client.download_artifacts(parents[0].info.run_id, "tables/trials.json",
+                                                      str(tmp_path))).read_text())
+    assert sorted(r[table["columns"].index("key")] for r in table["data"]) == sorted(keys)
 
 
 @pytest.mark.slow

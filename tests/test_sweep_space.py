@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import numpy as np
@@ -16,7 +17,7 @@ from sweep import config as sweep_config
 from sweep.recorder import Ledger
 from sweep.remeasure import candidates
 from sweep.report import pareto_mask, pearson, policy_key, trials_frame, write_report
-from sweep.search import BatchOptunaSearch, HostSearch, journal_storage, make_sampler
+from sweep.search import ORPHANED, HostSearch, HostStudy, journal_storage, make_sampler
 from sweep.space import complete, parse_space, policy_of
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -39,11 +40,11 @@ SPACE = {
     ({**SPACE, "tau": {"low": 0.2, "high": 0.2}}, "empty range"),
     ({**SPACE, "evict": {"choices": []}}, "empty choices"),
     ({**SPACE, "tau": {"low": "a", "high": 0.3}}, "space.tau.low = 'a' must be a number"),
-    ({**SPACE, "gamma": {"low": 0.5, "high": 1.5}}, "space.gamma.high = 1.5 is out of range (0, 1]"),
-    ({**SPACE, "rule": "thresh"}, "space.rule = 'thresh' is not a rule"),
+    ({**SPACE, "gamma": {"low": 0.5, "high": 1.5}}, "space.gamma.high = 1.5 must be in (0, 1]"),
+    ({**SPACE, "rule": "thresh"}, "space.rule = 'thresh' is unknown (choose from fetch_all"),
     ({**SPACE, "admission_delay": {"low": 1.5, "high": 3}}, "must be an integer"),
     ({**SPACE, "tau": {"low": 0.1, "high": 0.3, "colour": 1}}, "unknown key 'colour'"),
-    ({**SPACE, "gamma": {"low": 0.9, "high": 1.0, "off": True}}, "only beta can be switched off"),
+    ({**SPACE, "gamma": {"low": 0.9, "high": 1.0, "off": True}}, "only beta and prefetch_n can be switched off"),
     ({k: v for k, v in SPACE.items() if k != "capacity_fraction"}, "exactly one of capacity_fraction"),
     ({k: v for k, v in SPACE.items() if k != "tau"}, "rule can be threshold but tau is not given"),
     ({**SPACE, "evict": {"choices": ["lfu", "belady"]}}, "belady is an offline bound"),
@@ -111,7 +112,7 @@ def test_config_errors(tmp_path):
     assert cfg.baseline_capacity() == {"capacity_fraction": 0.25}
 
 
-def test_journal_backend_round_trip_and_pickle(tmp_path):
+def test_journal_storage_round_trip_and_pickle(tmp_path):
     storage = journal_storage(tmp_path / "j.journal")
     study = optuna.create_study(storage=storage, study_name="s", directions=["minimize", "minimize"])
     for _ in range(5):
@@ -120,19 +121,17 @@ def test_journal_backend_round_trip_and_pickle(tmp_path):
         study.tell(t, [x, 1 - x])
     again = optuna.load_study(study_name="s", storage=journal_storage(tmp_path / "j.journal"))
     assert len(again.trials) == 5
-    copy = pickle.loads(pickle.dumps(study))
+    copy = pickle.loads(pickle.dumps(study))  # Tune pickles the searcher with its studies
     t = copy.ask()
     copy.tell(t, [0.5, 0.5])
-    # Optuna's own file backend reads the same journal
-    std = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.journal")))
-    assert len(optuna.load_study(study_name="s", storage=std).trials) == 6
+    assert len(optuna.load_study(study_name="s", storage=journal_storage(tmp_path / "j.journal")).trials) == 6
 
 
 def test_host_search_baselines_first_then_batches(tmp_path):
     space = parse_space(SPACE)
     storage = journal_storage(tmp_path / "o.journal")
-    searchers = {h: BatchOptunaSearch(space, ("time_per_token_s", "mass_per_token"), make_sampler("nsga2", 0, 4),
-                                      storage, f"t:{h}") for h in ("a", "b")}
+    searchers = {h: HostStudy(space, ("time_per_token_s", "mass_per_token"), make_sampler("nsga2", 0, 4),
+                              storage, f"t:{h}") for h in ("a", "b")}
     base = {h: [{"key": f"{h}:baseline:rule-0.15", "number": None, "baseline": "rule-0.15",
                  "params": complete({**PRESETS["rule-0.15"].to_dict(), "capacity_fraction": 0.25})}]
             for h in ("a", "b")}
@@ -155,12 +154,24 @@ def test_host_search_baselines_first_then_batches(tmp_path):
     study = searchers[c["host"]].study
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) == len(rows)
-    # restore: trials asked but held by no restored Tune trial are failed as orphans and re-asked
-    state = tmp_path / "hs.pkl"
+    # the state is saved as JSON data; a restore fails the trials asked but held by no restored Tune
+    # trial as orphans (not counted against the budget, so they are asked again)
+    held = next(t for t, c2 in configs.items() if t != tid and c2["host"] == c["host"])
+    state = tmp_path / "hs.json"
     hs.save(str(state))
-    fresh = HostSearch.__new__(HostSearch)
+    saved = json.loads(state.read_text())
+    assert saved["asked"] == hs.asked and held in saved["pending"][c["host"]]
+    before = hs.asked[c["host"]]
+    extra = hs.searchers[c["host"]].study.ask()  # asked after the save: held by no Tune trial
+    again = {h: HostStudy(space, ("time_per_token_s", "mass_per_token"), make_sampler("nsga2", 0, 4),
+                          journal_storage(tmp_path / "o.journal"), f"t:{h}") for h in ("a", "b")}
+    fresh = HostSearch(again, base, trials=5, batch=2, task_seconds=1.0, parallelism=1)
     fresh.restore(str(state))
-    assert fresh.asked == hs.asked
+    st = again[c["host"]].study
+    assert extra.number in st.user_attrs[ORPHANED]
+    assert st.trials[extra.number].state == optuna.trial.TrialState.FAIL
+    assert fresh.asked[c["host"]] == before  # the orphan does not count
+    assert all(st.trials[n].state == optuna.trial.TrialState.RUNNING for n in saved["pending"][c["host"]][held])
 
 
 def test_pareto_mask_and_front():
