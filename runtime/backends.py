@@ -113,13 +113,7 @@ class EngineBackend(Backend):
             m = hfmodel.load(first.model, engine.parse_dtype(first.dtype))
             eng = engine.Engine(m, dev, host_store=first.host_store)
             try:
-                def caps(spec: RunSpec):
-                    if spec.vram_budget_GiB is not None:
-                        return eng.capacities_for_budget(spec.vram_budget_GiB, [spec.policy])
-                    return emulate.capacities_of(m, spec)
-
-                res = emulate.evaluate_group(m, specs, runner=eng.teacher_forced, backend=self.name,
-                                             progress=progress, capacities=caps)
+                res = emulate.evaluate_group(m, specs, runner=eng.teacher_forced, backend=self.name, progress=progress)
             finally:
                 eng.close()
         for r in res:

@@ -136,12 +136,11 @@ def capacities_of(m: Loaded, spec: RunSpec) -> np.ndarray:
 
 
 def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = "emulation",
-                   progress: bool = False, capacities=None) -> list[Result]:
+                   progress: bool = False) -> list[Result]:
     """Evaluate RunSpecs that share one input (GROUP_FIELDS) on a loaded model.
 
     `runner(m, windows, cache, name) -> (nll [n, W-1], extra)`, when given, replaces the batched
-    forward of each policy (the engine backend decodes token by token); `capacities(spec)` replaces
-    `capacities_of` (the engine's budget)."""
+    forward of each policy (the engine backend decodes token by token)."""
     first = specs[0]
     for s in specs[1:]:
         for f in GROUP_FIELDS:
@@ -155,7 +154,7 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
     out, nll_cols = [], {"nll_exact": nll_exact.ravel()}
     for spec in specs:
         pol = spec.policy
-        caps = capacities(spec) if capacities is not None else capacities_of(m, spec)
+        caps = capacities_of(m, spec)
         init = ex.init_file if ex.init_file is not None else (
             warm_residency(ex.calib_ids, None, m.E, caps) if ex.calib_ids is not None else None)
         cache = PolicyCache(pol, m.E, m.k, caps, init)

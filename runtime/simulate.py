@@ -158,7 +158,7 @@ def simulate(
              "stall_fetch_s": timing["stall_fetch_s"], "stall_admission_s": timing["stall_admission_s"],
              "replay_seconds": rep.seconds,
              "token_layers_per_second": int(trace.valid.sum()) / max(rep.seconds, 1e-12),
-             "device_memory_GiB": float(costmodel.expert_bytes(shape) * caps.sum()) / 2**30}
+             "device_memory_GiB": costmodel.budget_for_capacities(shape, caps, policy)}
     extra["all_resident_time_per_token_s"] = costmodel.all_resident_time(trace.valid.sum(axis=1), params, trace.k)
     t = timing["time_per_token_s"]
     ratio = None

@@ -39,10 +39,13 @@ def tiny_config(family: str, num_experts: int = 8, top_k: int = 2):
                                    num_experts_per_tok=top_k, n_shared_experts=1, n_group=2, topk_group=2,
                                    first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
                                    qk_nope_head_dim=8, v_head_dim=8, norm_topk_prob=True)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(**common, intermediate_size=16, num_local_experts=num_experts, num_experts_per_tok=top_k,
+                               head_dim=8, sliding_window=64, layer_types=["sliding_attention", "full_attention"])
     raise ValueError(family)
 
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "deepseek_v3", "gpt_oss")
 
 
 def build_tiny(family: str, out: Path, seed: int = 0, num_experts: int = 8, top_k: int = 2) -> Path:
