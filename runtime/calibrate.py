@@ -7,12 +7,16 @@ Measured with the engine itself (runtime/engine.py), at the model's shape and dt
 - link bandwidth host -> device for a large buffer, from pinned and from pageable host memory
   (CPU device mode: host -> host tensor copies; there is no pinned memory, both figures are plain
   memcpy bandwidth);
-- one synchronous expert fetch (the engine's fetch path, host store -> slot);
+- one synchronous expert fetch, isolated (the engine's fetch path, host store -> slot, synchronised)
+  and *in context*: a fetch-every-miss decode with k slots minus the substitute-all decode, per
+  fetch (both report; the in-context one sets `link_latency_us`);
+- how long a "non-blocking" copy holds the issuing thread, from pinned and from pageable memory;
+- the final norm + LM head once (`head_us`);
 - one expert computed on the device from a slot, and on the host from the host store (CUDA: with
   the activation's round trip), batch 1;
 - the dense time per layer *in context*: a teacher-forced decode with k slots per layer under
   substitute-all (exactly k device experts per token-layer, nothing copied), minus L * k device expert
-  times, divided by the layers. It includes attention, norms, router, shared experts, the LM head, the
+  times and the head, divided by the layers. It includes attention, norms, router, shared experts, the LM head, the
   engine's per-layer bookkeeping (kernel call, decisions) and what streaming the experts' weights
   through the CPU caches costs the rest. The same decode with the expert math switched off
   (`Engine.null_compute`) is reported as `dense_isolated_layer_us` (and used if the difference is not
@@ -41,7 +45,7 @@ import torch
 
 from runtime import costmodel
 from runtime.engine import Engine, cpu_threads, engine_cli, expert_forward, load_engine
-from runtime.errors import InputError
+from runtime.errors import ArgumentParser, InputError
 from runtime.kernel import PolicyCache
 from runtime.policy import PRESETS
 
@@ -76,8 +80,26 @@ def link_bandwidth(device: torch.device, nbytes: int, repeats: int, clock=time.p
     for name, src in (("pinned", pinned), ("pageable", pageable)):
         s = _mean_s(lambda src=src: dst.copy_(src, non_blocking=True), repeats, sync, clock=clock)
         res[f"{name}_GBps"] = nbytes / s / 1e9
+        # how long the issuing thread is held by a "non-blocking" copy: ~0 from pinned memory on CUDA; the
+        # whole copy from pageable memory (CUDA stages it synchronously), so such copies are not background
+        issue = []
+        for _ in range(max(2, repeats)):
+            sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            issue.append(time.perf_counter() - t0)
+        sync()
+        res[f"{name}_issue_us"] = sum(issue) / len(issue) * 1e6
+        res[f"{name}_issue_fraction"] = (sum(issue) / len(issue)) / s
     res["pinned_available"] = cuda
     return res
+
+
+def _head_modules(model) -> tuple:
+    """(final norm, LM head) of a causal LM (transformers' `model.norm` and `lm_head`), or None."""
+    inner = getattr(model, "model", None)
+    norm, head = getattr(inner, "norm", None), getattr(model, "lm_head", None)
+    return (norm, head) if norm is not None and head is not None else None
 
 
 @torch.inference_mode()
@@ -97,7 +119,7 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
         i = next(cycle)
         eng.fetch(i % L, (i // L) % E, 0)
 
-    fetch_s = _mean_s(fetch, repeats, sync, clock=eng.clock)
+    fetch_s = _mean_s(fetch, repeats, sync, clock=eng.clock)  # isolated: copy + synchronize
     eng.bind(cache)  # restore slot 0 of every layer
     x = torch.randn(1, eng.H, dtype=eng.dtype, device=eng.device)
     w = torch.tensor(0.5, dtype=eng.dtype, device=eng.device)
@@ -116,6 +138,11 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
 
     dev_s = _mean_s(dev, repeats, sync, inner=L * k, clock=eng.clock)
     host_s = _mean_s(host, repeats, sync, inner=L * k, clock=eng.clock)
+    head_s = 0.0
+    hm = _head_modules(m.model)
+    if hm is not None:
+        h = torch.randn(1, 1, eng.H, dtype=eng.dtype, device=eng.device)
+        head_s = _mean_s(lambda: hm[1](hm[0](h)), repeats, sync, inner=4, clock=eng.clock)
     tiny = (torch.randn(1, 8, dtype=eng.dtype, device=eng.device), torch.randn(2, 8, dtype=eng.dtype, device=eng.device),
             torch.randn(8, 1, dtype=eng.dtype, device=eng.device))
     dev_over = _mean_s(lambda: expert_forward(tiny[0], tiny[1], tiny[2], eng.act[0]), repeats, sync, inner=8, clock=eng.clock)
@@ -125,32 +152,49 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
     W = max(4, min(tokens, int(getattr(m.model.config, "max_position_embeddings", tokens))))
     windows = rng.integers(0, vocab, size=(1 + windows_n, W)).astype(np.int64)  # the first one warms up
     # decode with k slots under substitute-all: exactly k device experts per token-layer and no copies;
-    # once as it is, once with the expert math switched off (alternating, to share the host's load)
-    per_tok: dict[bool, list[float]] = {False: [], True: []}
+    # once as it is, once with the expert math switched off, and once under fetch-every-miss (the same k
+    # device experts per token-layer, plus a synchronous fetch for every miss), alternating, to share the
+    # host's load. The fetch-every-miss decode minus the substitute-all decode, per fetch, is the fetch
+    # *in context*: what a fetch adds to a decode, overlapping the host's launches of the rest of the layer
+    per_tok: dict[str, list[float]] = {"full": [], "null": [], "fetch": []}
+    fetches_per_tok: list[float] = []
+    pol = {"full": PRESETS["substitute-all"], "null": PRESETS["substitute-all"], "fetch": PRESETS["fetch-every-miss"]}
     try:
         for r in range(windows.shape[0]):
-            for null in (False, True):
-                eng.null_compute = null
-                cache = PolicyCache(PRESETS["substitute-all"], E, k, np.full(L, k), [np.arange(k)] * L)
+            for what in ("full", "null", "fetch"):
+                eng.null_compute = what == "null"
+                cache = PolicyCache(pol[what], E, k, np.full(L, k), [np.arange(k)] * L)
                 _, rep = eng.teacher_forced(m, windows[r : r + 1], cache)
                 if r > 0:
-                    per_tok[null].append(rep["time_per_token_s"])
+                    per_tok[what].append(rep["time_per_token_s"])
+                    if what == "fetch":
+                        fetches_per_tok.append(cache.counter_totals()["fetches"] / windows.shape[1])
     finally:
         eng.null_compute = False
-    full_s = sum(per_tok[False]) / len(per_tok[False])
-    isolated_s = sum(per_tok[True]) / len(per_tok[True]) / L
-    dense_s = (full_s - L * k * dev_s) / L  # the dense part in context (caches shared with the experts)
+    full_s = sum(per_tok["full"]) / len(per_tok["full"])
+    isolated_s = sum(per_tok["null"]) / len(per_tok["null"]) / L
+    fetch_decode_s = sum(per_tok["fetch"]) / len(per_tok["fetch"])
+    nf = sum(fetches_per_tok) / len(fetches_per_tok)
+    fetch_ctx_s = (fetch_decode_s - full_s) / nf if nf > 0 else float("nan")
+    if not fetch_ctx_s > 0:
+        log.warning("fetch in context measured <= 0 (%.3g s): using the isolated fetch %.3g s", fetch_ctx_s, fetch_s)
+        fetch_used_s = fetch_s
+    else:
+        fetch_used_s = fetch_ctx_s
+    dense_s = (full_s - L * k * dev_s - head_s) / L  # the dense part in context (caches shared with the experts)
     if dense_s <= 0:
         log.warning("dense time per layer in context measured <= 0 (%.3g s): using the isolated %.3g s",
                     dense_s, isolated_s)
         dense_s = isolated_s
     shape_bytes, shape_note = _shape_bytes(eng)
-    latency_s = max(fetch_s - shape_bytes / (link["pinned_GBps"] * 1e9), 1e-8)
+    latency_s = max(fetch_used_s - shape_bytes / (link["pinned_GBps"] * 1e9), 1e-8)
     dev_name = torch.cuda.get_device_name(eng.device) if eng.cuda else f"CPU device mode ({platform.processor() or platform.machine()}, {torch.get_num_threads()} intra-op threads)"
     vram = (torch.cuda.get_device_properties(eng.device).total_memory if eng.cuda
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    details = {"link": link, "fetch_us": fetch_s * 1e6, "device_expert_us": dev_s * 1e6, "host_expert_us": host_s * 1e6,
+    details = {"link": link, "fetch_us": fetch_used_s * 1e6, "fetch_isolated_us": fetch_s * 1e6,
+               "fetch_in_context_us": fetch_ctx_s * 1e6 if fetch_ctx_s == fetch_ctx_s else None, "fetch_every_miss_time_per_token_us": fetch_decode_s * 1e6,
+               "fetches_per_token": nf, "head_us": head_s * 1e6, "device_expert_us": dev_s * 1e6, "host_expert_us": host_s * 1e6,
                "dense_layer_us": dense_s * 1e6, "dense_isolated_layer_us": isolated_s * 1e6,
                "all_device_time_per_token_us": full_s * 1e6,
                "device_overhead_us": dev_over * 1e6, "host_overhead_us": host_over * 1e6,
@@ -161,15 +205,19 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
         link_GBps=link["pinned_GBps"], link_pageable_GBps=link["pageable_GBps"], link_latency_us=latency_s * 1e6,
         device_mem_GBps=eng.expert_bytes / dev_s / 1e9, device_overhead_us=dev_over * 1e6,
         host_mem_GBps=eng.expert_bytes / host_s / 1e9, host_overhead_us=host_over * 1e6,
-        device_expert_us=dev_s * 1e6, host_expert_us=host_s * 1e6, dense_layer_us=dense_s * 1e6, vram_GiB=vram,
+        device_expert_us=dev_s * 1e6, host_expert_us=host_s * 1e6, dense_layer_us=dense_s * 1e6,
+        head_us=head_s * 1e6 if head_s > 0 else None, vram_GiB=vram,
         sources=(f"measured by runtime.calibrate on {when}, model {m.model_dir} ({eng.dtype}, L={L}, E={E}, k={k}), "
                  f"device {eng.device}, means of {repeats} runs",
                  f"link: {link_mib} MiB host->device copies; pinned memory {'used' if link['pinned_available'] else 'not available (CPU device mode): both figures are plain memcpy'}",
-                 f"link_latency_us = measured expert fetch ({fetch_s * 1e6:.1f} us, {eng.expert_bytes} B) minus "
+                 f"link_latency_us = measured expert fetch in context ({fetch_used_s * 1e6:.1f} us: fetch-every-miss "
+                 f"minus substitute-all decode per fetch; isolated copy + synchronize {fetch_s * 1e6:.1f} us; "
+                 f"{eng.expert_bytes} B) minus "
                  f"{shape_bytes} B ({shape_note}) / link_GBps",
                  "device_mem_GBps / host_mem_GBps: expert bytes / measured expert time (effective, overhead included)",
                  f"dense_layer_us: substitute-all decode with k slots ({full_s * 1e6:.1f} us/token) minus "
-                 f"L*k*device_expert, / L (isolated, expert math off: {isolated_s * 1e6:.1f} us)"))
+                 f"L*k*device_expert and head_us (final norm + LM head, {head_s * 1e6:.1f} us), / L (isolated, "
+                 f"expert math off: {isolated_s * 1e6:.1f} us)"))
     return prof, details
 
 
@@ -184,7 +232,7 @@ def _shape_bytes(eng: Engine) -> tuple[int, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.calibrate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True, help="HostProfile YAML to write (atomically)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")

@@ -1,25 +1,27 @@
-"""The offloading engine: the policy kernel's decisions drive real expert copies and computes.
+"""The offloading engine: the policy kernel's plan drives real expert copies and computes.
 
 Layout (docs/engine.md):
 - non-expert weights on the device (`cuda`, or `cpu` in CPU device mode);
-- every MoE layer's expert weights in a `HostStore` (pinned host memory when CUDA, or
-  memory-mapped safetensors for SSD-backed offload);
-- per MoE layer a pool of `C_l` device slots (`ExpertBuf`, one [2I, H] and one [H, I] tensor
-  each); `slot_expert` mirrors the kernel's residency slot for slot (checked in debug mode);
+- every MoE layer's expert weights in a `HostStore`: one flat buffer per layer holding
+  `gate_up [E, 2I, H]` and `down [E, H, I]` (with CUDA pinned in place with cudaHostRegister: no
+  power-of-two rounding, no second copy), or memory-mapped safetensors (pageable: copies block);
+- per MoE layer a pool of `C_l` device slots (`ExpertBuf`, one [2I, H] and one [H, I] tensor each).
+  Slot `s` of layer `l` holds the expert the kernel's own table says (`cache.slot_expert[l, s]`): the
+  engine keeps no copy of the kernel's slot table or admission queue;
 - a shared pool of staging buffers for background admissions and the prefill stream.
 
-The adapters (runtime/adapters.py) route, rank and ask the kernel exactly as in the emulation,
-then call `Engine.run_experts(layer, hidden, ids, weights, decisions)`. Per decoded token and
-layer, in the kernel's order: admissions due are applied (wait for their copy, counting a stall
-if it is late, then the staging buffer becomes the slot's buffer), FETCHes copy host -> slot on
-the copy stream and the token waits, HIT/FETCH/SUB compute from their slots with the (adapted)
-router weight, HOST computes on the host from the store, DROP computes nothing; then the
-admissions queued at this token start copying into staging buffers on the admission stream
-(CPU device mode: a background thread; torch copies release the GIL).
+The adapters (runtime/adapters.py) route, rank and ask the kernel exactly as in the emulation, then
+call `Engine.run_experts(layer, hidden, ids, weights, plan)` with the kernel's plan (`StepResult`).
+The engine applies it, per token in the kernel's order (docs/engine.md "Per token and layer"):
+admissions `admitted (t, e, s)` (wait for the copy, the staging buffer becomes slot `s`), pending
+copies the kernel popped without admitting are released, prefetch loads `prefetched (t, e, s)`,
+FETCH (host -> slot `slot[t, j]`), then the expert compute by kind (HIT/FETCH/SUB from `slot[t, j]`,
+HOST on the host CPU overlapping the device, DROP nothing), then the admissions `queued (t, e)` start
+copying into staging buffers in the background.
 
-The `engine` backend of runtime/backends.py (`python -m runtime.emulate --backend engine`) is the
-emulation's evaluation with every policy decoded token by token by `Engine.teacher_forced`
-(batch 1, KV cache, teacher forcing).
+`Engine.teacher_forced` is the `engine` backend's runner (runtime/backends.py); `Engine.evaluate`
+runs one policy on given windows (capacities, warm residency) and can return the per-token plan
+[T, L, k] for the contract test.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import mmap
 import os
 import re
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,17 +46,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import adapters, hfmodel
+from runtime import adapters, costmodel, hfmodel
 from runtime.errors import InputError, cli_main
-from runtime.kernel import DROP, FETCH, HOST, PolicyCache, warmup
+from runtime.kernel import DROP, FETCH, HOST, PolicyCache, StepResult, warmup
 from runtime.policy import PolicyConfig
 
 log = logging.getLogger(__name__)
 
-# --vram-budget: what is kept back for activations, the KV cache and allocator slack, as a
-# fraction of the budget, on top of the staging buffers (see capacities_for_budget).
-RESERVE_FRACTION = 0.05
-PREFILL_STAGING = 2  # double buffer
+KIND_LOWBIT = 5  # runtime.kernel.LOWBIT (low-bit fallback): refused until the engine computes it
 
 
 def resolve_device(device: str | None, flag: str = "--device") -> torch.device:
@@ -75,11 +75,17 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, a
 
 @dataclass
 class ExpertBuf:
-    """One expert's weights on the device (a slot's content or a staging buffer)."""
+    """One expert's weights on the device (a slot's content or a staging buffer).
+
+    CUDA: `ready` is recorded after the last copy into the buffer; `freed` points at the event after
+    which the buffer's last reader (or writer) is done, that the next writer's stream waits on. The two
+    events are the buffer's own, re-recorded (no new CUDA event per copy)."""
 
     gate_up: torch.Tensor  # [2I, H]
     down: torch.Tensor  # [H, I]
-    freed: object = None  # CUDA: event after which the buffer's last reader/writer is done
+    ready: object = None
+    done_reading: object = None
+    freed: object = None
 
 
 # ----------------------------------------------------------------------------- host store
@@ -108,17 +114,64 @@ def mmap_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
+def pin_in_place(t: torch.Tensor, what: str) -> None:
+    """Page-lock a contiguous host tensor's memory where it is (cudaHostRegister): exactly its bytes, no
+    power-of-two rounding, no copy. Failure (not enough lockable memory, ulimit -l) is a one-line error."""
+    nbytes = t.numel() * t.element_size()
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+    except (RuntimeError, AttributeError) as exc:
+        raise InputError(f"out of memory pinning {what} ({nbytes / 2**30:.3g} GiB of host memory): "
+                         f"{str(exc).splitlines()[0][:160]}; use --pageable (slower copies) or a smaller model") from None
+    if rc != 0:
+        raise InputError(f"out of memory pinning {what} ({nbytes / 2**30:.3g} GiB of host memory, cudaHostRegister "
+                         f"error {rc}); use --pageable (slower copies) or a smaller model")
+
+
+def _unpin(ptrs: list[int]) -> None:
+    for p in ptrs:
+        with contextlib.suppress(Exception):
+            torch.cuda.cudart().cudaHostUnregister(p)
+
+
 class HostStore:
     """Expert weights of every MoE layer on the host.
 
-    `fused[l] = (gate_up [E, 2I, H], down [E, H, I])` (pinned when the device is CUDA), or
-    `parts[l][e] = (gate [I, H], up [I, H], down [H, I])` views of memory-mapped safetensors.
+    `fused[l] = (gate_up [E, 2I, H], down [E, H, I])`: views of ONE flat buffer per layer (`flat[l]`),
+    pinned in place with CUDA; or `parts[l][e] = (gate [I, H], up [I, H], down [H, I])` views of
+    memory-mapped safetensors (pageable).
     """
 
     def __init__(self, dtype: torch.dtype, fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 parts: list[list[tuple[torch.Tensor, ...]]] | None = None, kind: str = "ram") -> None:
+                 parts: list[list[tuple[torch.Tensor, ...]]] | None = None, kind: str = "ram",
+                 flat: list[torch.Tensor] | None = None, pinned: bool = False) -> None:
         self.dtype, self.fused, self.parts, self.kind = dtype, fused, parts, kind
-        self.pinned = bool(fused) and all(gu.is_pinned() for gu, _ in fused)
+        self.flat = flat or []
+        self.pinned = pinned
+
+    @classmethod
+    def from_experts(cls, experts: list[nn.Module], dtype: torch.dtype, pin: bool) -> HostStore:
+        """Move every layer's fused expert tensors into one flat host buffer per layer, layer by layer,
+        freeing the model's originals as it goes (peak: the experts once plus one layer)."""
+        fused, flat, ptrs = [], [], []
+        for l_, ex in enumerate(experts):
+            gu, d = ex.gate_up_proj.data, ex.down_proj.data
+            buf = torch.empty(gu.numel() + d.numel(), dtype=dtype)
+            if pin:
+                pin_in_place(buf, f"the host expert store (MoE layer {l_})")
+                ptrs.append(buf.data_ptr())
+            fgu, fd = buf[: gu.numel()].view(gu.shape), buf[gu.numel():].view(d.shape)
+            fgu.copy_(gu)
+            fd.copy_(d)
+            ex.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            ex.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            del gu, d
+            fused.append((fgu, fd))
+            flat.append(buf)
+        store = cls(dtype, fused=fused, kind="ram", flat=flat, pinned=pin)
+        if ptrs:  # unregister before the buffers are freed
+            weakref.finalize(store, _unpin, ptrs)
+        return store
 
     def copy_into(self, layer: int, e: int, buf: ExpertBuf, non_blocking: bool = False) -> None:
         if self.fused is not None:
@@ -139,6 +192,11 @@ class HostStore:
             return gu[e], d[e]
         g, u, d = self.parts[layer][e]
         return torch.cat([g, u]).to(self.dtype), d.to(self.dtype)
+
+    def nbytes(self) -> int:
+        if self.fused is not None:
+            return sum(gu.numel() * gu.element_size() + d.numel() * d.element_size() for gu, d in self.fused)
+        return sum(t.numel() * t.element_size() for row in self.parts for ex in row for t in ex)
 
 
 def _mmap_parts(model_dir: Path, layer_ids: tuple[int, ...], E: int) -> list[list[tuple[torch.Tensor, ...]]]:
@@ -168,15 +226,22 @@ def _mmap_parts(model_dir: Path, layer_ids: tuple[int, ...], E: int) -> list[lis
     return parts
 
 
+def model_shape_of(m: hfmodel.Loaded, dtype: torch.dtype) -> costmodel.ModelShape:
+    """The cost model's shape of a loaded checkpoint in the engine's dtype (the VRAM budget's input)."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if name is None:
+        raise InputError(f"--dtype: the engine runs in fp32, bf16 or fp16, not {dtype}")
+    return costmodel.model_shape_for(m.model.config.to_dict(), name, name=str(m.model_dir))
+
+
 # ----------------------------------------------------------------------------- engine
 
 
 @dataclass
 class _Pending:
-    due: int  # token before which the kernel applies it (queued token + admission delay)
-    expert: int
+    due: int  # the token before which the kernel pops it (queued token + admission delay)
     buf: ExpertBuf
-    handle: object  # CPU: Future of the copy; CUDA: event recorded after the copy
+    handle: object  # CPU: Future of the copy; CUDA: the buffer's `ready` event
 
 
 class Engine:
@@ -200,11 +265,13 @@ class Engine:
         self.dtype = experts[0].gate_up_proj.dtype
         self.act = [ex.act_fn for ex in experts]
         self.expert_bytes = 3 * self.H * self.I * torch.empty((), dtype=self.dtype).element_size()
+        self.context_bytes = 0
+        if self.cuda:  # what the process holds on the GPU outside PyTorch's allocator (the CUDA context)
+            torch.cuda.init()
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.context_bytes = int(total - free - torch.cuda.memory_reserved(self.device))
         if host_store == "ram":
-            fused = [(ex.gate_up_proj.data, ex.down_proj.data) for ex in experts]
-            if self.cuda and pinned:
-                fused = [(gu.pin_memory(), d.pin_memory()) for gu, d in fused]
-            self.store = HostStore(self.dtype, fused=fused, kind="ram")
+            self.store = HostStore.from_experts(experts, self.dtype, pin=self.cuda and pinned)
         elif host_store == "mmap":
             parts = _mmap_parts(m.model_dir, m.layer_ids, self.E)
             for l_, ex in enumerate(experts):  # the checkpoint's tensors must be the model's experts
@@ -214,29 +281,35 @@ class Engine:
                             and torch.equal(d.to(self.dtype), ex.down_proj.data[e])):
                         raise InputError(f"--host-store mmap: {m.model_dir}: the safetensors experts of MoE layer {l_} "
                                          f"do not match the loaded model's (expert {e})")
+            for ex in experts:
+                ex.gate_up_proj = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+                ex.down_proj = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
             self.store = HostStore(self.dtype, parts=parts, kind="mmap")
         else:
             raise InputError(f"--host-store = {host_store!r} must be ram or mmap")
-        for ex in experts:  # the experts live in the host store from now on
-            ex.gate_up_proj = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
-            ex.down_proj = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+        # CUDA copies from pageable memory are staged synchronously: they block this thread (docs/engine.md)
+        self.copies_block_host = self.cuda and not self.store.pinned
+        if self.copies_block_host:
+            log.warning("host store in pageable memory (%s): every host->device copy blocks the host thread, so "
+                        "admissions and prefetches are not in the background", host_store)
         m.model.to(self.device)
         self.nonexpert_bytes = sum(t.numel() * t.element_size() for t in (*m.model.parameters(), *m.model.buffers()))
         if self.device.type != "cpu":
             m.model.register_forward_pre_hook(self._inputs_to_device, with_kwargs=True)
             m.model.register_forward_hook(self._logits_to_host)
+        self.logits_to_host = True
         m.ctx.executor = self.run_experts
         if self.cuda:
-            self.copy_stream = torch.cuda.Stream(self.device)  # synchronous fetches, prefill stream
+            self.copy_stream = torch.cuda.Stream(self.device)  # synchronous fetches, prefetches, prefill stream
             self.adm_stream = torch.cuda.Stream(self.device)  # background admissions
             self._link = None
         else:
             self._link = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertsweep-link")
         self.cache: PolicyCache | None = None
         self.slots: list[list[ExpertBuf]] | None = None
-        self.slot_expert = np.full((self.L, 0), -1, np.int64)
         self._free: list[ExpertBuf] = []
-        self._pending: list[collections.deque] = [collections.deque() for _ in range(self.L)]
+        self._pending: list[dict[int, _Pending]] = [{} for _ in range(self.L)]
+        self._stall_events: list[tuple] = []
         self._dev_bytes = self._peak_bytes = self.nonexpert_bytes
         self.n_staging = 0
         self.events: list[list[np.ndarray]] = [[] for _ in range(self.L)]
@@ -247,6 +320,9 @@ class Engine:
         # device mode only) leaves out the time a shared host's other processes hold the core
         self.clock = time.perf_counter
         self.logits: list[torch.Tensor] = []
+        self.shape: costmodel.ModelShape | None = None
+        with contextlib.suppress(InputError):  # a family the cost model does not describe: no --vram-budget
+            self.shape = model_shape_of(m, self.dtype)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -256,9 +332,8 @@ class Engine:
                   for k, v in kwargs.items()}
         return tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args), kwargs
 
-    @staticmethod
-    def _logits_to_host(module, args, out):
-        if getattr(out, "logits", None) is not None:
+    def _logits_to_host(self, module, args, out):
+        if self.logits_to_host and getattr(out, "logits", None) is not None:
             out.logits = out.logits.cpu()
         return out
 
@@ -272,14 +347,24 @@ class Engine:
             self._link = None
 
     def _reset_stats(self) -> None:
-        self.stats = {"fetch_copies": 0, "admission_copies": 0, "admissions_applied": 0, "admissions_discarded": 0,
-                      "admission_stalls": 0, "admission_stall_s": 0.0, "host_computes": 0, "device_computes": 0,
-                      "prefill_copies": 0}
+        self.stats = {"fetch_copies": 0, "prefetch_copies": 0, "admission_copies": 0, "admissions_applied": 0,
+                      "admissions_discarded": 0, "admission_stalls": 0, "admission_stall_s": 0.0, "host_computes": 0,
+                      "device_computes": 0, "prefill_copies": 0}
+        self._stall_events = []
+
+    def _event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing)
 
     def _new_buf(self) -> ExpertBuf:
         with torch.inference_mode(False):  # normal tensors: the link thread (not in inference mode) writes them
             buf = ExpertBuf(torch.empty(2 * self.I, self.H, dtype=self.dtype, device=self.device),
                             torch.empty(self.H, self.I, dtype=self.dtype, device=self.device))
+        if self.cuda:
+            buf.ready, buf.done_reading = self._event(), self._event()
+            # the caching allocator may hand out memory that the compute stream freed a moment ago and
+            # still reads: whoever writes the new buffer on another stream waits for the compute stream
+            buf.done_reading.record(torch.cuda.current_stream(self.device))
+            buf.freed = buf.done_reading
         self._dev_bytes += self.expert_bytes
         self._peak_bytes = max(self._peak_bytes, self._dev_bytes)
         return buf
@@ -291,13 +376,20 @@ class Engine:
             return self._new_buf()
         return self._free.pop()
 
+    def mark_read(self, buf: ExpertBuf) -> None:
+        """CUDA: the compute stream's reads of `buf` queued so far end its use; the next writer waits for them."""
+        if self.cuda:
+            buf.done_reading.record(torch.cuda.current_stream(self.device))
+            buf.freed = buf.done_reading
+
     def give_staging(self, buf: ExpertBuf, after=None) -> None:
-        """Return a buffer to the staging pool once its readers (CUDA: the compute stream now) are done."""
+        """Return a buffer to the staging pool: free once the compute stream's reads queued so far are done,
+        or (after = its copy's handle: a copy nobody will read) once that copy is done."""
         if self.cuda:
             if after is None:
-                after = torch.cuda.Event()
-                after.record(torch.cuda.current_stream(self.device))
-            buf.freed = after
+                self.mark_read(buf)
+            else:
+                buf.freed = after
         elif isinstance(after, Future):
             after.result()
         self._free.append(buf)
@@ -311,55 +403,63 @@ class Engine:
             s.wait_event(buf.freed)
         with torch.cuda.stream(s):
             self.store.copy_into(layer, e, buf, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(s)
-        return ev
+            buf.ready.record(s)
+        return buf.ready
 
     def _copy_on_link(self, layer: int, e: int, buf: ExpertBuf) -> None:
         with torch.no_grad():
             self.store.copy_into(layer, e, buf)
 
-    def wait_copy(self, handle) -> bool:
-        """Make the compute wait for a copy; True if it had not finished yet (a stall)."""
+    def wait_copy(self, handle, timed: bool = False) -> bool:
+        """Make the compute wait for a copy; True if it had not finished when asked (a stall).
+
+        CPU device mode: the main thread blocks on the link thread's future (timed with perf_counter).
+        CUDA: the compute stream waits on the copy's event; with `timed`, a late copy's wait is bracketed
+        by two timing events on the compute stream, whose elapsed time (read after the run's final
+        synchronize, `_collect_stalls`) is the time the device really stood still."""
         if not self.cuda:
             late = not handle.done()
+            t0 = time.perf_counter()
             handle.result()
+            if timed and late:
+                self.stats["admission_stall_s"] += time.perf_counter() - t0
             return late
         late = not handle.query()
-        torch.cuda.current_stream(self.device).wait_event(handle)
+        cur = torch.cuda.current_stream(self.device)
+        if timed and late:
+            a, b = self._event(True), self._event(True)
+            a.record(cur)
+            cur.wait_event(handle)
+            b.record(cur)
+            self._stall_events.append((a, b))
+        else:
+            cur.wait_event(handle)
         return late
+
+    def _collect_stalls(self) -> None:
+        """CUDA: add the device-side admission stalls measured since the last call (after a synchronize)."""
+        for a, b in self._stall_events:
+            self.stats["admission_stall_s"] += a.elapsed_time(b) / 1e3
+        self._stall_events = []
 
     # ------------------------------------------------------------------ pools
 
     def capacities_for_budget(self, budget_gib: float, policies: list[PolicyConfig] | tuple = (),
                               flag: str = "--vram-budget") -> np.ndarray:
-        """Slots per layer that fit a device memory budget (GiB); InputError when fewer than k.
-
-        C = floor((budget - non-expert bytes - reserve) / (L * bytes per expert)), clamped to E - 1, where
-        reserve = RESERVE_FRACTION * budget + staging buffers (2 for the prefill stream, plus L * k * d
-        when a policy admits in the background: the most admissions that can be in flight at once).
-        """
-        if not (budget_gib > 0) or not np.isfinite(budget_gib):
-            raise InputError(f"{flag} = {budget_gib!r} must be a positive number of GiB")
-        budget = budget_gib * 2**30
-        staging = PREFILL_STAGING + max([self.L * self.k * p.admission_delay for p in policies if p.beta is not None],
-                                        default=0)
-        reserve = RESERVE_FRACTION * budget + staging * self.expert_bytes
-        avail = budget - self.nonexpert_bytes - reserve
-        c = min(int(avail // (self.L * self.expert_bytes)) if avail > 0 else 0, self.E - 1)
-        if c < self.k:
-            raise InputError(f"{flag} = {budget_gib:g}: leaves {c} expert slots per layer, fewer than k = {self.k} "
-                             f"(non-expert weights {self.nonexpert_bytes / 2**30:.3g} GiB, reserve "
-                             f"{reserve / 2**30:.3g} GiB, one expert {self.expert_bytes / 2**20:.3g} MiB x "
-                             f"{self.L} layers)")
-        log.info("--vram-budget %g GiB: %d slots per layer", budget_gib, c)
-        return np.full(self.L, c, np.int64)
+        """Slots per layer that fit a device memory budget (GiB): runtime.costmodel.capacities_for_budget
+        on this model's shape in the engine's dtype (the one meaning of a VRAM budget)."""
+        if self.shape is None:
+            raise InputError(f"{flag}: the cost model has no shape for model_type "
+                             f"{self.m.model.config.model_type!r}; give --capacity or --capacity-fraction")
+        return costmodel.capacities_for_budget(self.shape, budget_gib, list(policies), flag=flag)
 
     @torch.inference_mode()
     def bind(self, cache: PolicyCache) -> None:
         """Start a run under `cache`: slot pools sized by its capacities and loaded with its residency."""
         self.drain()
         warmup()  # the kernel is compiled (or loaded from numba's cache) before anything is timed
+        if cache.policy.fallback == "lowbit":
+            raise InputError("the engine does not run fallback = lowbit yet (emulation and simulator do)")
         caps = [int(c) for c in cache.caps]
         if self.slots is None or [len(s) for s in self.slots] != caps:
             if self.slots is not None:
@@ -367,13 +467,11 @@ class Engine:
             self.slots = None
             self.slots = [[self._new_buf() for _ in range(c)] for c in caps]
         self.cache = cache
-        self.slot_expert = np.full((self.L, max(caps)), -1, np.int64)
         for l_ in range(self.L):
             for s in range(caps[l_]):
                 e = int(cache.slot_expert[l_, s])
                 if e >= 0:
                     self.store.copy_into(l_, e, self.slots[l_][s])
-                    self.slot_expert[l_, s] = e
         self.events = [[] for _ in range(self.L)]
         self._reset_stats()
         self.sync()
@@ -384,128 +482,146 @@ class Engine:
     def drain(self) -> None:
         """Wait for and drop every admission copy still in flight (end of a run)."""
         for q in self._pending:
-            while q:
-                p = q.popleft()
+            for p in q.values():
                 self.wait_copy(p.handle)
                 self.give_staging(p.buf)
+            q.clear()
         self.sync()
+        if self.cuda:
+            self._collect_stalls()
 
     def peak_device_bytes(self) -> int:
-        """CUDA: torch.cuda.max_memory_allocated since bind; CPU device mode: non-expert weights + slots
+        """CUDA: the CUDA context (measured at start) + torch.cuda.max_memory_reserved since bind (everything
+        the caching allocator held, cuBLAS workspace included); CPU device mode: non-expert weights + slots
         + staging buffers (the device-side tensors the engine holds; activations and KV not counted)."""
         if self.cuda:
-            return int(torch.cuda.max_memory_allocated(self.device))
+            return int(self.context_bytes + torch.cuda.max_memory_reserved(self.device))
         return int(self._peak_bytes)
 
     def resident_slot(self, layer: int, e: int) -> int:
-        if self.slots is None:
+        """The kernel's slot of expert e (its own table), -1 when not resident or nothing is bound."""
+        if self.slots is None or self.cache is None:
             return -1
-        hit = np.flatnonzero(self.slot_expert[layer, : len(self.slots[layer])] == e)
-        return int(hit[0]) if len(hit) else -1
+        return int(self.cache.expert_slot[layer, e])
 
     # ------------------------------------------------------------------ the adapters' hook
 
-    def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, decisions) -> torch.Tensor:
-        """Experts' output for tokens x [N, H]: exact streaming (decisions None) or the kernel's decisions."""
-        if decisions is None:
-            from runtime.prefill import stream_layer
+    def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, plan) -> torch.Tensor:
+        """Experts' output for tokens x [N, H]: exact streaming (plan None) or the kernel's plan."""
+        if plan is None:
+            from runtime.prefill import stream_layer  # noqa: PLC0415 - prefill imports this module
 
             return stream_layer(self, layer, x, ids, w)
-        return self._policy_layer(layer, x, w, decisions)
+        return self._apply_plan(layer, x, w, plan)
 
-    def fetch(self, layer: int, e: int, s: int) -> None:
-        """Synchronous fetch host -> slot s; the token's compute waits for it."""
+    def fetch(self, layer: int, e: int, s: int, prefetch: bool = False) -> None:
+        """Copy host -> slot s on the copy stream; the compute waits for it (CPU device mode: a plain copy)."""
         buf = self.slots[layer][s]
         if self.cuda:
             cur = torch.cuda.current_stream(self.device)
             self.copy_stream.wait_stream(cur)  # the evicted expert's last readers are done
             with torch.cuda.stream(self.copy_stream):
                 self.store.copy_into(layer, e, buf, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.copy_stream)
-            cur.wait_event(ev)
+                buf.ready.record(self.copy_stream)
+            cur.wait_event(buf.ready)
         else:
             self.store.copy_into(layer, e, buf)
-        self.slot_expert[layer, s] = e
-        self.stats["fetch_copies"] += 1
+        self.stats["prefetch_copies" if prefetch else "fetch_copies"] += 1
 
-    def host_expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on the host CPU from the host store; x [n, H] on the device -> [n, H] on the device."""
+    def host_expert(self, layer: int, e: int, x_host: torch.Tensor) -> torch.Tensor:
+        """Expert e on the host CPU from the host store: x_host [n, H] on the host -> [n, H] on the host."""
         gu, d = self.store.weights(layer, e)
-        y = expert_forward(x.to("cpu"), gu, d, self.act[layer])
-        return y.to(x.device)
+        return expert_forward(x_host, gu, d, self.act[layer])
 
-    def _apply_admissions(self, layer: int, t: int, adm: np.ndarray, ai: int) -> int:
+    def _to_device(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return y
+        return y.pin_memory().to(self.device, non_blocking=True)  # the caching host allocator keeps it alive
+
+    def _admit(self, layer: int, e: int, s: int) -> None:
+        p = self._pending[layer].pop(e, None)
+        if p is None:
+            raise RuntimeError(f"engine: MoE layer {layer}: the kernel admitted expert {e}, whose copy the engine "
+                               "never started (its plan's queued rows were not applied)")
+        if self.wait_copy(p.handle, timed=True):
+            self.stats["admission_stalls"] += 1
+        old = self.slots[layer][s]
+        self.slots[layer][s] = p.buf
+        self.give_staging(old)
+        self.stats["admissions_applied"] += 1
+
+    def _release_popped(self, layer: int, t: int) -> None:
+        """Copies due before token t that the kernel did not admit (it skips an expert that became resident
+        meanwhile): their staging buffers go back to the pool once the copy is done."""
         q = self._pending[layer]
-        while q and q[0].due <= t:
-            p = q.popleft()
-            if ai < len(adm) and adm[ai, 0] == t and adm[ai, 1] == p.expert:
-                s = int(adm[ai, 2])
-                ai += 1
-                t0 = time.perf_counter()
-                if self.wait_copy(p.handle):
-                    self.stats["admission_stalls"] += 1
-                    self.stats["admission_stall_s"] += time.perf_counter() - t0
-                old = self.slots[layer][s]
-                self.slots[layer][s] = p.buf
-                self.slot_expert[layer, s] = p.expert
-                self.give_staging(old)
-                self.stats["admissions_applied"] += 1
-            else:  # the kernel skipped it (the expert became resident meanwhile)
-                self.give_staging(p.buf, after=p.handle)
-                self.stats["admissions_discarded"] += 1
-        return ai
+        for e in [e for e, p in q.items() if p.due <= t]:
+            p = q.pop(e)
+            self.give_staging(p.buf, after=p.handle)
+            self.stats["admissions_discarded"] += 1
 
-    def _policy_layer(self, layer: int, x: torch.Tensor, w: torch.Tensor, res) -> torch.Tensor:
-        N, k = res.kind.shape
+    def _apply_plan(self, layer: int, x: torch.Tensor, w: torch.Tensor, plan: StepResult) -> torch.Tensor:
+        kind, served, slot = plan.kind, plan.served, plan.slot
+        N, k = kind.shape
         t0 = int(self.cache.next_t[layer]) - N
         out = torch.zeros_like(x)  # [N, H]
         act = self.act[layer]
-        ai = qi = 0
-        adm, queued, d = res.admitted, res.queued, self.cache.policy.admission_delay
+        adm, queued, d = plan.admitted, plan.queued, self.cache.policy.admission_delay
+        pref = getattr(plan, "prefetched", np.zeros((0, 3), np.int64))
+        if (kind == KIND_LOWBIT).any():
+            raise InputError("the engine does not run fallback = lowbit yet (emulation and simulator do)")
+        ai = qi = pi = 0
         for i in range(N):
             t = t0 + i
-            ai = self._apply_admissions(layer, t, adm, ai)
-            for j in range(k):  # synchronous fetches in rank order
-                if res.kind[i, j] == FETCH:
-                    self.fetch(layer, int(res.served[i, j]), int(res.slot[i, j]))
+            hosts = [j for j in range(k) if kind[i, j] == HOST] if not self.null_compute else []
+            # (0) the activation of a host-computed token goes to the host first: nothing but this layer's
+            # dense part (already finished: its routing was read) is queued ahead of it on the stream
+            xh = x[i : i + 1].to("cpu") if hosts else None
+            # (1) admissions the kernel applied before token t, then the copies it popped and skipped
+            while ai < len(adm) and adm[ai, 0] == t:
+                self._admit(layer, int(adm[ai, 1]), int(adm[ai, 2]))
+                ai += 1
+            self._release_popped(layer, t)
+            # (2) prefetch loads, (3) synchronous fetches in rank order
+            while pi < len(pref) and pref[pi, 0] == t:
+                self.fetch(layer, int(pref[pi, 1]), int(pref[pi, 2]), prefetch=True)
+                pi += 1
+            for j in range(k):
+                if kind[i, j] == FETCH:
+                    self.fetch(layer, int(served[i, j]), int(slot[i, j]))
+            # (4) device compute, queued without waiting, in ascending expert id (the HF accumulation order)
             xi = x[i : i + 1]
-            host_terms = []
-            for j in np.argsort(res.served[i], kind="stable") if not self.null_compute else ():  # ascending expert id: the HF accumulation order
-                kd = res.kind[i, j]
-                if kd == DROP:
-                    continue
-                if kd == HOST:
-                    host_terms.append(j)
-                    continue
-                buf = self.slots[layer][res.slot[i, j]]
-                out[i] += (expert_forward(xi, buf.gate_up, buf.down, act) * w[i, j])[0]
-                self.stats["device_computes"] += 1
-            for j in host_terms:  # after the device work is queued, so both overlap on CUDA
-                out[i] += (self.host_expert(layer, int(res.served[i, j]), xi) * w[i, j])[0]
+            if not self.null_compute:
+                for j in np.argsort(served[i], kind="stable"):
+                    kd = kind[i, j]
+                    if kd == DROP or kd == HOST:
+                        continue
+                    buf = self.slots[layer][slot[i, j]]
+                    out[i] += (expert_forward(xi, buf.gate_up, buf.down, act) * w[i, j])[0]
+                    self.stats["device_computes"] += 1
+            # (5) host compute runs on the CPU while the device works through (4); results go back async
+            for j in sorted(hosts, key=lambda j: served[i, j]):
+                y = self.host_expert(layer, int(served[i, j]), xh)
+                out[i] += (self._to_device(y) * w[i, j])[0]
                 self.stats["host_computes"] += 1
-            while qi < len(queued) and queued[qi, 0] == t:  # background admissions start after the token
+            # (6) the admissions queued at this token start copying in the background
+            while qi < len(queued) and queued[qi, 0] == t:
                 e = int(queued[qi, 1])
                 buf = self.take_staging()
-                self._pending[layer].append(_Pending(t + d, e, buf, self.copy_async(layer, e, buf, "adm")))
+                self._pending[layer][e] = _Pending(t + d, buf, self.copy_async(layer, e, buf, "adm"))
                 self.stats["admission_copies"] += 1
                 qi += 1
-        if ai != len(adm):
-            raise RuntimeError(f"engine: MoE layer {layer}: the kernel admitted {adm[ai:].tolist()} that the engine "
-                               "had not queued")
-        self.events[layer].append(res.events)
+        if ai != len(adm) or pi != len(pref) or qi != len(queued):
+            raise RuntimeError(f"engine: MoE layer {layer}: plan rows outside tokens {t0}..{t0 + N - 1}")
+        self.events[layer].append(plan.events)
         if self.debug:
-            self.check_mirror(layer)
+            self.check_slots(layer)
         return out
 
-    def check_mirror(self, layer: int) -> None:
-        """Debug: the engine's slots hold exactly the kernel's residency, with the right weights."""
-        c = int(self.cache.caps[layer])
-        if not np.array_equal(self.slot_expert[layer, :c], self.cache.slot_expert[layer, :c]):
-            raise AssertionError(f"engine slots {self.slot_expert[layer, :c].tolist()} != kernel "
-                                 f"{self.cache.slot_expert[layer, :c].tolist()} at MoE layer {layer}")
-        for s in range(c):
-            e = int(self.slot_expert[layer, s])
+    def check_slots(self, layer: int) -> None:
+        """Debug: every slot holds the weights of the expert the kernel's table puts there."""
+        self.sync()
+        for s in range(int(self.cache.caps[layer])):
+            e = int(self.cache.slot_expert[layer, s])
             if e >= 0:
                 gu, d = self.store.weights(layer, e)
                 buf = self.slots[layer][s]
@@ -513,7 +629,7 @@ class Engine:
                     raise AssertionError(f"engine slot {s} of MoE layer {layer} does not hold expert {e}'s weights")
 
     def trace_events(self) -> np.ndarray:
-        """Kernel events of the run since bind, int32 [T, L, 5] (the cost model's input)."""
+        """Kernel events of the run since bind, int32 [T, L, N_EV] (the cost model's input)."""
         return np.stack([np.concatenate(ev) for ev in self.events], axis=1).astype(np.int32)
 
     # ------------------------------------------------------------------ decoding
@@ -528,7 +644,7 @@ class Engine:
     def teacher_forced(self, m: hfmodel.Loaded, windows: np.ndarray, cache: PolicyCache, name: str | None = None,
                        keep_logits: bool = False) -> tuple[np.ndarray, dict]:
         """Decode every window token by token under `cache` (feeding the true tokens); NLL [n, W-1] and the
-        run's measurements. The policy_runner of runtime.emulate.emulate()."""
+        run's measurements. The runner of the engine backend (runtime.emulate.evaluate_group)."""
         if m is not self.m:
             raise ValueError("teacher_forced: the Loaded model is not this engine's")
         self.bind(cache)
@@ -537,26 +653,49 @@ class Engine:
         self.logits = []
         decode_s = 0.0
         m.ctx.cache = cache
+        self.logits_to_host = False  # logits stay on the device until the window ends: no per-token sync
         try:
             for a in range(n):
                 x = torch.from_numpy(windows[a : a + 1])
+                xd = x.to(self.device)
                 rows, past = [], None
                 self.sync()
                 t0 = self.clock()
                 for t in range(W):
-                    logits, past = self.decode_step(x[:, t : t + 1], past)
-                    rows.append(logits)
+                    out, past = forward_cached(m.model, xd[:, t : t + 1], past)
+                    rows.append(out.logits[0, -1])
                 self.sync()
                 decode_s += self.clock() - t0
                 lg = torch.stack(rows).float()  # [W, V]
                 lp = torch.log_softmax(lg[:-1], dim=-1)
-                nll[a] = (-torch.gather(lp, 1, x[0, 1:, None])[:, 0]).double().numpy()
+                nll[a] = (-torch.gather(lp, 1, xd[0, 1:, None])[:, 0]).double().cpu().numpy()
                 if keep_logits:
-                    self.logits.append(lg)
+                    self.logits.append(lg.cpu())
         finally:
+            self.logits_to_host = True
             m.ctx.cache = None
             self.drain()
         return nll, self.run_report(decode_s, n * W)
+
+    def evaluate(self, windows: np.ndarray, policy: PolicyConfig, capacities, initial_residency=None, *,
+                 record_decisions: bool = False, substitute_weight: str = "missed") -> dict:
+        """One policy on `windows` [n, W] from `initial_residency` (per-layer expert ids) with `capacities`
+        slots per layer. Returns nll [n, W-1], counters / per_layer (the kernel's), events [T, L, N_EV],
+        the measured report, and with `record_decisions` the plan per token: decisions = {kind, served,
+        slot} int [T, L, k] (tokens in stream order)."""
+        m = self.m
+        caps = np.broadcast_to(np.asarray(capacities, np.int64), (self.L,)).copy()
+        cache = PolicyCache(policy, self.E, self.k, caps, initial_residency)
+        m.ctx.substitute_weight = substitute_weight
+        m.ctx.decisions = [[] for _ in range(self.L)] if record_decisions else None
+        try:
+            nll, rep = self.teacher_forced(m, windows, cache)
+            decisions = m.ctx.decision_arrays() if record_decisions else None
+        finally:
+            m.ctx.decisions = None
+            m.ctx.substitute_weight = "missed"
+        return {"nll": nll, "counters": cache.counter_totals(), "per_layer": cache.per_layer(),
+                "events": self.trace_events(), "decisions": decisions, "capacity": caps.tolist(), **rep}
 
     def run_report(self, decode_s: float, tokens: int) -> dict:
         """The measured keys a run adds to the emulation's result."""
@@ -565,10 +704,16 @@ class Engine:
 
     def report(self) -> dict:
         """Where things live and what the run since bind copied, computed and waited for."""
-        return {"device": str(self.device), "host_store": self.store.kind, "pinned": self.store.pinned,
-                "nonexpert_bytes": int(self.nonexpert_bytes), "expert_bytes": int(self.expert_bytes),
-                "slot_bytes": int(sum(len(s) for s in self.slots or []) * self.expert_bytes),
-                "staging_buffers": self.n_staging, **self.stats}
+        rep = {"device": str(self.device), "host_store": self.store.kind, "pinned": self.store.pinned,
+               "copies_block_host": self.copies_block_host, "host_store_bytes": int(self.store.nbytes()),
+               "nonexpert_bytes": int(self.nonexpert_bytes), "expert_bytes": int(self.expert_bytes),
+               "slot_bytes": int(sum(len(s) for s in self.slots or []) * self.expert_bytes),
+               "staging_buffers": self.n_staging, **self.stats}
+        if self.cuda:
+            rep.update({"cuda_context_bytes": self.context_bytes,
+                        "max_memory_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+                        "max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device))})
+        return rep
 
 
 @functools.cache
@@ -622,6 +767,34 @@ def cpu_threads(device: torch.device, threads: int | None):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def emulate_engine(model: str | os.PathLike, text: str | os.PathLike, policies: dict[str, PolicyConfig],
+                   capacity_fraction: float | None = 0.25, capacity=None, max_tokens: int | None = None,
+                   window: int | None = None, calib_text: str | os.PathLike | None = None, *,
+                   device: str | None = None, vram_budget: float | None = None, dtype: str = "fp32",
+                   host_store: str = "ram", **_ignored) -> dict:
+    """Compatibility wrapper: the engine backend (runtime/backends.py) over `policies`; returns
+    {"exact": {...}, name: Result.to_dict()} as the earlier `emulate_engine` did."""
+    from runtime import backends  # noqa: PLC0415 - backends imports this module lazily too
+    from runtime.spec import RunSpec  # noqa: PLC0415
+
+    if _ignored:
+        raise InputError(f"emulate_engine: unsupported arguments {sorted(_ignored)}")
+    dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, dtype)
+    if vram_budget is not None:
+        capacity = capacity_fraction = None
+    elif capacity is not None:
+        capacity_fraction = None
+    specs = {n: RunSpec(policy=p, name=n, capacity=capacity, capacity_fraction=capacity_fraction,
+                        vram_budget_GiB=vram_budget, model=str(model), text=str(text), max_tokens=max_tokens,
+                        window=window, calib_text=None if calib_text is None else str(calib_text), device=device,
+                        dtype=dt, host_store=host_store) for n, p in policies.items()}
+    res = backends.get_backend("engine").evaluate_many(list(specs.values()))
+    out: dict = {n: r.to_dict() for n, r in zip(specs, res, strict=True)}
+    first = res[0]
+    out["exact"] = {"perplexity": first.exact_perplexity, "tokens": first.tokens}
+    return out
 
 
 def load_engine(model_dir: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype = "fp32",

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime import emulate
+from runtime import hfmodel
 from runtime.engine import Engine, cpu_threads, engine_cli, load_engine
-from runtime.errors import InputError, atomic_write
+from runtime.errors import ArgumentParser, InputError, atomic_write
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PRESETS, preset, resolve_capacities
 from runtime.prefill import prefill
@@ -90,7 +90,7 @@ def run_generate(eng: Engine, prompts: list[str], policy_name: str, max_new: int
         exact = [greedy(eng, p, max_new, None, chunk) for p in ids]
     finally:
         m.ctx.recorder = None
-    cids, init_src = emulate.calibration_ids(m, calib_text, None, emulate.default_window(m))
+    cids, init_src = hfmodel.calibration_ids(m, calib_text, None, hfmodel.default_window(m))
     if cids is None:
         cids, init_src = rec.arrays()[0], "prompts (exact routing)"
     cache = PolicyCache(pol, m.E, m.k, caps, warm_residency(cids, None, m.E, caps))
@@ -136,7 +136,7 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None)

@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime import costmodel, emulate  # noqa: E402
+from runtime import costmodel, hfmodel  # noqa: E402
 from runtime.calibrate import calibrate  # noqa: E402
 from runtime.engine import Engine, cpu_threads, load_engine  # noqa: E402
 from runtime.errors import atomic_write  # noqa: E402
@@ -91,7 +91,7 @@ def record_policy(eng: Engine, name: str, windows: np.ndarray, caps: np.ndarray,
     finally:
         m.ctx.recorder = None
     ids, w, rank = rec.arrays()
-    return {"trace": emulate.make_trace(m, ids, w, rank, windows, sha, f"bench_engine policy={name}"),
+    return {"trace": hfmodel.make_trace(m, ids, w, rank, windows, sha, f"bench_engine policy={name}"),
             "counters": {key: int(cache.counter_totals()[key]) for key in COUNTERS}, "events": eng.trace_events(),
             "times": [], "reports": []}
 
@@ -110,9 +110,9 @@ def simulated(name: str, row: dict, caps, init, profile, shape) -> float:
     sim = simulate(row["trace"], PRESETS[name], caps, initial_residency=init, host=profile, model_shape=shape,
                    baselines=False)
     for key in COUNTERS:
-        if sim[key] != row["counters"][key]:
-            raise RuntimeError(f"{name}: simulator {key} = {sim[key]} != engine {row['counters'][key]}")
-    return sim["time_per_token_s"]
+        if sim.counters[key] != row["counters"][key]:
+            raise RuntimeError(f"{name}: simulator {key} = {sim.counters[key]} != engine {row['counters'][key]}")
+    return sim.time_per_token_s
 
 
 def summarize(name: str, row: dict, rounds: list[dict], caps, init, shape) -> dict:
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 caps = resolve_capacities(None, m.num_layers, m.E, m.k, a.capacity_fraction or 0.25)
             results["capacity"] = caps.tolist()
-            windows, sha = emulate.tokenize_file(m, d / "eval.txt", a.window * a.windows, a.window)
-            cids, _ = emulate.calibration_ids(m, None, 4096, a.window)
+            windows, sha = hfmodel.tokenize_file(m, d / "eval.txt", a.window * a.windows, a.window)
+            cids, _ = hfmodel.calibration_ids(m, None, 4096, a.window)
             init = warm_residency(cids, None, m.E, caps)
             recorded = {n: record_policy(eng, n, windows, caps, init, sha) for n in names}
             rounds = []

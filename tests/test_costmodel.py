@@ -571,6 +571,10 @@ def test_capacities_for_budget_counts_everything_the_device_holds():
     low = 4 * 64 * cm.lowbit_expert_bytes(BSHAPE, 4, 64)
     assert cm.capacities_for_budget(BSHAPE, budget_for(10, 2, low), lb).tolist() == [10] * 4
     assert cm.capacities_for_budget(BSHAPE, 1000.0).tolist() == [63] * 4  # clamped to E - 1
+    for pol, c in ((fe, 10), (qf, 7), (lb, 12)):  # the inverse: the budget that holds c slots gives c back
+        g = cm.budget_for_capacities(BSHAPE, [c] * 4, pol)
+        assert cm.capacities_for_budget(BSHAPE, g * (1 + 1e-9), pol).tolist() == [c] * 4
+        assert cm.budget_breakdown(BSHAPE, g * (1 - 1e-6), pol).slots_per_layer == c - 1
     with pytest.raises(InputError, match=r"--vram-budget = 0\.6 GiB leaves \d+ expert slots per layer, fewer than k = 4"):
         cm.capacities_for_budget(BSHAPE, 0.6, fe)
     for bad in (0, -1.0, float("nan"), "1"):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import calibrate, costmodel, emulate, generate
+from runtime import backends, calibrate, costmodel, emulate, generate
 from runtime.backends import get_backend
 from runtime.engine import Engine, device_errors, engine_cli
 from runtime.errors import InputError
@@ -27,6 +27,15 @@ from tests.tiny_hf import build_tiny
 
 DEVICE = os.environ.get("EXPERTSWEEP_ENGINE_DEVICE", "cpu")
 TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_tf32():
+    """Exactness on CUDA: no TF32 in matmuls or cuDNN convolutions (Qwen3-Next's conv1d)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.fixture(scope="module")
@@ -114,42 +123,97 @@ def test_engine_admissions_equal_emulation(pair, name):
 def test_emulate_backend_engine_same_keys(ckpts, text, capsys):
     args = ["--model", str(ckpts["e8"]), "--text", str(text), "--policy", "quality-first", "--policy", "host-compute",
             "--window", "24", "--max-tokens", "48", "--capacity", "3", "--json"]
-    emulate.main(args + ["--backend", "engine"])
+    backends.main(args + ["--backend", "engine"])
     eng_res = json.loads(capsys.readouterr().out)
-    emulate.main(args)
+    backends.main(args)
     emu_res = json.loads(capsys.readouterr().out)
-    assert set(eng_res) == set(emu_res)
+    assert set(eng_res) == set(emu_res) == {"quality-first", "host-compute"}
     for name in ("quality-first", "host-compute"):
         a, b = emu_res[name], eng_res[name]
-        assert set(b) - set(a) == {"time_per_token_s", "peak_device_bytes", "engine"}
+        assert set(b) - set(a) == {"peak_device_bytes", "engine"}
+        assert a["backend"] == "emulation" and b["backend"] == "engine" and a["time_per_token_s"] is None
         assert set(a) <= set(b)
         for key in ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions"):
             assert a[key] == b[key], key
         assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-4)
         assert b["time_per_token_s"] > 0 and b["peak_device_bytes"] > 0
-    assert eng_res["exact"]["perplexity"] == pytest.approx(emu_res["exact"]["perplexity"], rel=1e-5)
+        assert b["exact_perplexity"] == pytest.approx(a["exact_perplexity"], rel=1e-5)
 
 
-def test_vram_budget_sizes_pools_and_reports_peak(ckpts, text):
+def test_vram_budget_is_the_cost_models_and_peak_fits(ckpts, text):
     eng = Engine(emulate.load(ckpts["e8"]), DEVICE)
     try:
-        def need(c: int, staging: int = 2) -> float:  # bytes: docs/engine.md, "VRAM budget"
-            return (eng.nonexpert_bytes + (staging + c * eng.L) * eng.expert_bytes) / (1 - 0.05)
+        shape = eng.shape
+        assert shape.weight_format == "fp32" and (shape.num_layers, shape.num_experts, shape.top_k) == (eng.L, eng.E, eng.k)
+        assert costmodel.expert_bytes(shape) == eng.expert_bytes
+        assert abs(costmodel.nonexpert_bytes(shape) - eng.nonexpert_bytes) <= eng.nonexpert_bytes * 0.01
+        qf = PRESETS["quality-first"]
+        slot = eng.expert_bytes
+        base = costmodel.nonexpert_bytes(shape) + costmodel.CUDA_CONTEXT_BYTES + costmodel.CUBLAS_WORKSPACE_BYTES
 
-        caps = eng.capacities_for_budget((need(5) + 1) / 2**30)
-        assert caps.tolist() == [5] * eng.L
+        def budget(c: int, staging: int) -> float:
+            return ((base + (staging + c * eng.L) * slot) / (1 - costmodel.RESERVE_FRACTION) + 64) / 2**30
+
+        b4 = budget(4, 2 + eng.L * eng.k * qf.admission_delay)
+        assert eng.capacities_for_budget(b4, [qf]).tolist() == [4] * eng.L
+        assert eng.capacities_for_budget(b4, [qf]).tolist() == costmodel.capacities_for_budget(shape, b4, qf).tolist()
         with pytest.raises(InputError, match=r"--vram-budget = .* fewer than k = 2"):
-            eng.capacities_for_budget(need(1) / 2**30)
-        assert eng.capacities_for_budget(1.0).tolist() == [eng.E - 1] * eng.L  # clamped to E - 1
+            eng.capacities_for_budget(budget(1, 2), [PRESETS["fetch-every-miss"]])
+        assert eng.capacities_for_budget(8.0).tolist() == [eng.E - 1] * eng.L  # clamped to E - 1
     finally:
         eng.close()
-    if DEVICE == "cpu":
-        budget = (need(4, staging=2 + eng.L * eng.k) + 1) / 2**30  # quality-first: admission staging too
-        spec = RunSpec(policy=PRESETS["quality-first"], model=str(ckpts["e8"]), text=str(text), max_tokens=48,
-                       window=24, vram_budget_GiB=budget)
-        r = get_backend("engine").evaluate(spec).to_dict()
-        assert r["capacity"] == [4] * eng.L
-        assert 0 < r["peak_device_bytes"] <= budget * 2**30
+    r = get_backend("engine").evaluate(RunSpec(policy=qf, vram_budget_GiB=b4, model=str(ckpts["e8"]), text=str(text),
+                                               max_tokens=48, window=24, device=DEVICE)).to_dict()
+    assert r["capacity"] == [4] * eng.L
+    assert 0 < r["peak_device_bytes"] <= b4 * 2**30
+
+
+def test_host_store_is_one_flat_buffer_per_layer(ckpts):
+    m = emulate.load(ckpts["e16"])
+    orig = [(ex.gate_up_proj.data.clone(), ex.down_proj.data.clone()) for ex in
+            (mod.experts for mod in m.model.modules() if type(mod).__name__ == "PolicyExperts")]
+    eng = Engine(m, DEVICE)
+    try:
+        assert len(eng.store.flat) == eng.L
+        for l_, (gu, d) in enumerate(eng.store.fused):
+            flat = eng.store.flat[l_]
+            assert gu.untyped_storage().data_ptr() == d.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            assert flat.numel() == gu.numel() + d.numel()  # exactly the bytes, no rounding
+            assert torch.equal(gu, orig[l_][0]) and torch.equal(d, orig[l_][1])
+        assert eng.store.nbytes() == eng.L * eng.E * eng.expert_bytes
+        for mod in m.model.modules():  # the model's own expert tensors are gone
+            if type(mod).__name__ == "PolicyExperts":
+                assert mod.experts.gate_up_proj.numel() == 0 and mod.experts.down_proj.numel() == 0
+        assert eng.store.pinned == (DEVICE == "cuda")
+    finally:
+        eng.close()
+
+
+def test_per_token_plan_recorded_and_applied(pair):
+    me, eng = pair["e16"]
+    windows = np.random.default_rng(4).integers(0, 90, size=(1, 24)).astype(np.int64)
+    ids, _, _, _ = emulate.record(me, windows, me.k)
+    caps = np.full(eng.L, 5)
+    init = warm_residency(ids, None, eng.E, caps)
+    pol = replace(PRESETS["speed-first"], beta=0.05)
+    run = eng.evaluate(windows, pol, caps, init, record_decisions=True)
+    dec = run["decisions"]
+    assert set(dec) == {"kind", "served", "slot"} and dec["kind"].shape == (24, eng.L, eng.k)
+    assert run["events"].shape[:2] == (24, eng.L)
+    assert int((dec["kind"] == 1).sum()) == run["counters"]["fetches"]  # FETCH rows = the kernel's counter
+    assert run["engine"]["admissions_applied"] == run["counters"]["admissions"] > 0
+    # the emulation, fed the same windows, records the same plan
+    cache = PolicyCache(pol, me.E, me.k, caps, init)
+    me.ctx.decisions = [[] for _ in range(me.num_layers)]
+    me.ctx.cache = cache
+    try:
+        with torch.inference_mode():
+            me.model(input_ids=torch.from_numpy(windows), use_cache=False)
+        ref = me.ctx.decision_arrays()
+    finally:
+        me.ctx.cache, me.ctx.decisions = None, None
+    for key in ("kind", "served", "slot"):
+        assert np.array_equal(ref[key], dec[key]), key
 
 
 def test_prefill_and_exact_generation_equal_the_model(ckpts):
