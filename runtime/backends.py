@@ -17,10 +17,15 @@ work. `evaluate_many` groups specs that share an input so the exact pass runs on
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import sys
 from collections.abc import Callable
 
-from runtime.errors import InputError
+from runtime import emulate, simulate
+from runtime.errors import ArgumentParser, InputError, check_output_path, cli_main
+from runtime.policy import add_policy_flags, policies_from_flags
 from runtime.spec import FLAGS, Result, RunSpec
 
 log = logging.getLogger(__name__)
@@ -66,9 +71,7 @@ class Backend:
         return out  # type: ignore[return-value]
 
     def _group_key(self, spec: RunSpec) -> tuple:
-        from runtime.emulate import GROUP_FIELDS
-
-        return tuple(getattr(spec, f) for f in GROUP_FIELDS)
+        return tuple(getattr(spec, f) for f in emulate.GROUP_FIELDS)
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
         raise NotImplementedError
@@ -82,8 +85,6 @@ class Simulator(Backend):
         return (id(spec),)
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
-        from runtime import simulate
-
         return [simulate.evaluate(s) for s in specs]
 
 
@@ -93,9 +94,7 @@ class Emulation(Backend):
     refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
-        from runtime import emulate, hfmodel
-
-        m = _loaded(specs[0], hfmodel)
+        m = _loaded(specs[0])
         return emulate.evaluate_group(m, specs, backend=self.name, progress=progress)
 
 
@@ -105,7 +104,7 @@ class EngineBackend(Backend):
     refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
-        from runtime import emulate, engine, hfmodel
+        from runtime import engine, hfmodel  # torch-side engine: imported when first used
 
         first = specs[0]
         dev = engine.resolve_device(first.device)
@@ -125,14 +124,14 @@ class EngineBackend(Backend):
 _MODELS: dict[tuple, object] = {}
 
 
-def _loaded(spec: RunSpec, hfmodel):
+def _loaded(spec: RunSpec):
     """The emulation's loaded checkpoint, kept between calls (one per model and dtype)."""
-    from runtime.engine import parse_dtype
+    from runtime import engine, hfmodel
 
     key = (spec.model, spec.dtype)
     if key not in _MODELS:
         _MODELS.clear()
-        _MODELS[key] = hfmodel.load(spec.model, parse_dtype(spec.dtype))
+        _MODELS[key] = hfmodel.load(spec.model, engine.parse_dtype(spec.dtype))
     return _MODELS[key]
 
 
@@ -148,3 +147,75 @@ def get_backend(name: str, flag: str = "backend") -> Backend:
 def evaluate(spec: RunSpec, backend: str = "simulator", progress: bool = False) -> Result:
     """`spec` through the named backend."""
     return get_backend(backend).evaluate(spec, progress)
+
+
+# ---------------------------------------------------------------- python -m runtime.emulate
+
+def build_parser(backends: tuple[str, ...] = ("emulation", "engine")) -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="python -m runtime.emulate", description=emulate.__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--text", required=True, help="UTF-8 text file to evaluate")
+    add_policy_flags(p, repeatable_preset=True)
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-fraction", type=float, default=None, help="default 0.25")
+    cap.add_argument("--capacity", type=int, default=None)
+    cap.add_argument("--vram-budget", type=float, default=None, help="GiB (runtime.costmodel.capacities_for_budget)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--window", type=int, default=None, help="tokens per context window (default: min(max positions, 512))")
+    p.add_argument("--batch-windows", type=int, default=8)
+    p.add_argument("--initial-residency", default=None, help="warm:TRACE | cold | FILE.npy | held-out "
+                   "(default: --calib-text, else calib.txt beside the model, else held-out: the text's last 20%%)")
+    p.add_argument("--calib-text", default=None, help="text for the warm start (default: calib.txt beside the model)")
+    p.add_argument("--calib-max-tokens", type=int, default=16384, help="calibration tokens read (independent of --max-tokens)")
+    p.add_argument("--substitute-weight", default="missed", help="missed | own")
+    p.add_argument("--backend", default="emulation", help=" | ".join(backends))
+    p.add_argument("--device", default=None, help="engine: cpu | cuda")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16")
+    p.add_argument("--host-store", default="ram", help="engine: ram | mmap")
+    p.add_argument("--nll-out", default=None, help="per-token NLLs (Parquet)")
+    p.add_argument("--trace-out", default=None, help="router trace seen under the (single) policy")
+    p.add_argument("--residency-out", default=None, help="initial residency used (.npy int [L, C])")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def specs_from_args(a: argparse.Namespace) -> dict[str, RunSpec]:
+    pols = policies_from_flags(a)
+    if a.trace_out and len(pols) > 1:
+        raise InputError(f"--trace-out {a.trace_out}: records one policy's trace; {len(pols)} policies given")
+    if a.residency_out and len(pols) > 1:
+        raise InputError(f"--residency-out {a.residency_out}: one policy's warm start; {len(pols)} policies given")
+    for flag, path in (("--nll-out", a.nll_out), ("--trace-out", a.trace_out), ("--residency-out", a.residency_out)):
+        check_output_path(path, flag)
+    if a.capacity is None and a.capacity_fraction is None and a.vram_budget is None:
+        a.capacity_fraction = 0.25
+    return {name: RunSpec(policy=pol, name=name, capacity=a.capacity, capacity_fraction=a.capacity_fraction,
+                          vram_budget_GiB=a.vram_budget, model=a.model, text=a.text, max_tokens=a.max_tokens,
+                          window=a.window, batch_windows=a.batch_windows, initial_residency=a.initial_residency,
+                          calib_text=a.calib_text, calib_max_tokens=a.calib_max_tokens, device=a.device,
+                          dtype=a.dtype, host_store=a.host_store, substitute_weight=a.substitute_weight,
+                          nll_out=a.nll_out, trace_out=a.trace_out, residency_out=a.residency_out)
+            for name, pol in pols.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser(tuple(BACKENDS)).parse_args(argv)
+    specs = specs_from_args(a)
+    backend = get_backend(a.backend, flag="--backend")
+    results = dict(zip(specs, backend.evaluate_many(list(specs.values()), progress=sys.stderr.isatty()), strict=True))
+    if a.json:
+        out = {n: r.to_dict() for n, r in results.items()}
+        print(json.dumps(next(iter(out.values())) if len(out) == 1 else out, indent=2))
+        return
+    first = next(iter(results.values()))
+    print(f"exact perplexity {first.exact_perplexity:.4f} over {first.tokens} tokens (warm start: {first.initial_residency})")
+    for n, r in results.items():
+        print(f"{n:18s} ppl {r.perplexity:.4f}  change {r.ppl_change_pct:+.2f}% [{r.ppl_ci_low:+.2f}, {r.ppl_ci_high:+.2f}]  "
+              f"mass/token {r.mass_per_token:.4f}  fetches {r.counters['fetches']}  subs {r.counters['substitutions']}"
+              + (f"  {r.time_per_token_s * 1e3:.2f} ms/token" if r.time_per_token_s is not None else ""))
+
+
+def emulate_cli(argv: list[str] | None = None) -> None:
+    """`python -m runtime.emulate`: one-line errors, exit status 2."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="expertsweep: warning: %(message)s")
+    cli_main(lambda: main(argv))

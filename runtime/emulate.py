@@ -13,24 +13,22 @@ Per policy: perplexity, its change versus the exact model with a 95% bootstrap i
 windows, the spec's counters and substituted mass; per-token NLLs go to Parquet. Warm start:
 runtime/spec.py (the calibration never depends on `max_tokens`).
 `python -m runtime.emulate --model DIR --text FILE --policy PRESET --capacity-fraction F --json`
-(policy flags from runtime/policy.py's table; `--backend engine` decodes with the engine).
+(policy flags from runtime/policy.py's table; `--backend engine` decodes with the engine; the
+command line is `runtime.backends.emulate_cli`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from runtime import costmodel
-from runtime.errors import ArgumentParser, InputError, atomic_write, check_output_path, cli_main
+from runtime.errors import InputError, atomic_write
 from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime.emulate
     Loaded,
     calib_windows_ids,
@@ -45,7 +43,7 @@ from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime
     tokenize_file,
 )
 from runtime.kernel import PolicyCache, warm_residency
-from runtime.policy import PolicyConfig, add_policy_flags, policies_from_flags, resolve_capacities
+from runtime.policy import PolicyConfig, resolve_capacities
 from runtime.spec import HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
 from runtime.trace import load_trace, save_trace
 
@@ -228,72 +226,7 @@ def _write_nll(path, windows: np.ndarray, cols: dict) -> None:
     atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def build_parser(backends: tuple[str, ...] = ("emulation", "engine")) -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m runtime.emulate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--text", required=True, help="UTF-8 text file to evaluate")
-    add_policy_flags(p, repeatable_preset=True)
-    cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-fraction", type=float, default=None, help="default 0.25")
-    cap.add_argument("--capacity", type=int, default=None)
-    cap.add_argument("--vram-budget", type=float, default=None, help="GiB (runtime.costmodel.capacities_for_budget)")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--window", type=int, default=None, help="tokens per context window (default: min(max positions, 512))")
-    p.add_argument("--batch-windows", type=int, default=8)
-    p.add_argument("--initial-residency", default=None, help="warm:TRACE | cold | FILE.npy | held-out "
-                   "(default: --calib-text, else calib.txt beside the model, else held-out: the text's last 20%%)")
-    p.add_argument("--calib-text", default=None, help="text for the warm start (default: calib.txt beside the model)")
-    p.add_argument("--calib-max-tokens", type=int, default=16384, help="calibration tokens read (independent of --max-tokens)")
-    p.add_argument("--substitute-weight", default="missed", help="missed | own")
-    p.add_argument("--backend", default="emulation", help=" | ".join(backends))
-    p.add_argument("--device", default=None, help="engine: cpu | cuda")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16")
-    p.add_argument("--host-store", default="ram", help="engine: ram | mmap")
-    p.add_argument("--nll-out", default=None, help="per-token NLLs (Parquet)")
-    p.add_argument("--trace-out", default=None, help="router trace seen under the (single) policy")
-    p.add_argument("--residency-out", default=None, help="initial residency used (.npy int [L, C])")
-    p.add_argument("--json", action="store_true")
-    return p
+if __name__ == "__main__":  # the command line lives with the backend registry (no import cycle)
+    from runtime.backends import emulate_cli
 
-
-def specs_from_args(a: argparse.Namespace) -> dict[str, RunSpec]:
-    pols = policies_from_flags(a)
-    if a.trace_out and len(pols) > 1:
-        raise InputError(f"--trace-out {a.trace_out}: records one policy's trace; {len(pols)} policies given")
-    if a.residency_out and len(pols) > 1:
-        raise InputError(f"--residency-out {a.residency_out}: one policy's warm start; {len(pols)} policies given")
-    for flag, path in (("--nll-out", a.nll_out), ("--trace-out", a.trace_out), ("--residency-out", a.residency_out)):
-        check_output_path(path, flag)
-    if a.capacity is None and a.capacity_fraction is None and a.vram_budget is None:
-        a.capacity_fraction = 0.25
-    return {name: RunSpec(policy=pol, name=name, capacity=a.capacity, capacity_fraction=a.capacity_fraction,
-                          vram_budget_GiB=a.vram_budget, model=a.model, text=a.text, max_tokens=a.max_tokens,
-                          window=a.window, batch_windows=a.batch_windows, initial_residency=a.initial_residency,
-                          calib_text=a.calib_text, calib_max_tokens=a.calib_max_tokens, device=a.device,
-                          dtype=a.dtype, host_store=a.host_store, substitute_weight=a.substitute_weight,
-                          nll_out=a.nll_out, trace_out=a.trace_out, residency_out=a.residency_out)
-            for name, pol in pols.items()}
-
-
-def main(argv: list[str] | None = None) -> None:
-    from runtime import backends
-
-    a = build_parser(tuple(backends.BACKENDS)).parse_args(argv)
-    specs = specs_from_args(a)
-    backend = backends.get_backend(a.backend, flag="--backend")
-    results = dict(zip(specs, backend.evaluate_many(list(specs.values()), progress=sys.stderr.isatty()), strict=True))
-    if a.json:
-        out = {n: r.to_dict() for n, r in results.items()}
-        print(json.dumps(next(iter(out.values())) if len(out) == 1 else out, indent=2))
-        return
-    first = next(iter(results.values()))
-    print(f"exact perplexity {first.exact_perplexity:.4f} over {first.tokens} tokens (warm start: {first.initial_residency})")
-    for n, r in results.items():
-        print(f"{n:18s} ppl {r.perplexity:.4f}  change {r.ppl_change_pct:+.2f}% [{r.ppl_ci_low:+.2f}, {r.ppl_ci_high:+.2f}]  "
-              f"mass/token {r.mass_per_token:.4f}  fetches {r.counters['fetches']}  subs {r.counters['substitutions']}"
-              + (f"  {r.time_per_token_s * 1e3:.2f} ms/token" if r.time_per_token_s is not None else ""))
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="expertsweep: warning: %(message)s")
-    cli_main(main)
+    emulate_cli()
