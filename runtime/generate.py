@@ -85,15 +85,12 @@ def run_generate(eng: Engine, prompts: list[str], policy_name: str, max_new: int
         caps = eng.capacities_for_budget(vram_budget, [pol])
     else:
         caps = resolve_capacities(capacity, m.num_layers, m.E, m.k, capacity_fraction)
-    rec = m.ctx.start_recording(m.k)
-    try:
-        exact = [greedy(eng, p, max_new, None, chunk) for p in ids]
-    finally:
-        m.ctx.recorder = None
-    cids, init_src = hfmodel.calibration_ids(m, calib_text, None, hfmodel.default_window(m))
-    if cids is None:
-        cids, init_src = rec.arrays()[0], "prompts (exact routing)"
-    cache = PolicyCache(pol, m.E, m.k, caps, warm_residency(cids, None, m.E, caps))
+    exact = [greedy(eng, p, max_new, None, chunk) for p in ids]
+    cids, init_src = hfmodel.calibration_ids(m, calib_text, 16384, hfmodel.default_window(m))
+    if cids is None:  # never warm from the evaluated prompts (runtime/spec.py)
+        log.warning("no calibration text (--calib-text, or calib.txt beside the model): the cache starts cold")
+        init_src = "cold"
+    cache = PolicyCache(pol, m.E, m.k, caps, warm_residency(cids, None, m.E, caps) if cids is not None else None)
     eng.bind(cache)
     try:
         runs = [greedy(eng, p, max_new, cache, chunk) for p in ids]
