@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--capacity-fraction", type=float, default=None)
     cap.add_argument("--vram-budget", type=float, default=None)
+    cap.add_argument("--budget-for-fraction", type=float, default=None,
+                     help="use the VRAM budget (runtime.costmodel) that holds this fraction of E slots per layer")
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--windows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7, help="calibrate + one timed run per policy, repeated")
@@ -169,13 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"device": str(eng.device), "dtype": a.dtype, "model": {"hidden": a.hidden, "moe_intermediate":
                      a.moe_intermediate, "experts": a.experts, "top_k": a.top_k, "layers": a.layers,
                      "expert_bytes": eng.expert_bytes}, "torch_threads": a.threads, "pinned": eng.store.pinned,
-                     "clock": a.clock}
+                     "clock": a.clock, "cuda_context_bytes": eng.context_bytes,
+                     "copies_block_host": eng.copies_block_host}
     names = AGREEMENT_POLICIES + EXTRA_POLICIES
     try:
         with cpu_threads(eng.device, a.threads):
             shape = costmodel.model_shape_from_hf_config(m.model.config.to_dict(), name="bench")
+            if a.budget_for_fraction is not None:
+                c = resolve_capacities(None, m.num_layers, m.E, m.k, a.budget_for_fraction)
+                a.vram_budget = costmodel.budget_for_capacities(eng.shape, c, [PRESETS[n] for n in names]) * (1 + 1e-9)
             if a.vram_budget is not None:
                 caps = eng.capacities_for_budget(a.vram_budget, [PRESETS[n] for n in names])
+                results["vram_budget_GiB"] = a.vram_budget
             else:
                 caps = resolve_capacities(None, m.num_layers, m.E, m.k, a.capacity_fraction or 0.25)
             results["capacity"] = caps.tolist()

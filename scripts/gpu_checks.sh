@@ -1,125 +1,239 @@
 #!/usr/bin/env bash
-# Every CUDA check of the offloading engine, in one prepared run (docs/engine.md, "GPU checks").
+# Every check of the offloading engine on a GPU, as one prepared, time-boxed run (docs/engine.md, "GPU checks").
 #
-#   scripts/gpu_checks.sh [RESULTS_DIR]
+#   bash scripts/gpu_checks.sh [RESULTS_DIR]              # on a machine with an NVIDIA GPU
+#   bash scripts/gpu_checks.sh --cpu [--tiny] RESULTS_DIR  # the same steps in CPU device mode, small sizes
 #
-# Run from anywhere on a machine with an NVIDIA GPU and a Python that has CUDA torch, transformers,
-# numba, pyarrow, pyyaml, safetensors, tokenizers, tqdm and pytest (PY=... picks it; default: the
-# repository's .venv if its torch sees CUDA, else python3). RESULTS_DIR defaults to $OUT when that is
-# set (the device tool), else ./gpu_results. About 5 minutes on an H200. Writes there:
-#   summary.md             the figures (paste into docs/performance.md, "Engine")
-#   gpu_checks.log         everything the steps printed
-#   bench_cuda.json        simulator vs engine on the GPU, pinned host store, at one VRAM budget
-#   bench_cuda_pageable.json  the same with a pageable host store (one round)
-#   calibrate_cuda.json    pinned and pageable link bandwidth, fetch, expert and dense times
-#   host_cuda.yaml         the calibrated HostProfile (python -m runtime.simulate --host ...)
-#   generate_cuda.json     greedy agreement, quality-first vs the exact model, on the GPU
-# Steps: (1) tests/test_engine.py with the engine on cuda (logits within 1e-4 of the emulation,
-# identical counters, prefill, generate, budget, mmap store); (2) CUDA OOM -> one-line error, exit 2;
-# (3) bench_engine.py: calibration + simulated vs measured time per token for fetch-every-miss,
-# rule-0.15, quality-first, speed-first, host-compute at the same --vram-budget, and the speedups;
-# (4) the pageable variant; (5) runtime.calibrate; (6) runtime.generate.
-# Exit status 1 if any step failed (the others still run).
+# RESULTS_DIR defaults to $OUT (the device tool) or ./gpu_results. At most 8 files are written there (the
+# device tool returns 8): summary.md (rewritten after EVERY step, so a killed run still returns what it
+# measured), gpu_checks.log (everything the steps printed), versions.json, bench_pinned.json,
+# bench_pageable.json, calibrate.json, host.yaml, generate.json. Scratch files go to $WORK (a temp dir).
+#
+# Steps, each under its own `timeout` and never stopping the run (no -x; pytest with per-test timeouts when
+# pytest-timeout is installed):
+#   1 versions   record Python/torch/CUDA/transformers/numba..., compare with constraints.txt, and check every
+#                transformers internal the adapters use on all families (scripts/gpu_env.py). Fix-up: when the
+#                machine's transformers differs from the tested one and a wheel of the tested version is in
+#                $WHEELS (default .gpu_wheels/, carried with the device tool's `carry`), it is installed into a
+#                private folder (--no-index --no-deps --target) and used if its internals check passes.
+#                The machine cannot download anything; torch and numba are the machine's own.
+#   2 kernel     compile the policy kernel and the cost model's replay (numba)
+#   3 engine-cpu the engine in CPU device mode on every family (tests/test_engine.py::test_other_families...)
+#   4 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
+#   5 oom        a device out-of-memory inside the engine's CLI: one 'expertsweep: error:' line, exit 2
+#   6 bench-pinned    scripts/bench_engine.py: calibration + simulated vs measured time per token for
+#                     fetch-every-miss, rule-0.15, quality-first, speed-first, host-compute at the VRAM
+#                     budget (runtime.costmodel) that holds 25% of the experts; speedups; peak vs budget
+#   7 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
+#   8 calibrate  runtime.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
+#   9 generate   runtime.generate: greedy agreement of quality-first with the exact model at that budget
+# The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 420, CPU 570): a step that would not fit is
+# cut to what is left, or skipped (status 'skipped') when under 20 s remain.
+# Exit status 0 when every step passed, 1 otherwise; 2 for a bad option.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-RES=${1:-${OUT:-gpu_results}}
-mkdir -p "$RES"
+SELF="$PWD/scripts/gpu_checks.sh"
+MODE=cuda
+TINY=0
+RES=""
+RUN_STEP=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) MODE=cpu ;;
+    --tiny) TINY=1 ;;
+    --_step) RUN_STEP=$2; shift ;;  # internal: run one step's function (under the caller's `timeout`)
+    -h | --help) sed -n '2,32p' "$SELF"; exit 0 ;;
+    -*) echo "expertsweep: error: scripts/gpu_checks.sh: unknown option $1 (use --cpu, --tiny, RESULTS_DIR)" >&2; exit 2 ;;
+    *) RES=$1 ;;
+  esac
+  shift
+done
+RES=${RES:-${OUT:-gpu_results}}
+mkdir -p "$RES" || { echo "expertsweep: error: scripts/gpu_checks.sh: cannot create $RES" >&2; exit 2; }
+RES=$(cd "$RES" && pwd)
+export WORK=${WORK:-$(mktemp -d /tmp/expertsweep-checks.XXXXXX)}
+mkdir -p "$WORK"
 LOG="$RES/gpu_checks.log"
-: >"$LOG"
-WORK=${WORK:-/tmp/expertsweep-gpu-bench}
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -f "$WORK/site_path" ] && PYTHONPATH="$(cat "$WORK/site_path"):$PYTHONPATH"  # the versions step's fix-up
+export PYTHONPATH
 if [ -z "${PY:-}" ]; then
   PY=python3
-  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  if [ "$MODE" = cpu ] && [ -x .venv/bin/python ]; then
+    PY=.venv/bin/python
+  elif [ -x .venv/bin/python ] && .venv/bin/python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     PY=.venv/bin/python
   fi
 fi
-# bench model: Qwen3-30B-A3B-like experts (3 x 2048 x 768, bf16 = 9.4 MB), 32 per layer, top-4, 4 layers;
-# 0.55 GiB holds the dense part, 8 slots per layer (25%) and the staging buffers
-BENCH=(--device cuda --dtype bf16 --hidden 2048 --moe-intermediate 768 --experts 32 --top-k 4 --layers 4
-       --vram-budget 0.55 --window 64 --windows 3 --repeats 10 --workdir "$WORK")
+if [ "$MODE" = cpu ]; then
+  BUDGET=${GPU_CHECKS_BUDGET:-570}
+  DEV=cpu
+  # 2 layers of 8 experts (3 x 64 x 256, fp32), top-2, half the experts resident
+  BENCH=(--device cpu --dtype fp32 --hidden 64 --moe-intermediate 256 --experts 8 --top-k 2 --layers 2
+         --budget-for-fraction 0.5 --window 16 --windows 1 --repeats 2 --workdir "$WORK/bench")
+  CAL=(--device cpu --dtype fp32 --repeats 2 --tokens 8 --link-mib 4)
+  GEN_TOKENS=8
+  ROUNDS=1
+else
+  BUDGET=${GPU_CHECKS_BUDGET:-420}
+  DEV=cuda
+  # Qwen3-30B-A3B-like experts (3 x 2048 x 768, bf16 = 9.4 MB), 32 per layer, top-4, 4 layers; the VRAM budget
+  # is the one that holds 8 slots per layer (25%) by runtime.costmodel.capacities_for_budget
+  BENCH=(--device cuda --dtype bf16 --hidden 2048 --moe-intermediate 768 --experts 32 --top-k 4 --layers 4
+         --budget-for-fraction 0.25 --window 64 --windows 3 --repeats 10 --workdir "$WORK/bench")
+  CAL=(--device cuda --dtype bf16 --repeats 10)
+  GEN_TOKENS=48
+  ROUNDS=3
+fi
+EXACT_K="not other_families"
+CPU_K="test_other_families_equal_emulation"
+if [ "$TINY" = 1 ]; then
+  EXACT_K="rule-0.15 or flat_buffer or per_token_plan"
+  CPU_K="test_other_families_equal_emulation and qwen2_moe"
+fi
+START=$SECONDS
 status=0
-step() {
-  local name=$1
-  shift
-  echo "=== $name: $*" | tee -a "$LOG"
-  local t0=$SECONDS
-  if "$@" >>"$LOG" 2>&1; then
-    echo "--- ok: $name ($((SECONDS - t0)) s)" | tee -a "$LOG"
-  else
-    echo "--- FAILED: $name ($((SECONDS - t0)) s)" | tee -a "$LOG"
+summary() { timeout 30 "$PY" scripts/gpu_summary.py "$RES" "$WORK" >>"$LOG" 2>&1 || true; }
+step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of this script under `timeout`
+  local name=$1 limit=$2 left t0 rc st
+  shift 2
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt 20 ]; then
+    echo "=== $name: skipped, ${left}s of the run's budget left" | tee -a "$LOG"
+    printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >>"$WORK/steps.tsv"
     status=1
+    summary
+    return
   fi
+  [ "$limit" -gt $((left - 5)) ] && limit=$((left - 5))
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  t0=$SECONDS
+  timeout -k 5 "$limit" bash "$SELF" "${ARGS[@]}" --_step "$1" "$RES" >>"$LOG" 2>&1
+  rc=$?
+  case $rc in
+    0) st=ok ;;
+    124 | 137) st=TIMEOUT ;;
+    *) st="FAILED (exit $rc)" ;;
+  esac
+  [ "$rc" -ne 0 ] && status=1
+  echo "--- $st: $name ($((SECONDS - t0)) s)" | tee -a "$LOG"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$st" "$((SECONDS - t0))" "$limit" >>"$WORK/steps.tsv"
+  summary
 }
-oom_check() {  # a CUDA OOM inside the engine's CLI wrapper: exit 2 and one 'expertsweep: error:' line
+ptimeout() {  # pytest per-test timeout flags, when pytest-timeout is installed
+  "$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=$1"
+}
+versions() {  # record; if transformers differs from the tested version and its wheel was carried, try it
+  "$PY" scripts/gpu_env.py "$RES/versions.json" >/dev/null
+  local rc=$? want whl
+  want=$(sed -n 's/^transformers==//p' constraints.txt)
+  whl=$(ls "${WHEELS:-.gpu_wheels}"/transformers-"$want"-*.whl 2>/dev/null | head -1)
+  if [ -n "$whl" ] && ! "$PY" -c "import transformers,sys; sys.exit(transformers.__version__ != '$want')" 2>/dev/null; then
+    mkdir -p "$WORK/site"
+    if "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" "$whl" &&
+      PYTHONPATH="$WORK/site:$PYTHONPATH" "$PY" scripts/gpu_env.py "$WORK/versions_tested.json" >/dev/null; then
+      echo "using transformers $want from $whl (its internals check passed)"
+      echo "$WORK/site" >"$WORK/site_path"
+      "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); d['installed']=sys.argv[2]; json.dump(d, open(sys.argv[3],'w'), indent=2)" \
+        "$WORK/versions_tested.json" "transformers $want from $whl" "$RES/versions.json"
+      rc=0
+    else
+      echo "transformers $want from $whl did not pass the internals check: running with the machine's"
+    fi
+  fi
+  cat "$RES/versions.json"
+  return $rc
+}
+kernel() {
+  "$PY" -c "
+import time, numpy as np
+t = time.perf_counter()
+from runtime.kernel import warmup
+warmup()
+from runtime import costmodel as cm
+cm.replay_time(np.zeros((2, 2, 5), np.int32), np.ones((2, 2), bool), cm.CostParams(1.0, 1.0, 1.0, 1.0))
+print(f'kernel and replay compiled (or loaded from the numba cache) in {time.perf_counter() - t:.1f} s')"
+}
+oom_check() {  # a device OOM inside the engine's CLI wrapper: exit 2 and one 'expertsweep: error:' line
   local err rc
-  err=$("$PY" -c "
+  if [ "$MODE" = cuda ]; then
+    err=$("$PY" -c "
 import torch
 from runtime.engine import engine_cli
 engine_cli(lambda: torch.empty(1 << 50, dtype=torch.uint8, device='cuda'))" 2>&1)
+  else  # no device memory to exhaust: the same wrapper around torch's OOM exception
+    err=$("$PY" -c "
+import torch
+from runtime.engine import engine_cli
+def f():
+    raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 1024.00 TiB')
+engine_cli(f)" 2>&1)
+  fi
   rc=$?
   echo "exit $rc: $err"
-  [ "$rc" -eq 2 ] && [ "$(echo "$err" | grep -c '^expertsweep: error: CUDA out of memory')" -eq 1 ] \
-    && ! echo "$err" | grep -q Traceback
+  [ "$rc" -eq 2 ] && [ "$(echo "$err" | grep -c '^expertsweep: error: CUDA out of memory')" -eq 1 ] &&
+    ! echo "$err" | grep -q Traceback
 }
 prompts() {
+  mkdir -p "$WORK"
   printf '%s\n' "def fibonacci(n):" "The policy kernel decides, per token and layer," \
     "import numpy as np" "Background admission copies run on their own stream" >"$WORK/prompts.txt"
 }
+bench_budget() {  # the VRAM budget the pinned bench used
+  "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['vram_budget_GiB'])" "$RES/bench_pinned.json"
+}
+generate() {
+  local b
+  b=$(bench_budget) || { echo "no bench_pinned.json: no budget to generate at"; return 1; }
+  prompts
+  "$PY" -m runtime.generate --model "$WORK/bench/model" --prompts "$WORK/prompts.txt" --policy quality-first \
+    --vram-budget "$b" --device "$DEV" --dtype "${BENCH[3]}" --max-new-tokens "$GEN_TOKENS" --out "$RES/generate.json"
+}
+calibrate_step() {
+  "$PY" -m runtime.calibrate --model "$WORK/bench/model" "${CAL[@]}" --out "$RES/host.yaml" --json >"$RES/calibrate.json"
+}
 
-step environment "$PY" -c "import torch, transformers; assert torch.cuda.is_available(), 'no CUDA';
-print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0),
-      'transformers', transformers.__version__)"
-nvidia-smi >>"$LOG" 2>&1 || true
-step exactness-on-cuda env EXPERTSWEEP_ENGINE_DEVICE=cuda "$PY" -m pytest tests/test_engine.py -q -x -p no:cacheprovider
-step oom-one-line-error oom_check
-step bench-pinned "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds 3 --out "$RES/bench_cuda.json"
-step bench-pageable "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds 1 --pageable --out "$RES/bench_cuda_pageable.json"
-step calibrate sh -c "'$PY' -m runtime.calibrate --model '$WORK/model' --device cuda --dtype bf16 \
-  --out '$RES/host_cuda.yaml' --json > '$RES/calibrate_cuda.json'"
-mkdir -p "$WORK" && prompts
-step generate "$PY" -m runtime.generate --model "$WORK/model" --prompts "$WORK/prompts.txt" --policy quality-first \
-  --vram-budget 0.55 --device cuda --dtype bf16 --max-new-tokens 48 --out "$RES/generate_cuda.json"
+engine_cpu() {
+  env EXPERTSWEEP_ENGINE_DEVICE=cpu "$PY" -m pytest tests/test_engine.py -q -p no:cacheprovider -rfE $(ptimeout 60) \
+    -k "$CPU_K" --junitxml="$WORK/junit_cpu.xml"
+}
+exactness() {
+  env EXPERTSWEEP_ENGINE_DEVICE="$DEV" "$PY" -m pytest tests/test_engine.py -q -p no:cacheprovider -rfE $(ptimeout 90) \
+    -k "$EXACT_K" --junitxml="$WORK/junit_exact.xml"
+}
+bench_pinned() {
+  "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds "$ROUNDS" --out "$RES/bench_pinned.json"
+}
+bench_pageable() {
+  "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds 1 --pageable --out "$RES/bench_pageable.json"
+}
 
-"$PY" - "$RES" "$status" >"$RES/summary.md" 2>>"$LOG" <<'EOF'
-import json, sys
-from pathlib import Path
-res, status = Path(sys.argv[1]), sys.argv[2]
-def load(name):
-    p = res / name
-    return json.loads(p.read_text()) if p.is_file() else None
-print("# GPU checks of the engine\n")
-print(f"All steps passed: {'yes' if status == '0' else 'NO (see gpu_checks.log)'}\n")
-for name, title in (("bench_cuda.json", "pinned host store"), ("bench_cuda_pageable.json", "pageable host store")):
-    b = load(name)
-    if not b:
-        print(f"{name}: missing\n"); continue
-    print(f"## Simulator vs engine, {title} ({b['device']}, {b['dtype']}, capacity {b['capacity'][0]} of "
-          f"{b['model']['experts']}, expert {b['model']['expert_bytes'] / 2**20:.2f} MiB)\n")
-    print("| policy | measured ms/token | simulated ms/token | error | fetches | admissions | stalls | peak device MiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for n, r in b["policies"].items():
-        print(f"| {n} | {r['measured_time_per_token_s'] * 1e3:.3f} | {r['simulated_time_per_token_s'] * 1e3:.3f} | "
-              f"{r['rel_error'] * 100:+.1f}% | {r['counters']['fetches']} | {r['counters']['admissions']} | "
-              f"{r['admission_stalls']} | {r['peak_device_bytes'] / 2**20:.0f} |")
-    print(f"\ntarget met (|error| <= 15% for fetch-every-miss, rule-0.15, quality-first): {b['target_met']}\n")
-    for k, v in b["speedups_measured"].items():
-        print(f"- speedup {k}: measured {v:.2f}x, simulated {b['speedups_simulated'][k]:.2f}x")
-    print()
-c = load("calibrate_cuda.json")
-if c:
-    print("## Calibration\n")
-    print(f"- link: pinned {c['link']['pinned_GBps']:.2f} GB/s, pageable {c['link']['pageable_GBps']:.2f} GB/s")
-    print(f"- one expert fetch {c['fetch_us']:.1f} us; expert on device {c['device_expert_us']:.1f} us, "
-          f"on host {c['host_expert_us']:.1f} us; dense {c['dense_layer_us']:.1f} us per layer\n")
-g = load("generate_cuda.json")
-if g:
-    print("## Greedy generation, quality-first vs exact\n")
-    print(f"- agreement {g['agreement']:.3f} over {g['prompts']} prompts x {g['max_new_tokens']} tokens, "
-          f"{g['identical_prompts']} identical; first divergences "
-          f"{[r['first_divergence'] for r in g['per_prompt']]}; {g['time_per_token_s'] * 1e3:.2f} ms/token "
-          f"(exact, streaming every expert: {g['exact_time_per_token_s'] * 1e3:.2f}); peak device "
-          f"{g['peak_device_bytes'] / 2**20:.0f} MiB")
-EOF
+if [ -n "$RUN_STEP" ]; then
+  "$RUN_STEP"
+  exit $?
+fi
+ARGS=()
+[ "$MODE" = cpu ] && ARGS+=(--cpu)
+[ "$TINY" = 1 ] && ARGS+=(--tiny)
+: >"$LOG"
+: >"$WORK/steps.tsv"
+rm -f "$WORK/site_path"
+echo "$MODE" >"$WORK/mode"
+echo "engine checks, $MODE mode, budget ${BUDGET}s, results in $RES, scratch in $WORK" | tee -a "$LOG"
+summary
+step versions 120 versions
+[ -f "$WORK/site_path" ] && export PYTHONPATH="$(cat "$WORK/site_path"):$PYTHONPATH"
+[ "$MODE" = cuda ] && { nvidia-smi >>"$LOG" 2>&1 || true; }
+step kernel 150 kernel
+step engine-cpu 120 engine_cpu
+step exactness 240 exactness
+step oom 60 oom_check
+step bench-pinned 180 bench_pinned
+step bench-pageable 100 bench_pageable
+step calibrate 90 calibrate_step
+step generate 90 generate
+echo "total $((SECONDS - START)) s of ${BUDGET}" | tee -a "$LOG"
+summary
 cat "$RES/summary.md"
 exit $status

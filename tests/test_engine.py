@@ -326,3 +326,49 @@ def test_other_families_equal_emulation(tmp_path, family):
         compare((me, eng), PRESETS["speed-first"], cap=3, W=16, n=1)
     finally:
         eng.close()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK_FILES = ["bench_pageable.json", "bench_pinned.json", "calibrate.json", "generate.json", "gpu_checks.log",
+               "host.yaml", "summary.md", "versions.json"]
+CHECK_STEPS = ["versions", "kernel", "engine-cpu", "exactness", "oom", "bench-pinned", "bench-pageable", "calibrate",
+               "generate"]
+
+
+def run_checks(tmp_path, *args, budget: int | None = None):
+    import subprocess
+
+    env = {**os.environ, "WORK": str(tmp_path / "work")}
+    if budget is not None:
+        env["GPU_CHECKS_BUDGET"] = str(budget)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_gpu_checks_script_options_and_budget(tmp_path):
+    r = run_checks(tmp_path, "--cpu", "--bogus", str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "expertsweep: error: scripts/gpu_checks.sh: unknown option --bogus (use --cpu, --tiny, RESULTS_DIR)"]
+    # no budget left: every step is recorded as skipped, the summary still written, exit status 1
+    r = run_checks(tmp_path, "--cpu", str(tmp_path / "out"), budget=10)
+    assert r.returncode == 1
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "all ok: NO" in summary
+    for s in CHECK_STEPS:
+        assert f"| {s} | skipped | 0 |" in summary
+
+
+@pytest.mark.slow
+def test_gpu_checks_script_cpu_mode(tmp_path):
+    """The one-shot GPU script, in CPU device mode at its smallest size (about 5 minutes on a loaded 2-core host)."""
+    r = run_checks(tmp_path, "--cpu", "--tiny", str(tmp_path / "out"))
+    out = tmp_path / "out"
+    assert r.returncode == 0, (out / "gpu_checks.log").read_text()[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == CHECK_FILES  # the device tool returns at most 8 files
+    summary = (out / "summary.md").read_text()
+    for s in CHECK_STEPS:
+        assert f"| {s} | ok |" in summary
+    bench = json.loads((out / "bench_pinned.json").read_text())
+    assert bench["capacity"] == [4, 4] and bench["vram_budget_GiB"] > 0
+    assert json.loads((out / "versions.json").read_text())["ok"]
+    assert json.loads((out / "generate.json").read_text())["agreement"] >= 0
