@@ -12,7 +12,14 @@ record the router's choices as a trace.
 Decisions to tensors: HIT/FETCH/HOST compute the selected expert with `w_j` (exact); SUB
 computes the substitute with `w_j` (or, with `substitute_weight="own"`, with the weight the
 router would have given the substitute: `w_j * p[sub] / p[e_j]`); DROP computes nothing
-(the slot's weight is 0).
+(the slot's weight is 0); LOWBIT computes the missed expert from its low-precision copy
+(runtime/lowbit.py, built once per layer and (bits, group)) with `w_j`.
+
+Prefetch: with `prefetch = lookahead` layer l forms the predicted list of layer l + 1 from layer
+l + 1's router applied to layer l's router input (top prefetch_n by score, ties lower id) and the
+kernel applies it before layer l + 1 decides the same tokens; with `oracle` each layer's own
+selection is its predicted list (layer 0 none). The recorder writes the same lookahead lists
+into a trace's lookahead column (`start_recording(depth, lookahead=P)`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 from torch import nn
 
 from runtime.errors import InputError
-from runtime.kernel import DROP, SUB, PolicyCache
+from runtime.kernel import DROP, LOWBIT, SUB, PolicyCache
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,7 @@ class Family:
     experts_attr: str
     score: str  # how candidate scores derive from router_logits: softmax | sigmoid_bias
     weight_norm: str  # how the model's gate weights are normalised (trace metadata)
+    experts_in_dim: int = -1  # input dim of each expert matrix: -1 for F.linear [out, in], -2 for x @ W [in, out]
 
 
 FAMILIES: dict[str, Family] = {
@@ -45,7 +53,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("gate", "experts", "softmax", "softmax_topk"),
     "olmoe": Family("gate", "experts", "softmax", "softmax_all|topk"),
     "deepseek_v3": Family("gate", "experts", "sigmoid_bias", "sigmoid_topk"),
-    "gpt_oss": Family("router", "experts", "softmax", "softmax_topk"),
+    "gpt_oss": Family("router", "experts", "softmax", "softmax_topk", experts_in_dim=-2),
 }
 
 
@@ -81,11 +89,19 @@ class Recorder:
     ids: list[list[np.ndarray]] = field(default_factory=list)  # [L] of list of [N, k]
     weights: list[list[np.ndarray]] = field(default_factory=list)
     ranking: list[list[np.ndarray]] = field(default_factory=list)
+    lookahead_depth: int = 0  # P: also record the lookahead lists (0: no)
+    lookahead: list[list[np.ndarray]] = field(default_factory=list)  # [L] of list of [N, P]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids int32 [T, L, k], weights float32 [T, L, k], ranking int32 [T, L, M]."""
         cat = [np.stack([np.concatenate(x) for x in part], axis=1) for part in (self.ids, self.weights, self.ranking)]
         return cat[0].astype(np.int32), cat[1].astype(np.float32), cat[2].astype(np.int32)
+
+    def lookahead_array(self) -> np.ndarray | None:
+        """int32 [T, L, P]: on layer l's row layer l + 1's router on layer l's router input (last layer -1)."""
+        if not self.lookahead_depth:
+            return None
+        return np.stack([np.concatenate(x) for x in self.lookahead], axis=1).astype(np.int32)
 
 
 class Context:
@@ -102,16 +118,34 @@ class Context:
         # engine hook (runtime/engine.py): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
         # decisions: StepResult | None) computes the experts instead of the Hugging Face module
         self.executor = None
+        self.experts: list[PolicyExperts] = []  # the wrappers, in layer order
+        self.pending: list[np.ndarray | None] = [None] * num_layers  # lookahead lists for each layer's next step
+        self.lowbit_key: tuple[int, int] | None = None  # (bits, group) of the cached low-precision copies
+        self.lowbit_modules: dict[int, nn.Module] = {}  # layer -> experts module holding dequantized copies
 
     def decision_arrays(self) -> dict[str, np.ndarray]:
         """The recorded decisions as {"kind", "served", "slot"}: int [T, L, k] each."""
         return {name: np.stack([np.concatenate([step[i] for step in per_layer]) for per_layer in self.decisions], axis=1)
                 for i, name in enumerate(("kind", "served", "slot"))}
 
-    def start_recording(self, depth: int) -> Recorder:
-        self.recorder = Recorder(depth, [[] for _ in range(self.num_layers)], [[] for _ in range(self.num_layers)],
-                                 [[] for _ in range(self.num_layers)])
+    def start_recording(self, depth: int, lookahead: int = 0) -> Recorder:
+        """Record ids, weights, the ranking to `depth` and, when `lookahead` P > 0, the lookahead lists."""
+        L = self.num_layers
+        self.recorder = Recorder(depth, [[] for _ in range(L)], [[] for _ in range(L)], [[] for _ in range(L)],
+                                 lookahead, [[] for _ in range(L)])
         return self.recorder
+
+    def lowbit_experts(self, layer: int, bits: int, group: int) -> nn.Module:
+        """The experts module of `layer` with its low-precision copies (built once per (bits, group))."""
+        from runtime import lowbit
+
+        if self.lowbit_key != (bits, group):
+            self.lowbit_modules, self.lowbit_key = {}, (bits, group)
+        if layer not in self.lowbit_modules:
+            pe = self.experts[layer]
+            self.lowbit_modules[layer] = lowbit.dequantized_experts(pe.experts, pe.num_experts, bits, group,
+                                                                    pe.fam.experts_in_dim)
+        return self.lowbit_modules[layer]
 
 
 class RouterTap(nn.Module):
@@ -119,10 +153,12 @@ class RouterTap(nn.Module):
         super().__init__()
         self.router = router
         self.logits: torch.Tensor | None = None
+        self.input: torch.Tensor | None = None  # the router's input (lookahead of the next layer)
 
     def forward(self, hidden_states):
         out = self.router(hidden_states)
         self.logits = out[0]
+        self.input = hidden_states
         return out
 
 
@@ -130,7 +166,20 @@ class PolicyExperts(nn.Module):
     def __init__(self, experts: nn.Module, tap: RouterTap, layer: int, ctx: Context, fam: Family) -> None:
         super().__init__()
         self.experts, self.tap, self.layer, self.ctx, self.fam = experts, tap, layer, ctx, fam
+        self.num_experts = 0  # E, known after the first call
 
+    def next_layer_lookahead(self, P: int) -> np.ndarray:
+        """[N, P] int32: the top-P experts (by score, ties lower id) of the next layer's router applied to
+        this layer's router input; -1 for the last layer."""
+        ctx = self.ctx
+        x = self.tap.input
+        N = self.tap.logits.reshape(-1, self.tap.logits.shape[-1]).shape[0]
+        if self.layer + 1 >= ctx.num_layers:
+            return np.full((N, P), -1, np.int32)
+        nxt = ctx.experts[self.layer + 1]
+        logits = nxt.tap.router(x)[0].reshape(N, -1)  # (the router itself: the tap keeps its own state)
+        order = torch.sort(-nxt.scores(logits), dim=1, stable=True).indices[:, :P]
+        return order.cpu().numpy().astype(np.int32)
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Candidate scores [N, E] whose order is the router's preference."""
         if self.fam.score == "sigmoid_bias":
@@ -154,6 +203,7 @@ class PolicyExperts(nn.Module):
         ids = torch.gather(top_k_index, 1, perm)  # [N, k]
         w = torch.gather(top_k_weights, 1, perm)  # [N, k]
         N, k = ids.shape
+        self.num_experts = score.shape[1]
         depth = ctx.recorder.depth if ctx.cache is None else score.shape[1]
         # candidate ranking: the selection, then the others by descending score (stable: lower id first)
         rest = score.scatter(1, ids, float("-inf"))
@@ -161,14 +211,30 @@ class PolicyExperts(nn.Module):
         ranking = torch.cat([ids, others], dim=1)  # [N, M]
         ids_np = ids.cpu().numpy().astype(np.int32)
         w_np = w.detach().float().cpu().numpy()
+        pol = ctx.cache.policy if ctx.cache is not None else None
+        P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
+        P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
+        look = self.next_layer_lookahead(max(P_rec, P_pol)) if max(P_rec, P_pol) else None  # [N, P]
         if ctx.recorder is not None:
             r = ctx.recorder
             r.ids[self.layer].append(ids_np)
             r.weights[self.layer].append(w_np.astype(np.float32))
             r.ranking[self.layer].append(ranking[:, : r.depth].cpu().numpy().astype(np.int32))
+            if P_rec:
+                r.lookahead[self.layer].append(look[:, :P_rec])
         if ctx.cache is None:
             return self.compute(hidden_states, top_k_index, top_k_weights, None)
-        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float32).astype(np.float64), ranking.cpu().numpy())
+        predicted = None
+        if pol.prefetch == "oracle" and self.layer > 0:
+            predicted = ids_np  # this layer's own selection (the kernel keeps its first min(prefetch_n, k))
+        elif pol.prefetch == "lookahead":
+            pend = ctx.pending[self.layer]
+            predicted = pend if pend is not None and pend.shape[0] == N else None
+            ctx.pending[self.layer] = None
+            if self.layer + 1 < ctx.num_layers:
+                ctx.pending[self.layer + 1] = look[:, :P_pol]
+        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float32).astype(np.float64), ranking.cpu().numpy(),
+                             predicted=predicted)
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:
             ctx.decisions[self.layer].append((res.kind, res.served, res.slot))
@@ -185,6 +251,12 @@ class PolicyExperts(nn.Module):
         if drop.any():
             new_w = new_w.masked_fill(drop, 0.0)
             served = torch.where(drop, ids, served)
+        low = kind == LOWBIT
+        if ctx.executor is None and low.any():  # the emulation computes LOWBIT from the low-precision copies
+            low_w = torch.where(low, w, torch.zeros_like(w))
+            out = self.compute(hidden_states, served, new_w.masked_fill(low, 0.0), res)
+            lb = ctx.lowbit_experts(self.layer, pol.lowbit_bits, pol.lowbit_group)
+            return out + lb(hidden_states, ids, low_w)
         return self.compute(hidden_states, served, new_w, res)
 
     def compute(self, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, decisions):
@@ -206,7 +278,9 @@ def attach(model: nn.Module) -> Context:
     for layer, blk in enumerate(blocks):
         tap = RouterTap(getattr(blk, fam.router_attr))
         setattr(blk, fam.router_attr, tap)
-        setattr(blk, fam.experts_attr, PolicyExperts(getattr(blk, fam.experts_attr), tap, layer, ctx, fam))
+        pe = PolicyExperts(getattr(blk, fam.experts_attr), tap, layer, ctx, fam)
+        setattr(blk, fam.experts_attr, pe)
+        ctx.experts.append(pe)
     model._expertsweep_ctx = ctx
     return ctx
 

@@ -1,19 +1,21 @@
 """Router-trace recording: the exact model's top-k, gate weights and candidate ranking for a text.
 
-`python -m runtime.record --model DIR --text FILE --out TRACE.parquet [--depth M] [--max-tokens N]`
-writes the trace format of docs/traces.md (one row per token and MoE layer), with a progress bar.
+`python -m runtime.record --model DIR --text FILE --out TRACE.parquet [--depth M] [--max-tokens N]
+[--lookahead P]` writes the trace format of docs/traces.md (one row per token and MoE layer), with a
+progress bar; `--lookahead P` adds the lookahead column (layer l + 1's router applied to layer l's
+router input, first P ids) that `--prefetch lookahead` replays.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
-from runtime.errors import InputError, cli_main
-from runtime.hfmodel import default_window, load, make_trace, record, tokenize_file
+from runtime.errors import ArgumentParser, InputError, check_output_path, cli_main
+from runtime.hfmodel import default_window, load, make_trace, run_stream, tokenize_file
 from runtime.trace import save_trace
 
 log = logging.getLogger(__name__)
@@ -21,23 +23,37 @@ log = logging.getLogger(__name__)
 
 def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike,
                  max_tokens: int | None = None, depth: int | None = None, window: int | None = None,
-                 batch_windows: int = 8, progress: bool = False) -> Path:
-    """Record the exact model's routing over a text into `out_path` (.parquet or .arrow)."""
+                 batch_windows: int = 8, progress: bool = False, lookahead: int = 0) -> Path:
+    """Record the exact model's routing over a text into `out_path` (.parquet or .arrow); `lookahead` P > 0
+    also records the lookahead lists."""
     out = Path(out_path)
     if out.suffix not in (".parquet", ".arrow"):
         raise InputError(f"--out {out}: use a .parquet or .arrow file name")
+    check_output_path(out, "--out")
     m = load(model_dir)
     M = m.E if depth is None else depth
     if not (m.k <= M <= m.E):
         raise InputError(f"--depth = {M} must be between k={m.k} and E={m.E}")
+    if not (0 <= lookahead <= m.E):
+        raise InputError(f"--lookahead = {lookahead} must be between 0 (none) and E={m.E}")
     windows, sha = tokenize_file(m, text_path, max_tokens, window or default_window(m))
-    ids, w, rank, _ = record(m, windows, M, batch_windows, progress)
-    save_trace(make_trace(m, ids, w, rank, windows, sha, f"runtime.record {Path(text_path).name}"), out)
+    m.ctx.cache = None
+    rec = m.ctx.start_recording(M, lookahead=lookahead)
+    try:
+        run_stream(m, windows, batch_windows, progress, "record")
+    finally:
+        m.ctx.recorder = None
+    ids, w, rank = rec.arrays()
+    tr = make_trace(m, ids, w, rank, windows, sha, f"runtime.record {Path(text_path).name}")
+    if lookahead:
+        tr = dataclasses.replace(tr, meta=dataclasses.replace(tr.meta, lookahead_depth=lookahead),
+                                 lookahead=rec.lookahead_array())
+    save_trace(tr, out)
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m runtime.record", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.record", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--text", required=True)
     p.add_argument("--out", required=True)
@@ -45,8 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--batch-windows", type=int, default=8)
+    p.add_argument("--lookahead", type=int, default=0,
+                   help="also record per token and layer the first P ids of the next layer's router on this "
+                        "layer's router input (for --prefetch lookahead); default 0: none")
     a = p.parse_args(argv)
-    out = record_trace(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, a.batch_windows, progress=True)
+    out = record_trace(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, a.batch_windows, progress=True,
+                       lookahead=a.lookahead)
     print(out)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from runtime import costmodel
 from runtime.errors import ArgumentParser, InputError, atomic_write, check_output_path, cli_main
-from runtime.kernel import N_EV, PolicyCache, next_use, warm_residency, warmup
+from runtime.kernel import N_EV, PolicyCache, next_use, predicted_lists, warm_residency, warmup
 from runtime.policy import (
     PRESETS,
     PolicyConfig,
@@ -60,12 +60,15 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     ws = [np.ascontiguousarray(trace.topk_weights[:, l_], dtype=np.float64) for l_ in range(L)]
     ranks = [np.ascontiguousarray(trace.ranking[:, l_]) for l_ in range(L)]
     valids = [np.ascontiguousarray(trace.valid[:, l_]) for l_ in range(L)]
+    # prefetch: per layer the predicted lists (lookahead column of the previous layer, or oracle: own selection)
+    preds = [predicted_lists(policy, l_, trace.topk_ids, trace.valid, getattr(trace, "lookahead", None))
+             for l_ in range(L)]
     warmup()
     t_start = time.perf_counter()
     steps = []
     for l_ in range(L):
         steps.append(cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_],
-                                logs=False))
+                                logs=False, predicted=preds[l_]))
     seconds = time.perf_counter() - t_start
     dec = None
     if decisions:  # [T, L, k] per field

@@ -2,7 +2,8 @@
 
 A trace records, for every token of a stream and every traced MoE layer, the router's top-k
 selection (in router order), the gate weights the model applied, and the first M entries of the
-candidate ranking (M >= k; M = E keeps it exact). This module holds the in-memory `Trace`, its
+candidate ranking (M >= k; M = E keeps it exact); optionally a lookahead list per token and layer
+(the first P ids of layer l + 1's router applied to layer l's router input, for prefetch). This module holds the in-memory `Trace`, its
 on-disk formats (Parquet / Arrow IPC, one row per (token, layer); `.npz` import of recorder dumps),
 the validation every loaded trace goes through (one-line `InputError`s naming file, field, value
 and location), and a synthetic generator with realistic MoE routing statistics.
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META_KEY = b"expertsweep"
-WEIGHT_NORMS = ("softmax_topk", "softmax_all", "unknown")
+WEIGHT_NORMS = ("softmax_topk", "softmax_all", "sigmoid_topk", "unknown")
 SUFFIXES = (".parquet", ".arrow", ".npz")
 
 
@@ -42,9 +43,10 @@ class TraceMeta:
     top_k: int  # k
     ranking_depth: int  # M >= k
     layer_ids: tuple[int, ...]  # model layer index of each trace layer
-    weight_norm: str  # "softmax_topk" (renormalised) | "softmax_all" | "unknown"
+    weight_norm: str  # "softmax_topk" (renormalised) | "softmax_all" | "sigmoid_topk" (DeepSeek-V3) | "unknown"
     text_sha256: str = ""  # digest of the text the trace was recorded on
     source: str = ""  # where the trace came from (file, recorder, generator settings)
+    lookahead_depth: int = 0  # P: width of the optional lookahead column (0: none)
 
 
 @dataclass
@@ -56,6 +58,9 @@ class Trace:
     seq_id: np.ndarray  # int32 [T]
     position: np.ndarray  # int32 [T], position within the sequence
     meta: TraceMeta
+    # int32 [T, L, P] or None: on layer l's row the first P ids, in score order, of layer l + 1's router
+    # applied to layer l's router input (lookahead prefetch); the last layer's rows are -1 (none)
+    lookahead: np.ndarray | None = None
 
     @property
     def T(self) -> int:
@@ -81,7 +86,8 @@ class Trace:
         """Tokens [a, b) of the stream (numpy slice semantics); arrays are views, meta is shared."""
         s = slice(a, b)
         return Trace(self.topk_ids[s], self.topk_weights[s], self.ranking[s], self.valid[s],
-                     self.seq_id[s], self.position[s], self.meta)
+                     self.seq_id[s], self.position[s], self.meta,
+                     None if self.lookahead is None else self.lookahead[s])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,18 +186,50 @@ def _validate_meta(where: str, meta: TraceMeta, L: int, k: int, M: int) -> None:
     if len(meta.layer_ids) != L:
         raise InputError(f"{where}: meta layer_ids has {len(meta.layer_ids)} entries "
                          f"{list(meta.layer_ids)} but the trace has L = {L} layers")
+    if not (isinstance(meta.lookahead_depth, int) and meta.lookahead_depth >= 0):
+        raise InputError(f"{where}: meta lookahead_depth = {meta.lookahead_depth!r} must be an integer >= 0")
     if meta.weight_norm not in WEIGHT_NORMS:
         raise InputError(f"{where}: meta weight_norm = {meta.weight_norm!r}, expected one of "
                          f"{', '.join(WEIGHT_NORMS)}")
 
 
+def _validate_lookahead(where: str, look: np.ndarray | None, valid: np.ndarray, E: int, depth: int) -> None:
+    """look [T, L, P]: ids in [0, E), distinct, on every valid cell of layers 0 .. L-2; the last layer -1."""
+    if look is None:
+        if depth:
+            raise InputError(f"{where}: meta lookahead_depth = {depth} but the trace has no lookahead column")
+        return
+    T, L = valid.shape
+    if look.ndim != 3 or tuple(look.shape[:2]) != (T, L) or look.shape[2] < 1:
+        raise InputError(f"{where}: lookahead has shape {tuple(look.shape)}, expected [{T}, {L}, P >= 1]")
+    if look.dtype.kind not in "iu":
+        raise InputError(f"{where}: lookahead has dtype {look.dtype}, expected integers")
+    if look.shape[2] != depth:
+        raise InputError(f"{where}: meta lookahead_depth = {depth} but the lookahead column holds {look.shape[2]} ids")
+    if look.shape[2] > E:
+        raise InputError(f"{where}: lookahead depth P = {look.shape[2]} exceeds num_experts E = {E}")
+    if L > 1:
+        inner = valid.copy()
+        inner[:, -1] = False
+        _check_ids(where, "lookahead", look, inner, E)
+    i = _first(look[:, -1] != -1)
+    if i is not None:
+        raise InputError(f"{where}: lookahead[{int(i[0])}, {L - 1}] = {look[int(i[0]), -1].tolist()}: the last "
+                         f"layer has no next layer (expected -1)")
+
+
 def validate_trace(trace: Trace, path: str | os.PathLike[str] = "<trace>") -> None:
-    """Check shapes, dtypes, id ranges, repeats, weights and the ranking; raise a one-line InputError.
+    """Check shapes, dtypes, id ranges, repeats, weights, the ranking and the lookahead lists; raise a
+    one-line InputError.
 
     Cells with valid == False are not checked (they may hold -1 / NaN)."""
     where = str(path)
     _validate_arrays(where, trace.topk_ids, trace.topk_weights, trace.ranking, trace.valid,
                      trace.seq_id, trace.position, trace.meta.num_experts)
+    _validate_lookahead(where, trace.lookahead, trace.valid, trace.meta.num_experts,
+                        getattr(trace.meta, "lookahead_depth", 0))
+    if trace.lookahead is not None and trace.lookahead.dtype != np.int32:
+        raise InputError(f"{where}: lookahead has dtype {trace.lookahead.dtype}, expected int32")
     for name, a, dt in (("topk_ids", trace.topk_ids, np.int32), ("ranking", trace.ranking, np.int32),
                         ("topk_weights", trace.topk_weights, np.float32),
                         ("valid", trace.valid, np.bool_), ("seq_id", trace.seq_id, np.int32),
@@ -208,6 +246,8 @@ def _normalise_invalid(trace: Trace) -> None:
         trace.topk_ids[bad] = np.arange(trace.k, dtype=np.int32)
         trace.ranking[bad] = np.arange(trace.M, dtype=np.int32)
         trace.topk_weights[bad] = 0.0
+        if trace.lookahead is not None:
+            trace.lookahead[bad] = -1
 
 
 def _warn_order(where: str, trace: Trace) -> None:
@@ -222,7 +262,7 @@ def _warn_order(where: str, trace: Trace) -> None:
 # Parquet / Arrow IPC
 
 
-def _schema(meta: TraceMeta, k: int, M: int) -> pa.Schema:
+def _schema(meta: TraceMeta, k: int, M: int, P: int = 0) -> pa.Schema:
     fields = [
         pa.field("token", pa.int32(), nullable=False),
         pa.field("seq_id", pa.int32(), nullable=False),
@@ -233,6 +273,8 @@ def _schema(meta: TraceMeta, k: int, M: int) -> pa.Schema:
         pa.field("topk_weights", pa.list_(pa.float32(), k), nullable=False),
         pa.field("ranking", pa.list_(pa.int32(), M), nullable=False),
     ]
+    if P:
+        fields.append(pa.field("lookahead", pa.list_(pa.int32(), P), nullable=False))
     info = {"format_version": FORMAT_VERSION, **dataclasses.asdict(meta)}
     info["layer_ids"] = [int(x) for x in meta.layer_ids]
     return pa.schema(fields, metadata={META_KEY: json.dumps(info).encode()})
@@ -257,7 +299,11 @@ def _to_table(trace: Trace) -> pa.Table:
         fsl(trace.topk_weights, k),
         fsl(trace.ranking, M),
     ]
-    return pa.Table.from_arrays(cols, schema=_schema(trace.meta, k, M))
+    P = 0
+    if trace.lookahead is not None:
+        P = trace.lookahead.shape[2]
+        cols.append(fsl(trace.lookahead, P))
+    return pa.Table.from_arrays(cols, schema=_schema(trace.meta, k, M, P))
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
@@ -307,7 +353,7 @@ def _meta_from_json(where: str, raw: bytes | None) -> TraceMeta:
                 raise InputError(f"{where}: metadata field '{f.name}' is missing")
             continue
         v = d[f.name]
-        if f.name in ("num_experts", "top_k", "ranking_depth"):
+        if f.name in ("num_experts", "top_k", "ranking_depth", "lookahead_depth"):
             ok = isinstance(v, int) and not isinstance(v, bool)
         elif f.name == "layer_ids":
             ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
@@ -406,12 +452,17 @@ def _from_table(where: str, table: pa.Table, num_experts: int | None) -> Trace:
         per_token[name] = a[:, 0]
     seq_id = per_token.get("seq_id", np.zeros(T, dtype=np.int64))
     position = per_token.get("position", _positions(seq_id))
+    look = None
+    if meta.lookahead_depth:
+        if "lookahead" not in names:
+            raise InputError(f"{where}: metadata lookahead_depth = {meta.lookahead_depth} but column 'lookahead' is missing")
+        look = rows(_list_values(where, table, "lookahead", meta.lookahead_depth)).reshape(T, L, meta.lookahead_depth)
 
-    return _build(where, ids, w, ranking, valid, seq_id, position, meta)
+    return _build(where, ids, w, ranking, valid, seq_id, position, meta, look)
 
 
 def _build(where: str, ids: np.ndarray, w: np.ndarray, ranking: np.ndarray, valid: np.ndarray,
-           seq_id: np.ndarray, position: np.ndarray, meta: TraceMeta) -> Trace:
+           seq_id: np.ndarray, position: np.ndarray, meta: TraceMeta, lookahead: np.ndarray | None = None) -> Trace:
     """Cast to the Trace dtypes (always copying: callers' arrays are never modified) and validate."""
     arrays = (ids, w, ranking, valid, seq_id, position)
     dtypes = (np.int32, np.float32, np.int32, np.bool_, np.int32, np.int32)
@@ -421,7 +472,15 @@ def _build(where: str, ids: np.ndarray, w: np.ndarray, ranking: np.ndarray, vali
         if np.iinfo(np.int32).max < max(meta.num_experts, int(seq_id.max()), int(position.max())):
             raise InputError(f"{where}: num_experts = {meta.num_experts}, seq_id or position "
                              f"exceeds the int32 range")
-    trace = Trace(*(np.array(a, dtype=dt, order="C") for a, dt in zip(arrays, dtypes, strict=True)), meta)
+    if lookahead is not None:
+        if lookahead.dtype.kind not in "iu":
+            raise InputError(f"{where}: lookahead has dtype {lookahead.dtype}, expected integers")
+        i32 = np.iinfo(np.int32)
+        if lookahead.size and not (i32.min <= int(lookahead.min()) and int(lookahead.max()) <= i32.max):
+            raise InputError(f"{where}: lookahead holds id {int(lookahead.max())} (or {int(lookahead.min())}) "
+                             f"outside the int32 range")
+        lookahead = np.array(lookahead, dtype=np.int32, order="C")
+    trace = Trace(*(np.array(a, dtype=dt, order="C") for a, dt in zip(arrays, dtypes, strict=True)), meta, lookahead)
     validate_trace(trace, where)
     return trace
 
@@ -495,6 +554,11 @@ def _load_npz(where: str, path: Path, num_experts: int | None) -> Trace:
     T, L, k = ids.shape
     valid = z["valid"] if "valid" in z else np.ones((T, L), dtype=bool)
     ranking = z["ranking"] if "ranking" in z else ids
+    if ranking.ndim != 3 or tuple(ranking.shape[:2]) != (T, L):
+        raise InputError(f"{where}: ranking has shape {tuple(ranking.shape)}, expected [{T}, {L}, M]")
+    look = z.get("lookahead")
+    if look is not None and (look.ndim != 3 or tuple(look.shape[:2]) != (T, L)):
+        raise InputError(f"{where}: lookahead has shape {tuple(look.shape)}, expected [{T}, {L}, P]")
     if ids.dtype.kind not in "iu":
         raise InputError(f"{where}: topk_ids has dtype {ids.dtype}, expected integers")
     if w.shape != ids.shape:
@@ -545,13 +609,14 @@ def _load_npz(where: str, path: Path, num_experts: int | None) -> Trace:
         weight_norm = "unknown"
     model = str(_npz_scalar(where, z, "model", "U")) if "model" in z else "unknown"
     extra = sorted(set(z) - {"topk_ids", "topk_weights", "ranking", "valid", "num_experts", "top_k",
-                             "layers", "call_idx", "weight_norm", "model"})
+                             "layers", "call_idx", "weight_norm", "model", "lookahead"})
     if extra:
         logger.debug("%s: ignoring fields %s", where, ", ".join(extra))
 
     meta = TraceMeta(model=model, num_experts=E, top_k=k, ranking_depth=int(ranking.shape[2]),
-                     layer_ids=layer_ids, weight_norm=weight_norm, source=path.name)
-    return _build(where, ids, w, ranking, valid, seq_id, position, meta)
+                     layer_ids=layer_ids, weight_norm=weight_norm, source=path.name,
+                     lookahead_depth=0 if look is None else int(look.shape[2]))
+    return _build(where, ids, w, ranking, valid, seq_id, position, meta, look)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -632,10 +697,11 @@ def _top_m_stable(scores: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: int,
-                    ranking_depth: int | None = None, *, seed: int = 0, skew: float = 1.0,
+                    ranking_depth: int | None = None, *, seed: int = 0, sample: int = 0, skew: float = 1.62,
                     num_topics: int = 8, topic_locality: float = 0.7, switch_prob: float = 0.01,
                     seq_len: int = 512, weight_norm: str = "softmax_topk", temperature: float = 1.25,
-                    noise: float = 1.0, model: str = "synthetic") -> Trace:
+                    noise: float = 1.0, lookahead_depth: int = 0, lookahead_noise: float = 0.5,
+                    model: str = "synthetic") -> Trace:
     """A synthetic MoE routing trace (see docs/traces.md for the model and its parameters).
 
     Router scores per (token, layer, expert): Zipf popularity -skew*log(rank+1) (a random expert
@@ -645,9 +711,17 @@ def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: i
     for flat popularity and no noise scaling, the probability that a token's first choice lies in
     its topic's expert set. Selection = top-k by score (ties: lower id), ranking = first
     `ranking_depth` (default E) of the same order, gate weights = softmax(score / temperature) over
-    the top-k ("softmax_topk") or over all E ("softmax_all"). Deterministic for a seed."""
+    the top-k ("softmax_topk") or over all E ("softmax_all").
+
+    `seed` draws the model (each layer's popularity order and topic expert sets); `sample` draws the
+    tokens (topic sequence and noise). Two traces with the same seed and different `sample` are a
+    trace and its calibration twin: same routing statistics, different tokens (`calibration_twin`).
+    `lookahead_depth` P > 0 adds the lookahead column: on layer l's row the top-P ids of layer l + 1's
+    scores plus `lookahead_noise` * Gumbel noise (a pre-gating guess; the last layer -1).
+    Deterministic for (seed, sample)."""
     T, L, E, k = num_tokens, num_layers, num_experts, top_k
     M = E if ranking_depth is None else ranking_depth
+    P = lookahead_depth
     checks = [
         ("num_tokens", T, T >= 1, ">= 1"), ("num_layers", L, L >= 1, ">= 1"),
         ("num_experts", E, E >= 1, ">= 1"), ("top_k", k, 1 <= k <= E, "in [1, num_experts]"),
@@ -659,17 +733,21 @@ def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: i
         ("weight_norm", weight_norm, weight_norm in ("softmax_topk", "softmax_all"),
          "'softmax_topk' or 'softmax_all'"),
         ("temperature", temperature, temperature > 0, "> 0"), ("noise", noise, noise >= 0, ">= 0"),
+        ("sample", sample, isinstance(sample, int) and sample >= 0, "an integer >= 0"),
+        ("lookahead_depth", P, isinstance(P, int) and 0 <= P <= E, "an integer in [0, num_experts]"),
+        ("lookahead_noise", lookahead_noise, lookahead_noise >= 0, ">= 0"),
     ]
     for name, v, ok, need in checks:
         if not ok:
             raise InputError(f"synthetic trace: {name} = {v!r} must be {need}")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)  # the model: popularity orders, topic sets
+    srng = np.random.default_rng([seed, sample, 0x5EED])  # the tokens: topics, noise
 
     # latent topic per token: [T]
     t = np.arange(T)
-    switch = rng.random(T) < switch_prob
+    switch = srng.random(T) < switch_prob
     switch[::seq_len] = True  # every sequence starts with a fresh topic
-    draws = rng.integers(num_topics, size=T)
+    draws = srng.integers(num_topics, size=T)
     topic = draws[np.maximum.accumulate(np.where(switch, t, 0))]  # [T]
     seq_id = (t // seq_len).astype(np.int32)
     position = (t % seq_len).astype(np.int32)
@@ -683,7 +761,14 @@ def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: i
     ids = np.empty((T, L, k), dtype=np.int32)
     weights = np.empty((T, L, k), dtype=np.float32)
     ranking = np.empty((T, L, M), dtype=np.int32)
+    look = np.full((T, L, P), -1, dtype=np.int32) if P else None
     tiny = np.float32(np.finfo(np.float32).tiny)
+
+    def gumbel(shape) -> np.ndarray:
+        u = srng.random(shape, dtype=np.float32)
+        np.maximum(u, tiny, out=u)
+        return -np.log(-np.log(u))
+
     for layer in range(L):
         pop = np.empty(E, dtype=np.float32)  # [E]
         pop[rng.permutation(E)] = -skew * ranks
@@ -693,10 +778,7 @@ def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: i
         scores = sets[topic]  # [T, E]
         scores += pop
         if noise > 0:
-            u = rng.random((T, E), dtype=np.float32)
-            np.maximum(u, tiny, out=u)
-            g = -np.log(-np.log(u))  # Gumbel(0, 1)
-            scores += np.float32(noise) * g
+            scores += np.float32(noise) * gumbel((T, E))
         idx, vals = _top_m_stable(scores, M)  # [T, M]
         z = (vals[:, :k] - vals[:, :1]) / np.float32(temperature)  # [T, k], <= 0
         ez = np.exp(z)
@@ -707,9 +789,33 @@ def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: i
         ids[:, layer] = idx[:, :k]
         weights[:, layer] = ez / denom
         ranking[:, layer] = idx
+        if P and layer > 0:  # the previous layer's guess at this layer's routing
+            guess = scores + np.float32(lookahead_noise) * gumbel((T, E)) if lookahead_noise > 0 else scores
+            look[:, layer - 1] = _top_m_stable(guess, P)[0]
 
-    params = (f"seed={seed} skew={skew} num_topics={num_topics} topic_locality={topic_locality} "
-              f"switch_prob={switch_prob} seq_len={seq_len} temperature={temperature} noise={noise}")
+    params = (f"seed={seed} sample={sample} skew={skew} num_topics={num_topics} topic_locality={topic_locality} "
+              f"switch_prob={switch_prob} seq_len={seq_len} temperature={temperature} noise={noise}"
+              + (f" lookahead_depth={P} lookahead_noise={lookahead_noise}" if P else ""))
     meta = TraceMeta(model=model, num_experts=E, top_k=k, ranking_depth=M,
-                     layer_ids=tuple(range(L)), weight_norm=weight_norm, source=f"synthetic_trace({params})")
-    return Trace(ids, weights, ranking, np.ones((T, L), dtype=bool), seq_id, position, meta)
+                     layer_ids=tuple(range(L)), weight_norm=weight_norm, source=f"synthetic_trace({params})",
+                     lookahead_depth=P)
+    return Trace(ids, weights, ranking, np.ones((T, L), dtype=bool), seq_id, position, meta, look)
+
+
+def calibration_twin(num_tokens: int, num_layers: int, num_experts: int, top_k: int,
+                     ranking_depth: int | None = None, *, seed: int = 0, sample: int = 1, **kw) -> Trace:
+    """The calibration twin of `synthetic_trace(..., seed=seed, **kw)`: the same model (popularity and
+    topic draw), other tokens (`sample`, default 1; the evaluated trace uses sample 0)."""
+    if sample == 0:
+        raise InputError("calibration twin: sample = 0 is the evaluated trace's own token draw")
+    return synthetic_trace(num_tokens, num_layers, num_experts, top_k, ranking_depth, seed=seed, sample=sample, **kw)
+
+
+def synthetic_pair(num_tokens: int, num_layers: int, num_experts: int, top_k: int,
+                   ranking_depth: int | None = None, *, calib_tokens: int | None = None, seed: int = 0,
+                   **kw) -> tuple[Trace, Trace]:
+    """(evaluated trace, calibration twin): same seed (model), token draws 0 and 1; the twin has
+    `calib_tokens` tokens (default: half of num_tokens, at least 1)."""
+    tr = synthetic_trace(num_tokens, num_layers, num_experts, top_k, ranking_depth, seed=seed, sample=0, **kw)
+    n = max(num_tokens // 2, 1) if calib_tokens is None else calib_tokens
+    return tr, calibration_twin(n, num_layers, num_experts, top_k, ranking_depth, seed=seed, sample=1, **kw)

@@ -1,9 +1,11 @@
 """Simulator benchmark: replay a Qwen3-Next-shaped synthetic trace under the paper's policies.
 
-48 layers, E=512, k=10, C=128, M=64, 4,000 tokens (plus a separate 2,000-token calibration
-trace for the warm start). Reports the kernel's token-layers per second (best of --repeats,
-the replay loop alone, pinned to one core) and the cost model's time per token.
-    python scripts/bench_simulator.py [--repeats 5] [--host rtx4090] [--markdown]
+48 layers, E=512, k=10, C=128, M=64, 4,000 tokens, with the generator's defaults; the warm start
+comes from the trace's 2,000-token calibration twin (same popularity and topic draw, other tokens:
+runtime.trace.synthetic_pair). Reports the kernel's token-layers per second (best of --repeats, the
+replay loop alone, pinned to one core), the machine's load average, the cost model's time per token
+and the share of substituted calls (docs/traces.md quotes it).
+    python scripts/bench_simulator.py [--repeats 5] [--host rtx4090]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from runtime import costmodel
 from runtime.kernel import warm_residency, warmup
 from runtime.policy import PRESETS
 from runtime.simulate import replay, shape_for_trace, simulate
-from runtime.trace import synthetic_trace
+from runtime.trace import synthetic_pair
 
 POLICIES = ("fetch-every-miss", "rule-0.15", "quality-first", "speed-first")
 
@@ -29,13 +31,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--host", default="rtx4090")
-    ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     t0 = time.perf_counter()
-    trace = synthetic_trace(a.tokens, 48, 512, 10, 64, seed=1, model="Qwen/Qwen3-Next-80B-A3B (synthetic)")
-    calib = synthetic_trace(2000, 48, 512, 10, 64, seed=2)
+    trace, calib = synthetic_pair(a.tokens, 48, 512, 10, 64, calib_tokens=2000, seed=1,
+                                  model="Qwen/Qwen3-Next-80B-A3B (synthetic)")
     gen_s = time.perf_counter() - t0
     caps = np.full(48, 128)
     init = warm_residency(calib.topk_ids, calib.valid, 512, caps)
@@ -48,8 +49,10 @@ def main() -> None:
         res = res.to_dict() if hasattr(res, "to_dict") else res
         rows.append((name, trace.T * trace.L / best, best, res))
     cpu = platform.processor() or platform.machine()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     lines = [
-        f"machine: {os.cpu_count()} cores ({cpu}), python {platform.python_version()}, numpy {np.__version__}; "
+        f"machine: {os.cpu_count()} cores ({cpu}), load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, "
+        f"python {platform.python_version()}, numpy {np.__version__}; "
         f"one core; trace generation {gen_s:.1f} s; host profile {a.host}, shape {shape.name} bf16 "
         f"(expert {costmodel.expert_bytes(shape) / 2**20:.2f} MiB)",
         "",
