@@ -2,12 +2,13 @@
 
 Quantizer: HQQ (half-quadratic quantization, the maintained `hqq` package on PyPI; its pure-torch
 backend runs on CPU and CUDA). Per weight matrix of one expert, along the matrix's **input**
-dimension, groups of `group` weights (`lowbit_group`) are quantized asymmetrically to
-`bits` in {8, 4, 3, 2}: w ~ (q - zero) * scale with an integer code q in [0, 2^bits) and a float16
-scale and zero per group. HQQ starts from round-to-nearest (min/max scale and zero) and then
-refines the zero point by its half-quadratic solver (20 iterations), which lowers the weight error
-against plain round-to-nearest at the same storage (docs/emulation.md). Codes are bit-packed by HQQ
-(8 bits: 1 per byte, 4: 2 per byte, 2: 4 per byte, 3: 10 per int32); `QWeight.dequantize` unpacks.
+dimension, groups of `group` weights (`lowbit_group`) are quantized asymmetrically to `bits` in
+{8, 4, 3, 2}: w ~ (q - zero) * scale with an integer code q in [0, 2^bits) and a scale and zero
+per group (float16 values; dequantized in float32). HQQ starts from round-to-nearest (min/max
+scale and zero) and refines the zero point with its half-quadratic solver (20 iterations), which
+lowers the weight error against plain round-to-nearest at the same storage (tests/test_lowbit.py
+checks it for every width). Codes are bit-packed by HQQ (8 bits: 1 per byte, 4: 2 per byte,
+2: 4 per byte, 3: 10 per int32); `QWeight.dequantize` unpacks.
 
 A row whose length is not a multiple of the group is padded by repeating its last weight (the
 statistics of the last group are unchanged; the padding is dropped after dequantization); a group
@@ -55,7 +56,7 @@ class QWeight:
     """One quantized matrix [rows, n_in] (groups along n_in)."""
 
     packed: torch.Tensor  # HQQ's packed codes
-    meta: dict  # HQQ's metadata: scale, zero (float16 [n_groups, 1]), shape, nbits, group_size, packing, ...
+    meta: dict  # HQQ's metadata: scale, zero ([n_groups, 1], float16 values), shape, nbits, group_size, packing, ...
     shape: tuple[int, int]  # (rows, n_in) of the original matrix
     bits: int
     group: int  # effective group (min(lowbit_group, n_in))
@@ -67,10 +68,9 @@ class QWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: packed codes plus the float16 scales and zeros."""
+        """Bytes of the stored form: packed codes plus a float16 scale and zero per group."""
         return int(self.packed.numel() * self.packed.element_size()
-                   + sum(v.numel() * v.element_size() for k, v in self.meta.items()
-                         if k in ("scale", "zero") and isinstance(v, torch.Tensor)))
+                   + 2 * (self.meta["scale"].numel() + self.meta["zero"].numel()))
 
     def to(self, device: torch.device | str) -> QWeight:
         meta = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.meta.items()}
@@ -96,7 +96,9 @@ def quantize(w: torch.Tensor, bits: int, group: int) -> QWeight:
     if pad:
         x = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1)  # [rows, n_in + pad]
     packed, meta = _quantizer().quantize(x.contiguous(), nbits=bits, group_size=g, optimize=True, axis=1,
-                                         compute_dtype=torch.float16, device=str(w.device))
+                                         compute_dtype=torch.float32, device=str(w.device))
+    for key in ("scale", "zero"):  # stored as float16 values (kept in float32 tensors: dequantized in float32)
+        meta[key] = meta[key].half().float()
     return QWeight(packed, meta, (rows, n_in), bits, g)
 
 

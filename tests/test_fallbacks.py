@@ -1,0 +1,163 @@
+"""Fallbacks and prefetch in the exact emulation (runtime/adapters.py) on tiny random checkpoints:
+host is exact, lowbit computes from the low-precision copies, drop computes nothing, prefetch changes
+only residency (and the emulation's prefetch decisions equal the simulator's on the recorded trace)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import emulate
+from runtime.hfmodel import load
+from runtime.kernel import PolicyCache
+from runtime.policy import PolicyConfig
+from runtime.record import record_trace
+from runtime.simulate import simulate
+from runtime.trace import load_trace
+from tests.tiny_hf import build_tiny
+
+TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()
+RUN = dict(capacity=3, window=32, max_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    return {fam: build_tiny(fam, d / fam) for fam in ("qwen3_moe", "gpt_oss")}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    p = tmp_path_factory.mktemp("text") / "t.txt"
+    p.write_text(TEXT)
+    return p
+
+
+@pytest.fixture(scope="module")
+def init(ckpts, tmp_path_factory):
+    """The same warm start for every run: experts 0..2 resident in every layer."""
+    p = tmp_path_factory.mktemp("init") / "init.npy"
+    np.save(p, np.tile(np.arange(3, dtype=np.int64), (2, 1)))
+    return str(p)
+
+
+def run(ckpt, text, init, **policies):
+    return emulate.emulate(ckpt, text, policies, initial_residency=init, **RUN)
+
+
+def test_host_fallback_reproduces_the_exact_perplexity(ckpts, text, init):
+    res = run(ckpts["qwen3_moe"], text, init,
+              host=PolicyConfig(rule="threshold", tau=0.15, fallback="host"),
+              sub=PolicyConfig(rule="threshold", tau=0.15))
+    host, sub = res["host"], res["sub"]
+    assert host["host_computes"] > 0 and host["substitutions"] == host["drops"] == host["lowbit_computes"] == 0
+    assert host["perplexity"] == pytest.approx(res["exact"]["perplexity"], rel=1e-12)
+    assert host["substituted_mass"] == 0.0
+    # the same rule with substitutes moves the perplexity: the setup has light misses to fall back on
+    assert sub["substitutions"] > 0 and abs(sub["perplexity"] / res["exact"]["perplexity"] - 1) > 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_lowbit_eight_bits_cost_less_than_two(ckpts, text, init, family):
+    res = run(ckpts[family], text, init,
+              l8=PolicyConfig(rule="threshold", tau=0.15, fallback="lowbit", lowbit_bits=8),
+              l2=PolicyConfig(rule="threshold", tau=0.15, fallback="lowbit", lowbit_bits=2))
+    ex = res["exact"]["perplexity"]
+    for name in ("l8", "l2"):
+        r = res[name]
+        assert r["lowbit_computes"] > 0 and r["lowbit_mass"] > 0, name
+        assert r["substitutions"] == r["drops"] == r["host_computes"] == 0, name
+        assert r["substituted_mass"] == 0.0
+    d8, d2 = abs(res["l8"]["perplexity"] - ex), abs(res["l2"]["perplexity"] - ex)
+    assert d8 < d2 and d2 > 0, (d8, d2)
+
+
+def test_lowbit_logits_close_to_exact_and_ordered_by_bits(ckpts):
+    """Per logit: the low-precision copies move the output, 8 bits much less than 2."""
+    m = load(ckpts["qwen3_moe"])
+    ids = torch.randint(0, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+    caps = np.full(m.num_layers, m.k + 1)
+
+    def logits(cache):
+        m.ctx.cache = cache
+        try:
+            with torch.inference_mode():
+                return m.model(input_ids=ids, use_cache=False).logits.float()
+        finally:
+            m.ctx.cache = None
+
+    exact = logits(None)
+    dev = {}
+    for bits in (8, 4, 2):
+        cache = PolicyCache(PolicyConfig(rule="first_choice", fallback="lowbit", lowbit_bits=bits), m.E, m.k, caps)
+        dev[bits] = (logits(cache) - exact).abs().max().item()
+        assert cache.counter_totals()["lowbit_computes"] > 0
+    assert 0 < dev[8] < dev[4] < dev[2]
+    assert set(m.ctx.lowbit_modules) == {0, 1} and m.ctx.lowbit_key == (2, 64)  # one cached copy per layer
+
+
+def test_drop_fallback_computes_nothing_for_the_miss(ckpts, text, init):
+    res = run(ckpts["qwen3_moe"], text, init, drop=PolicyConfig(rule="first_choice", fallback="drop"),
+              sub=PolicyConfig(rule="first_choice"))
+    d = res["drop"]
+    assert d["drops"] > 0 and d["substitutions"] == 0
+    assert d["substituted_mass"] > 0  # dropped misses count in the substituted mass
+    assert d["perplexity"] != res["sub"]["perplexity"] != res["exact"]["perplexity"]
+
+
+def test_prefetch_changes_only_residency(ckpts, text, init):
+    res = run(ckpts["qwen3_moe"], text, init,
+              oracle=PolicyConfig(rule="fetch_all", prefetch="oracle"),
+              look=PolicyConfig(rule="fetch_all", prefetch="lookahead", prefetch_n=3),
+              plain=PolicyConfig(rule="fetch_all"))
+    ex = res["exact"]["perplexity"]
+    for name in ("oracle", "look", "plain"):
+        assert res[name]["perplexity"] == pytest.approx(ex, rel=1e-12), name
+    o = res["oracle"]
+    assert o["per_layer"][0]["fetches"] > 0 and o["per_layer"][1]["fetches"] == 0  # every later miss prefetched
+    assert o["prefetches"] == o["prefetch_used"] > 0
+    lk = res["look"]
+    assert lk["prefetches"] > 0 and lk["per_layer"][0]["prefetches"] == 0
+    assert lk["per_layer"][1]["fetches"] < res["plain"]["per_layer"][1]["fetches"]
+
+
+@pytest.mark.parametrize("policy", [
+    PolicyConfig(rule="threshold", tau=0.15, fallback="host", prefetch="lookahead", prefetch_n=2),
+    PolicyConfig(rule="fetch_all", prefetch="oracle", prefetch_n=1, evict="lru"),
+])
+def test_emulation_prefetch_equals_the_simulator_on_the_recorded_trace(ckpts, text, init, tmp_path, policy):
+    """Exact policies keep the routing of the exact model, so runtime.record's trace (with its lookahead
+    column) replays in the simulator to the emulation's own per-layer counters."""
+    tr_path = record_trace(ckpts["qwen3_moe"], text, tmp_path / "t.parquet", max_tokens=RUN["max_tokens"],
+                           window=RUN["window"], lookahead=4)
+    tr = load_trace(tr_path)
+    emu = run(ckpts["qwen3_moe"], text, init, p=policy)["p"]
+    assert tr.T == emu["tokens"]
+    sim = simulate(tr, policy, RUN["capacity"], initial_residency=[r for r in np.load(init)], baselines=False).to_dict()
+    for l_ in range(2):
+        for key in ("hits", "fetches", "host_computes", "prefetches", "prefetch_used", "admissions"):
+            assert sim["per_layer"][l_][key] == emu["per_layer"][l_][key], (l_, key)
+    assert sim["prefetches"] > 0
+
+
+def test_emulate_cli_takes_the_fallback_flags(ckpts, text, init):
+    """`python -m runtime.emulate ... --rule threshold --tau 0.15 --fallback ...` (the issue's check)."""
+    import subprocess
+    import sys
+
+    def cli(*flags):
+        p = subprocess.run([sys.executable, "-m", "runtime.emulate", "--model", str(ckpts["qwen3_moe"]), "--text",
+                            str(text), "--rule", "threshold", "--tau", "0.15", *flags, "--capacity", "3", "--window",
+                            "32", "--max-tokens", "256", "--initial-residency", init, "--json"],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout)
+
+    host = cli("--fallback", "host")
+    assert host["ppl_change_pct"] == pytest.approx(0.0, abs=1e-9) and host["host_computes"] > 0
+    low = cli("--fallback", "lowbit", "--lowbit-bits", "4", "--lowbit-group", "16")
+    assert low["lowbit_computes"] > 0 and low["policy_config"]["lowbit_group"] == 16
