@@ -12,6 +12,8 @@ Measured with the engine itself (runtime/engine.py), at the model's shape and dt
   fetch (both report; the in-context one sets `link_latency_us`);
 - how long a "non-blocking" copy holds the issuing thread, from pinned and from pageable memory;
 - the final norm + LM head once (`head_us`);
+- one expert computed from its packed 4-bit copy (group 64: dequantize on the device, then compute),
+  when the `hqq` quantizer is installed (`lowbit_expert_us`, used for every bit width);
 - one expert computed on the device from a slot, and on the host from the host store (CUDA: with
   the activation's round trip), batch 1;
 - the dense time per layer *in context*: a teacher-forced decode with k slots per layer under
@@ -50,6 +52,8 @@ from runtime.kernel import PolicyCache
 from runtime.policy import PRESETS
 
 log = logging.getLogger(__name__)
+
+LOWBIT_BITS, LOWBIT_GROUP = 4, 64  # the low-bit expert time is measured at these (HostProfile.lowbit_expert_us)
 
 
 def _mean_s(fn, repeats: int, sync, inner: int = 1, clock=time.perf_counter) -> float:
@@ -138,6 +142,18 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
 
     dev_s = _mean_s(dev, repeats, sync, inner=L * k, clock=eng.clock)
     host_s = _mean_s(host, repeats, sync, inner=L * k, clock=eng.clock)
+    lowbit_s = None
+    try:  # one expert from its packed 4-bit copy (group 64): dequantize on the device + compute
+        eng._build_lowbit(LOWBIT_BITS, LOWBIT_GROUP)
+    except InputError as exc:
+        log.warning("no low-bit calibration: %s", exc)
+    else:
+        def low():
+            i = next(cycle)
+            out.add_((eng.lowbit_expert(i % L, (i // L) % E, x) * w)[0])
+
+        lowbit_s = _mean_s(low, repeats, sync, inner=L * k, clock=eng.clock)
+        eng.bind(cache)  # the low-bit copies leave the device again
     head_s = 0.0
     hm = _head_modules(m.model)
     if hm is not None:
@@ -194,7 +210,8 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     details = {"link": link, "fetch_us": fetch_used_s * 1e6, "fetch_isolated_us": fetch_s * 1e6,
                "fetch_in_context_us": fetch_ctx_s * 1e6 if fetch_ctx_s == fetch_ctx_s else None, "fetch_every_miss_time_per_token_us": fetch_decode_s * 1e6,
-               "fetches_per_token": nf, "head_us": head_s * 1e6, "device_expert_us": dev_s * 1e6, "host_expert_us": host_s * 1e6,
+               "fetches_per_token": nf, "head_us": head_s * 1e6,
+               "lowbit_expert_us": None if lowbit_s is None else lowbit_s * 1e6, "device_expert_us": dev_s * 1e6, "host_expert_us": host_s * 1e6,
                "dense_layer_us": dense_s * 1e6, "dense_isolated_layer_us": isolated_s * 1e6,
                "all_device_time_per_token_us": full_s * 1e6,
                "device_overhead_us": dev_over * 1e6, "host_overhead_us": host_over * 1e6,
@@ -206,7 +223,8 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
         device_mem_GBps=eng.expert_bytes / dev_s / 1e9, device_overhead_us=dev_over * 1e6,
         host_mem_GBps=eng.expert_bytes / host_s / 1e9, host_overhead_us=host_over * 1e6,
         device_expert_us=dev_s * 1e6, host_expert_us=host_s * 1e6, dense_layer_us=dense_s * 1e6,
-        head_us=head_s * 1e6 if head_s > 0 else None, vram_GiB=vram,
+        head_us=head_s * 1e6 if head_s > 0 else None,
+        lowbit_expert_us=None if lowbit_s is None else lowbit_s * 1e6, vram_GiB=vram,
         sources=(f"measured by runtime.calibrate on {when}, model {m.model_dir} ({eng.dtype}, L={L}, E={E}, k={k}), "
                  f"device {eng.device}, means of {repeats} runs",
                  f"link: {link_mib} MiB host->device copies; pinned memory {'used' if link['pinned_available'] else 'not available (CPU device mode): both figures are plain memcpy'}",

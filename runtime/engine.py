@@ -48,12 +48,10 @@ from torch import nn
 
 from runtime import adapters, costmodel, hfmodel
 from runtime.errors import InputError, cli_main
-from runtime.kernel import DROP, FETCH, HOST, PolicyCache, StepResult, warmup
+from runtime.kernel import DROP, FETCH, HOST, LOWBIT, PolicyCache, StepResult, warmup
 from runtime.policy import PolicyConfig
 
 log = logging.getLogger(__name__)
-
-KIND_LOWBIT = 5  # runtime.kernel.LOWBIT (low-bit fallback): refused until the engine computes it
 
 
 def resolve_device(device: str | None, flag: str = "--device") -> torch.device:
@@ -308,8 +306,12 @@ class Engine:
         self.cache: PolicyCache | None = None
         self.slots: list[list[ExpertBuf]] | None = None
         self._free: list[ExpertBuf] = []
-        self._pending: list[dict[int, _Pending]] = [{} for _ in range(self.L)]
+        self._pending: list[dict[int, _Pending]] = [{} for _ in range(self.L)]  # admissions in flight, by expert
+        self._prefetch: list[dict[int, _Pending]] = [{} for _ in range(self.L)]  # lookahead copies in flight
         self._stall_events: list[tuple] = []
+        self._lowbit: list[list[tuple]] | None = None  # [L][E] (gate_up, down) QWeight on the device
+        self._lowbit_key: tuple[int, int] | None = None
+        self.lowbit_bytes = 0
         self._dev_bytes = self._peak_bytes = self.nonexpert_bytes
         self.n_staging = 0
         self.events: list[list[np.ndarray]] = [[] for _ in range(self.L)]
@@ -347,9 +349,11 @@ class Engine:
             self._link = None
 
     def _reset_stats(self) -> None:
-        self.stats = {"fetch_copies": 0, "prefetch_copies": 0, "admission_copies": 0, "admissions_applied": 0,
+        self.stats = {"fetch_copies": 0, "admission_copies": 0, "admissions_applied": 0,
                       "admissions_discarded": 0, "admission_stalls": 0, "admission_stall_s": 0.0, "host_computes": 0,
-                      "device_computes": 0, "prefill_copies": 0}
+                      "device_computes": 0, "lowbit_computes": 0, "prefetch_copies": 0, "prefetch_applied": 0,
+                      "prefetch_wasted": 0, "prefetch_sync_loads": 0, "prefetch_stalls": 0, "prefetch_stall_s": 0.0,
+                      "prefill_copies": 0}
         self._stall_events = []
 
     def _event(self, timing: bool = False):
@@ -410,19 +414,19 @@ class Engine:
         with torch.no_grad():
             self.store.copy_into(layer, e, buf)
 
-    def wait_copy(self, handle, timed: bool = False) -> bool:
+    def wait_copy(self, handle, timed: str | None = None) -> bool:
         """Make the compute wait for a copy; True if it had not finished when asked (a stall).
 
         CPU device mode: the main thread blocks on the link thread's future (timed with perf_counter).
-        CUDA: the compute stream waits on the copy's event; with `timed`, a late copy's wait is bracketed
-        by two timing events on the compute stream, whose elapsed time (read after the run's final
-        synchronize, `_collect_stalls`) is the time the device really stood still."""
+        CUDA: the compute stream waits on the copy's event; with `timed` (a stats key), a late copy's wait
+        is bracketed by two timing events on the compute stream, whose elapsed time (read after the run's
+        final synchronize, `_collect_stalls`) is the time the device really stood still."""
         if not self.cuda:
             late = not handle.done()
             t0 = time.perf_counter()
             handle.result()
             if timed and late:
-                self.stats["admission_stall_s"] += time.perf_counter() - t0
+                self.stats[timed] += time.perf_counter() - t0
             return late
         late = not handle.query()
         cur = torch.cuda.current_stream(self.device)
@@ -431,15 +435,15 @@ class Engine:
             a.record(cur)
             cur.wait_event(handle)
             b.record(cur)
-            self._stall_events.append((a, b))
+            self._stall_events.append((a, b, timed))
         else:
             cur.wait_event(handle)
         return late
 
     def _collect_stalls(self) -> None:
-        """CUDA: add the device-side admission stalls measured since the last call (after a synchronize)."""
-        for a, b in self._stall_events:
-            self.stats["admission_stall_s"] += a.elapsed_time(b) / 1e3
+        """CUDA: add the device-side stalls measured since the last call (after a synchronize)."""
+        for a, b, key in self._stall_events:
+            self.stats[key] += a.elapsed_time(b) / 1e3
         self._stall_events = []
 
     # ------------------------------------------------------------------ pools
@@ -458,8 +462,13 @@ class Engine:
         """Start a run under `cache`: slot pools sized by its capacities and loaded with its residency."""
         self.drain()
         warmup()  # the kernel is compiled (or loaded from numba's cache) before anything is timed
-        if cache.policy.fallback == "lowbit":
-            raise InputError("the engine does not run fallback = lowbit yet (emulation and simulator do)")
+        pol = cache.policy
+        if pol.fallback == "lowbit":
+            self._build_lowbit(int(pol.lowbit_bits), int(pol.lowbit_group))
+        elif self._lowbit is not None:  # another policy: the low-bit copies leave the device
+            self._lowbit, self._lowbit_key = None, None
+            self._dev_bytes -= self.lowbit_bytes
+            self.lowbit_bytes = 0
         caps = [int(c) for c in cache.caps]
         if self.slots is None or [len(s) for s in self.slots] != caps:
             if self.slots is not None:
@@ -479,9 +488,39 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak_bytes = self._dev_bytes
 
+    def _build_lowbit(self, bits: int, group: int) -> None:
+        """Packed low-bit copies (runtime/lowbit.py: HQQ, groups along each matrix's input dimension) of every
+        expert on the device, built once per (bits, group); quantized on the device from the host store."""
+        if self._lowbit_key == (bits, group):
+            return
+        from runtime import lowbit  # noqa: PLC0415 - hqq is only needed for this fallback
+
+        if self._lowbit is not None:
+            self._dev_bytes -= self.lowbit_bytes
+        self._lowbit, self._lowbit_key, self.lowbit_bytes = None, None, 0
+        copies, nbytes = [], 0
+        for l_ in range(self.L):
+            row = []
+            for e in range(self.E):
+                gu, d = self.store.weights(l_, e)
+                q = (lowbit.quantize(gu.to(self.device), bits, group), lowbit.quantize(d.to(self.device), bits, group))
+                nbytes += q[0].nbytes + q[1].nbytes
+                row.append(q)
+            copies.append(row)
+        self._lowbit, self._lowbit_key, self.lowbit_bytes = copies, (bits, group), nbytes
+        self._dev_bytes += nbytes
+        self._peak_bytes = max(self._peak_bytes, self._dev_bytes)
+        log.info("low-bit copies (%d bits, group %d) of %d experts: %.3g MiB on %s", bits, group, self.L * self.E,
+                 nbytes / 2**20, self.device)
+
+    def lowbit_expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e from its packed low-bit copy: dequantize on the device, then compute; x [n, H] -> [n, H]."""
+        qgu, qd = self._lowbit[layer][e]
+        return expert_forward(x, qgu.dequantize(self.dtype), qd.dequantize(self.dtype), self.act[layer])
+
     def drain(self) -> None:
-        """Wait for and drop every admission copy still in flight (end of a run)."""
-        for q in self._pending:
+        """Wait for and drop every admission and prefetch copy still in flight (end of a run)."""
+        for q in (*self._pending, *self._prefetch):
             for p in q.values():
                 self.wait_copy(p.handle)
                 self.give_staging(p.buf)
@@ -514,7 +553,7 @@ class Engine:
             return stream_layer(self, layer, x, ids, w)
         return self._apply_plan(layer, x, w, plan)
 
-    def fetch(self, layer: int, e: int, s: int, prefetch: bool = False) -> None:
+    def fetch(self, layer: int, e: int, s: int, prefetch_load: bool = False) -> None:
         """Copy host -> slot s on the copy stream; the compute waits for it (CPU device mode: a plain copy)."""
         buf = self.slots[layer][s]
         if self.cuda:
@@ -526,7 +565,7 @@ class Engine:
             cur.wait_event(buf.ready)
         else:
             self.store.copy_into(layer, e, buf)
-        self.stats["prefetch_copies" if prefetch else "fetch_copies"] += 1
+        self.stats["prefetch_sync_loads" if prefetch_load else "fetch_copies"] += 1
 
     def host_expert(self, layer: int, e: int, x_host: torch.Tensor) -> torch.Tensor:
         """Expert e on the host CPU from the host store: x_host [n, H] on the host -> [n, H] on the host."""
@@ -543,7 +582,7 @@ class Engine:
         if p is None:
             raise RuntimeError(f"engine: MoE layer {layer}: the kernel admitted expert {e}, whose copy the engine "
                                "never started (its plan's queued rows were not applied)")
-        if self.wait_copy(p.handle, timed=True):
+        if self.wait_copy(p.handle, timed="admission_stall_s"):
             self.stats["admission_stalls"] += 1
         old = self.slots[layer][s]
         self.slots[layer][s] = p.buf
@@ -559,16 +598,61 @@ class Engine:
             self.give_staging(p.buf, after=p.handle)
             self.stats["admissions_discarded"] += 1
 
+    def _load_prefetched(self, layer: int, e: int, s: int) -> None:
+        """The kernel loaded expert e into slot s ahead of this token (prefetch): the copy started one layer
+        earlier becomes the slot's buffer (waiting for it, a stall if late); without one (oracle prefetch,
+        known only now, or an expert evicted by this token's admissions after the copies were issued) it
+        is copied now, as a fetch."""
+        p = self._prefetch[layer].pop(e, None)
+        if p is None:
+            self.fetch(layer, e, s, prefetch_load=True)
+            return
+        if self.wait_copy(p.handle, timed="prefetch_stall_s"):
+            self.stats["prefetch_stalls"] += 1
+        old = self.slots[layer][s]
+        self.slots[layer][s] = p.buf
+        self.give_staging(old)
+        self.stats["prefetch_applied"] += 1
+
+    def _issue_prefetch(self, layer: int, t: int) -> None:
+        """Lookahead prefetch: once this layer's routing is known, the next layer's predicted list is
+        (runtime/adapters.py, `Context.pending`); copies of its experts that are not resident there start
+        now on the copy stream (behind this layer's fetches), into staging buffers. The next layer's plan
+        says which of them the kernel loads, and into which slots."""
+        nxt = layer + 1
+        pend = getattr(self.m.ctx, "pending", None)
+        pred = pend[nxt] if pend is not None and nxt < self.L else None
+        if pred is None or len(pred) != 1:
+            return
+        q = self._prefetch[nxt]
+        for e in pred[0][: self.cache.prefetch_width].tolist():
+            if e < 0:
+                break
+            if self.cache.expert_slot[nxt, e] >= 0 or e in q:
+                continue
+            buf = self.take_staging()
+            q[e] = _Pending(t, buf, self.copy_async(nxt, e, buf, "copy"))
+            self.stats["prefetch_copies"] += 1
+
+    def _release_prefetch(self, layer: int) -> None:
+        """Early copies the kernel did not load (an admission made the expert resident first, or no victim)."""
+        q = self._prefetch[layer]
+        for p in q.values():
+            self.give_staging(p.buf, after=p.handle)
+            self.stats["prefetch_wasted"] += 1
+        q.clear()
+
     def _apply_plan(self, layer: int, x: torch.Tensor, w: torch.Tensor, plan: StepResult) -> torch.Tensor:
         kind, served, slot = plan.kind, plan.served, plan.slot
         N, k = kind.shape
         t0 = int(self.cache.next_t[layer]) - N
         out = torch.zeros_like(x)  # [N, H]
         act = self.act[layer]
-        adm, queued, d = plan.admitted, plan.queued, self.cache.policy.admission_delay
-        pref = getattr(plan, "prefetched", np.zeros((0, 3), np.int64))
-        if (kind == KIND_LOWBIT).any():
-            raise InputError("the engine does not run fallback = lowbit yet (emulation and simulator do)")
+        pol = self.cache.policy
+        adm, queued, d = plan.admitted, plan.queued, pol.admission_delay
+        pref = getattr(plan, "prefetched", None)
+        pref = np.zeros((0, 3), np.int64) if pref is None else pref
+        lookahead = pol.prefetch == "lookahead" and N == 1
         ai = qi = pi = 0
         for i in range(N):
             t = t0 + i
@@ -581,19 +665,28 @@ class Engine:
                 self._admit(layer, int(adm[ai, 1]), int(adm[ai, 2]))
                 ai += 1
             self._release_popped(layer, t)
-            # (2) prefetch loads, (3) synchronous fetches in rank order
+            # (2) prefetch loads the kernel made for this token, (3) synchronous fetches in rank order
             while pi < len(pref) and pref[pi, 0] == t:
-                self.fetch(layer, int(pref[pi, 1]), int(pref[pi, 2]), prefetch=True)
+                self._load_prefetched(layer, int(pref[pi, 1]), int(pref[pi, 2]))
                 pi += 1
+            self._release_prefetch(layer)
             for j in range(k):
                 if kind[i, j] == FETCH:
                     self.fetch(layer, int(served[i, j]), int(slot[i, j]))
-            # (4) device compute, queued without waiting, in ascending expert id (the HF accumulation order)
+            # (3b) the next layer's lookahead copies start behind this layer's fetches
+            if lookahead:
+                self._issue_prefetch(layer, t)
+            # (4) device compute, queued without waiting, in ascending expert id (the HF accumulation order):
+            # full precision from a slot, LOWBIT from the expert's packed low-bit copy
             xi = x[i : i + 1]
             if not self.null_compute:
                 for j in np.argsort(served[i], kind="stable"):
                     kd = kind[i, j]
                     if kd == DROP or kd == HOST:
+                        continue
+                    if kd == LOWBIT:
+                        out[i] += (self.lowbit_expert(layer, int(served[i, j]), xi) * w[i, j])[0]
+                        self.stats["lowbit_computes"] += 1
                         continue
                     buf = self.slots[layer][slot[i, j]]
                     out[i] += (expert_forward(xi, buf.gate_up, buf.down, act) * w[i, j])[0]

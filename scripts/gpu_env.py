@@ -59,6 +59,12 @@ def versions() -> dict:
         want = tested.get(DIST.get(mod, mod).lower())
         if want and v.split("+")[0] != want.split("+")[0]:
             rec["skew"][mod] = {"machine": v, "tested": want}
+    try:  # optional: the low-bit fallback's quantizer
+        import hqq
+
+        rec["packages"]["hqq"] = str(getattr(hqq, "__version__", "?"))
+    except ImportError:
+        rec["optional_missing"] = ["hqq (fallback = lowbit)"]
     try:
         import pytest_timeout  # noqa: F401
 

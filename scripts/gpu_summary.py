@@ -116,7 +116,8 @@ def main() -> None:
         out.append(f"- expert fetch: isolated {c.get('fetch_isolated_us', float('nan')):.1f} us, in context "
                    f"{'-' if fic is None else f'{fic:.1f}'} us (used: {c['fetch_us']:.1f}); expert on device "
                    f"{c['device_expert_us']:.1f} us, on host {c['host_expert_us']:.1f} us; dense "
-                   f"{c['dense_layer_us']:.1f} us per layer; final norm + LM head {c.get('head_us', 0):.1f} us")
+                   f"{c['dense_layer_us']:.1f} us per layer; final norm + LM head {c.get('head_us', 0):.1f} us; "
+                   f"low-bit (4-bit) expert {c.get('lowbit_expert_us') or '-'} us")
     g = load(res / "generate.json")
     if g:
         out.append("\n## Greedy generation, quality-first vs exact\n")
