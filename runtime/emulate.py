@@ -38,6 +38,7 @@ from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime
     make_trace,
     read_tokens,
     record,
+    record_routing,
     run_stream,
     to_windows,
     tokenize_file,
@@ -163,9 +164,11 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
         try:
             if runner is not None:
                 nll, extra = runner(m, windows, cache, spec.label)
-            elif spec.trace_out is not None:
-                pids, pw, prank, nll = record(m, windows, m.E, spec.batch_windows, progress, cache=cache, desc=spec.label)
-                save_trace(make_trace(m, pids, pw, prank, windows, ex.sha, f"runtime.emulate policy={pol.label()}"),
+            elif spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
+                P = max(m.k, cache.prefetch_width)
+                pids, pw, prank, plook, nll = record_routing(m, windows, m.E, P, spec.batch_windows, progress, cache,
+                                                             spec.label)
+                save_trace(make_trace(m, pids, pw, prank, windows, ex.sha, f"runtime.emulate policy={pol.label()}", plook),
                            spec.trace_out)
             else:
                 m.ctx.cache = cache

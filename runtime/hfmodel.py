@@ -131,29 +131,40 @@ def run_stream(m: Loaded, windows: np.ndarray, batch_windows: int = 8, progress:
     return out
 
 
-def record(m: Loaded, windows: np.ndarray, depth: int, batch_windows: int = 8, progress: bool = False,
-           cache: PolicyCache | None = None, desc: str = "record") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Run the stream recording the router; returns ids [T, L, k], weights, ranking [T, L, M], nll."""
+def record_routing(m: Loaded, windows: np.ndarray, depth: int, lookahead: int = 0, batch_windows: int = 8,
+                   progress: bool = False, cache: PolicyCache | None = None, desc: str = "record"):
+    """Run the stream under `cache` (None: the exact model) recording the routing. Returns ids [T, L, k],
+    weights, ranking [T, L, depth], lookahead [T, L, P] (None when `lookahead` is 0) and the NLL [n, W-1]."""
     m.ctx.cache = cache
-    rec = m.ctx.start_recording(depth)
+    rec = m.ctx.start_recording(depth, lookahead=lookahead)
     try:
         nll = run_stream(m, windows, batch_windows, progress, desc)
     finally:
         m.ctx.recorder = None
         m.ctx.cache = None
     ids, w, rank = rec.arrays()
+    return ids, w, rank, rec.lookahead_array(), nll
+
+
+def record(m: Loaded, windows: np.ndarray, depth: int, batch_windows: int = 8, progress: bool = False,
+           cache: PolicyCache | None = None, desc: str = "record") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`record_routing` without lookahead lists: ids [T, L, k], weights, ranking [T, L, M], nll."""
+    ids, w, rank, _, nll = record_routing(m, windows, depth, 0, batch_windows, progress, cache, desc)
     return ids, w, rank, nll
 
 
-def make_trace(m: Loaded, ids, w, rank, windows: np.ndarray, text_sha: str, source: str) -> Trace:
+def make_trace(m: Loaded, ids, w, rank, windows: np.ndarray, text_sha: str, source: str,
+               lookahead: np.ndarray | None = None) -> Trace:
+    """The Trace of a recording (with its lookahead column [T, L, P] when given)."""
     T = ids.shape[0]
     n, W = windows.shape
     meta = TraceMeta(model=f"{m.model.config.model_type}:{m.model_dir.resolve()}", num_experts=m.E, top_k=m.k,
                      ranking_depth=rank.shape[2], layer_ids=m.layer_ids,
-                     weight_norm=adapters.weight_norm_of(m.model.config), text_sha256=text_sha, source=source)
+                     weight_norm=adapters.weight_norm_of(m.model.config), text_sha256=text_sha, source=source,
+                     lookahead_depth=0 if lookahead is None else int(lookahead.shape[2]))
     return Trace(topk_ids=ids, topk_weights=w, ranking=rank, valid=np.ones((T, m.num_layers), bool),
                  seq_id=np.repeat(np.arange(n, dtype=np.int32), W), position=np.tile(np.arange(W, dtype=np.int32), n),
-                 meta=meta)
+                 meta=meta, lookahead=lookahead)
 
 
 def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, calib_max_tokens: int, window: int,

@@ -8,14 +8,13 @@ router input, first P ids) that `--prefetch lookahead` replays.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
 from runtime.errors import ArgumentParser, InputError, check_output_path, cli_main
-from runtime.hfmodel import default_window, load, make_trace, run_stream, tokenize_file
+from runtime.hfmodel import default_window, load, make_trace, record_routing, tokenize_file
 from runtime.trace import save_trace
 
 log = logging.getLogger(__name__)
@@ -37,18 +36,8 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
     if not (0 <= lookahead <= m.E):
         raise InputError(f"--lookahead = {lookahead} must be between 0 (none) and E={m.E}")
     windows, sha = tokenize_file(m, text_path, max_tokens, window or default_window(m))
-    m.ctx.cache = None
-    rec = m.ctx.start_recording(M, lookahead=lookahead)
-    try:
-        run_stream(m, windows, batch_windows, progress, "record")
-    finally:
-        m.ctx.recorder = None
-    ids, w, rank = rec.arrays()
-    tr = make_trace(m, ids, w, rank, windows, sha, f"runtime.record {Path(text_path).name}")
-    if lookahead:
-        tr = dataclasses.replace(tr, meta=dataclasses.replace(tr.meta, lookahead_depth=lookahead),
-                                 lookahead=rec.lookahead_array())
-    save_trace(tr, out)
+    ids, w, rank, look, _ = record_routing(m, windows, M, lookahead, batch_windows, progress)
+    save_trace(make_trace(m, ids, w, rank, windows, sha, f"runtime.record {Path(text_path).name}", look), out)
     return out
 
 

@@ -6,7 +6,9 @@ the warm start it used; then
 - the simulator replays that trace from that warm start,
 - the engine (CPU device mode) decodes the same text token by token,
 and each must give the identical decision kind, served expert and slot at every token, layer and
-top-k slot. Also: every backend refuses, with a one-line InputError, a field it cannot honour.
+top-k slot, for the presets and LRU, LFU aging, admission delays, every fallback (substitute,
+drop, host, lowbit), the band rule and both prefetches. Also: every backend refuses, with a
+one-line InputError, a field it cannot honour.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ POLICIES = {
     "delay-2": PolicyConfig(rule="first_choice", beta=0.3, admission_delay=2),
     "delay-3": PolicyConfig(rule="threshold", tau=0.3, beta=0.3, admission_delay=3),
     "drop": PolicyConfig(rule="threshold", tau=0.3, fallback="drop"),
+    "host": PolicyConfig(rule="threshold", tau=0.3, fallback="host", beta=0.3),
+    "lowbit-4": PolicyConfig(rule="first_choice", fallback="lowbit", lowbit_bits=4, lowbit_group=16, beta=0.5),
+    "band": PolicyConfig(rule="band", tau=0.1, tau_high=0.4),
+    "lookahead": PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=3),
+    "oracle": PolicyConfig(rule="fetch_all", prefetch="oracle", evict="lru"),
 }
 ENGINE_FAMILIES = {f for f in FAMILIES if f != "gpt_oss"}  # the engine needs bias-free fused experts
 CAPACITY, WINDOW, TOKENS = 3, 16, 96
@@ -83,7 +90,8 @@ def test_same_decisions_as_emulation(inputs, backend, family, name):
         assert a.shape == b.shape, field
         diff = np.argwhere(a != b)
         assert diff.size == 0, f"{field} differs first at token, layer, slot {diff[0].tolist()}"
-    for key in ("hits", "fetches", "substitutions", "drops", "host_computes", "admissions"):
+    for key in ("hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "lowbit_computes",
+                "prefetches", "prefetch_used"):
         assert got.counters[key] == emu.counters[key], key
     assert got.initial_residency and emu.initial_residency.startswith("held-out")
 
@@ -93,8 +101,10 @@ def test_policies_exercise_every_decision(inputs):
     kinds = set()
     for name in POLICIES:
         kinds |= set(np.unique(reference(inputs, "qwen3_moe", name)[1].decisions["kind"]).tolist())
-    assert kinds >= {0, 1, 2, 3, 4}  # HIT, FETCH, SUB, DROP, HOST
-    assert reference(inputs, "qwen3_moe", "quality-first")[1].counters["admissions"] > 0
+    assert kinds >= {0, 1, 2, 3, 4, 5}  # HIT, FETCH, SUB, DROP, HOST, LOWBIT
+    counters = {name: reference(inputs, "qwen3_moe", name)[1].counters for name in POLICIES}
+    assert counters["delay-2"]["admissions"] > 0 and counters["delay-3"]["admissions"] > 0
+    assert counters["lookahead"]["prefetches"] > 0 and counters["oracle"]["prefetch_used"] > 0
 
 
 REFUSED = [
