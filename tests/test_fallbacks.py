@@ -161,3 +161,18 @@ def test_emulate_cli_takes_the_fallback_flags(ckpts, text, init):
     assert host["ppl_change_pct"] == pytest.approx(0.0, abs=1e-9) and host["host_computes"] > 0
     low = cli("--fallback", "lowbit", "--lowbit-bits", "4", "--lowbit-group", "16")
     assert low["lowbit_computes"] > 0 and low["policy_config"]["lowbit_group"] == 16
+
+
+def test_emulation_trace_out_has_the_lookahead_and_replays_in_the_simulator(ckpts, text, init, tmp_path):
+    """Under a substituting policy the routing is the policy's own: the emulation's --trace-out (with the
+    lookahead lists it prefetched from) replays in the simulator to the same per-layer counters."""
+    pol = PolicyConfig(rule="threshold", tau=0.3, beta=0.2, prefetch="lookahead", prefetch_n=3, evict="lru")
+    out = tmp_path / "seen.parquet"
+    emu = emulate.emulate(ckpts["qwen3_moe"], text, {"p": pol}, initial_residency=init, trace_out=str(out), **RUN)["p"]
+    tr = load_trace(out)
+    assert tr.meta.lookahead_depth == 3 and (tr.lookahead[:, -1] == -1).all() and (tr.lookahead[:, 0] >= 0).all()
+    sim = simulate(tr, pol, RUN["capacity"], initial_residency=[r for r in np.load(init)], baselines=False).to_dict()
+    for l_ in range(2):
+        for key in ("hits", "fetches", "substitutions", "drops", "admissions", "prefetches", "prefetch_used"):
+            assert sim["per_layer"][l_][key] == emu["per_layer"][l_][key], (l_, key)
+    assert emu["prefetches"] > 0 and emu["substitutions"] > 0
