@@ -599,7 +599,8 @@ class CostParams:
     copies_block_host: bool = False  # pageable host memory: every copy blocks the issuing host thread
 
 
-def cost_params(profile: HostProfile, shape: ModelShape, pinned: bool = True, lowbit_bits: int = 4) -> CostParams:
+def cost_params(profile: HostProfile, shape: ModelShape, pinned: bool = True, lowbit_bits: int = 4,
+                lowbit_group: int = 64) -> CostParams:
     """Resolve `profile` x `shape` into `CostParams` (formulas in docs/cost_model.md).
 
     `pinned=False`: copies from pageable memory, at `link_pageable_GBps`, and they block the host
@@ -630,7 +631,7 @@ def cost_params(profile: HostProfile, shape: ModelShape, pinned: bool = True, lo
         lowbit = profile.lowbit_expert_us * 1e-6
     else:  # read the packed copy, dequantize (one more launch), compute
         lowbit = (LOWBIT_CALLS * profile.device_overhead_us * 1e-6
-                  + lowbit_expert_bytes(shape, lowbit_bits, 64) / (profile.device_mem_GBps * 1e9))
+                  + lowbit_expert_bytes(shape, lowbit_bits, lowbit_group) / (profile.device_mem_GBps * 1e9))
     params = CostParams(fetch_s=fetch, device_expert_s=dev, host_expert_s=host, dense_layer_s=dense, head_s=head,
                         lowbit_expert_s=lowbit, copies_block_host=not pinned)
     log.debug("cost params %s x %s (pinned=%s): %s", profile.name, shape.name, pinned, params)

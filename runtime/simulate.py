@@ -154,7 +154,7 @@ def simulate(
     if max_tokens is not None:
         trace = trace.slice_tokens(0, max_tokens)
     profile = host if isinstance(host, costmodel.HostProfile) else costmodel.load_host_profile(host)
-    params = costmodel.cost_params(profile, shape, lowbit_bits=policy.lowbit_bits)
+    params = costmodel.cost_params(profile, shape, lowbit_bits=policy.lowbit_bits, lowbit_group=policy.lowbit_group)
     rep = replay(trace, policy, caps, init, decisions=record_decisions)
     timing = _timing(rep, trace, params)
     extra = {"host": profile.name, "model_shape": shape.name, "weight_format": shape.weight_format,
