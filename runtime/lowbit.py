@@ -10,6 +10,11 @@ lowers the weight error against plain round-to-nearest at the same storage (test
 checks it for every width). Codes are bit-packed by HQQ (8 bits: 1 per byte, 4: 2 per byte,
 2: 4 per byte, 3: 10 per int32); `QWeight.dequantize` unpacks.
 
+Why HQQ: it has every width the spec names (8, 4, 3, 2 bits, any group size) and a pure-torch path
+that runs the same on CPU and CUDA, and it installs beside torch 2.13.0 CPU without replacing it
+(new dependencies: accelerate, einops, psutil, termcolor). optimum-quanto 0.2.7 has no 3-bit
+weights; torchao 0.18 was not tried further (its low-bit layouts are backend-specific).
+
 A row whose length is not a multiple of the group is padded by repeating its last weight (the
 statistics of the last group are unchanged; the padding is dropped after dequantization); a group
 larger than the row is the row. Storage per weight: `bits_per_weight(bits, group)`.

@@ -5,19 +5,27 @@ comes from the trace's 2,000-token calibration twin (same popularity and topic d
 runtime.trace.synthetic_pair). Reports the kernel's token-layers per second (best of --repeats, the
 replay loop alone, pinned to one core), the machine's load average, the cost model's time per token
 and the share of substituted calls (docs/traces.md quotes it).
-    python scripts/bench_simulator.py [--repeats 5] [--host rtx4090]
+    python scripts/bench_simulator.py [--repeats 5] [--host rtx4090] [--against GIT_REV]
+
+`--against REV` also times runtime/kernel.py as of git revision REV on the same trace, interleaved
+with the current kernel (so both see the same machine load), and prints the speed ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from runtime import costmodel
+from runtime import costmodel, kernel
 from runtime.kernel import warm_residency, warmup
 from runtime.policy import PRESETS
 from runtime.simulate import replay, shape_for_trace, simulate
@@ -31,6 +39,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--host", default="rtx4090")
+    ap.add_argument("--against", default=None, help="also time runtime/kernel.py of this git revision")
     a = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -66,9 +75,47 @@ def main() -> None:
                      f"{r['substituted_call_fraction'] * 100:.1f}% | {r['mass_per_token']:.3f} |")
     lines.append("")
     lines.append(f"all-resident bound: {rows[0][3]['all_resident_time_per_token_s'] * 1e3:.2f} ms/token")
+    if a.against:
+        ref = _kernel_at(a.against)
+        lines += ["", f"| policy | current kernel (best of {a.repeats}) | kernel at {a.against} | ratio |", "|---|---|---|---|"]
+        for name in POLICIES:
+            cur, old = [], []
+            for _ in range(a.repeats):  # interleaved: both see the same load
+                cur.append(_time_layers(kernel, trace, PRESETS[name], caps, init))
+                old.append(_time_layers(ref, trace, PRESETS[name], caps, init))
+            tl = trace.T * trace.L
+            lines.append(f"| {name} | {tl / min(cur) / 1e6:.2f} M | {tl / min(old) / 1e6:.2f} M | {min(old) / min(cur):.3f} |")
     print("\n".join(lines))
     if min(r[1] for r in rows) < 5e6:
         print("\nBELOW TARGET: at least one policy under 5 M token-layers/s")
+
+
+def _kernel_at(rev: str):
+    """runtime/kernel.py as of a git revision, imported as a separate module."""
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{rev}:runtime/kernel.py"], cwd=root, capture_output=True, text=True,
+                         check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "kernel_ref.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("kernel_ref", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_ref"] = mod
+    spec.loader.exec_module(mod)
+    mod.warmup()
+    return mod
+
+
+def _time_layers(mod, trace, policy, caps, init) -> float:
+    """The replay loop of runtime.simulate.replay with a given kernel module (no prefetch lists)."""
+    cache = mod.PolicyCache(policy, trace.E, trace.k, caps, init)
+    L, T = trace.L, trace.T
+    ev = np.zeros((L, T, mod.N_EV), np.int32)
+    args = [(np.ascontiguousarray(trace.topk_ids[:, l_]), np.ascontiguousarray(trace.topk_weights[:, l_], dtype=np.float64),
+             np.ascontiguousarray(trace.ranking[:, l_]), np.ascontiguousarray(trace.valid[:, l_])) for l_ in range(L)]
+    t0 = time.perf_counter()
+    for l_ in range(L):
+        cache.step(l_, *args[l_], t0=0, events=ev[l_], logs=False)
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
