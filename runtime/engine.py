@@ -534,8 +534,15 @@ class Engine:
         the caching allocator held, cuBLAS workspace included); CPU device mode: non-expert weights + slots
         + staging buffers (the device-side tensors the engine holds; activations and KV not counted)."""
         if self.cuda:
-            return int(self.context_bytes + torch.cuda.max_memory_reserved(self.device))
+            return int(self._measure_context() + torch.cuda.max_memory_reserved(self.device))
         return int(self._peak_bytes)
+
+    def _measure_context(self) -> int:
+        """CUDA: device memory in use outside PyTorch's caching allocator (the CUDA context, with the kernels
+        loaded lazily so far), the largest seen: used (cudaMemGetInfo) minus what PyTorch reserved."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.context_bytes = max(self.context_bytes, int(total - free - torch.cuda.memory_reserved(self.device)))
+        return self.context_bytes
 
     def resident_slot(self, layer: int, e: int) -> int:
         """The kernel's slot of expert e (its own table), -1 when not resident or nothing is bound."""
@@ -803,7 +810,7 @@ class Engine:
                "slot_bytes": int(sum(len(s) for s in self.slots or []) * self.expert_bytes),
                "staging_buffers": self.n_staging, **self.stats}
         if self.cuda:
-            rep.update({"cuda_context_bytes": self.context_bytes,
+            rep.update({"cuda_context_bytes": self._measure_context(),
                         "max_memory_allocated": int(torch.cuda.max_memory_allocated(self.device)),
                         "max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device))})
         return rep

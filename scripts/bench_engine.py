@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                                "measured": {n: timed_run(eng, n, windows, caps, init, recorded[n]) for n in names}})
     finally:
         eng.close()
+    results["cuda_context_bytes"] = eng.context_bytes  # the largest measured during the runs (CUDA)
     costmodel.save_host_profile(rounds[-1]["profile"], work / "host.yaml")
     results["calibration_rounds"] = [r["calibration"] for r in rounds]
     rows = {n: summarize(n, recorded[n], rounds, caps, init, shape) for n in names}
