@@ -5,6 +5,8 @@ Top-level keys (all optional except `space`):
     name: demo                # results go to results/<name>/ unless --out
     model: demo               # tiny model size (demo | test) or a model folder; records its traces
     text: null                # evaluated text (default: the model's eval.txt)
+    calib_text: null          # warm-start calibration text (default: the model's calib.txt; without one,
+                              #   the held-out last 20% of the evaluated tokens, runtime/spec.py)
     trace: null               # a router trace file instead of a model, or {synthetic: {...}}
     calib_trace: null         # warm-start calibration trace (default: the model's calib.txt trace)
     model_shape: null         # cost-model shape preset/YAML; null = from the trace (runtime.simulate)
@@ -19,7 +21,8 @@ Top-level keys (all optional except `space`):
     task_seconds: 2.0
     max_failures: 2           # retries of a failing trial before it is recorded failed
     baselines: {policies: [fetch-every-miss, ...], capacity_fraction: 0.25}
-    remeasure: {emulation: true, max_policies: 10, engine: true}
+    emulation: {rungs: [2048], eta: 3, max_full: 8, engine: true}   # the ladder (sweep/ladder.py); false: off
+    ppl_budgets_pct: [0.5, 1, 2]  # the answer: per host and budget, the fastest policy within it
     space: {...}              # sweep/space.py
 
 Unknown keys, bad types and values are one-line `InputError`s naming the file and the key.
@@ -42,7 +45,7 @@ OBJECTIVES = ("time_per_token_s", "mass_per_token", "device_memory_GiB")
 SAMPLERS = ("tpe", "nsga2")
 SYNTHETIC_KEYS = {"num_tokens", "num_layers", "num_experts", "top_k", "ranking_depth", "seed", "skew",
                   "num_topics", "topic_locality", "switch_prob", "seq_len", "weight_norm", "temperature",
-                  "noise", "calib_seed"}
+                  "noise", "sample", "calib_sample"}
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,14 @@ class HostSpec:
 
 
 @dataclass(frozen=True)
-class Remeasure:
-    emulation: bool = True
-    max_policies: int = 10  # front policies re-measured (besides the baselines)
-    engine: bool = True  # on hosts whose profile is calibrated (a real GPU)
+class Emulation:
+    """The ladder above the simulator (sweep/ladder.py)."""
+
+    enabled: bool = True
+    rungs: tuple[int, ...] = (2048,)  # short token budgets, increasing, each below max_tokens
+    eta: int = 3  # successive halving: about 1/eta of a rung goes on
+    max_full: int = 8  # candidates emulated at the full budget (besides the named baselines)
+    engine: bool = True  # also decode the full-budget set with the engine on hosts with profile: calibrate
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ class SweepConfig:
     name: str = "sweep"
     model: str | None = None
     text: str | None = None
+    calib_text: str | None = None
     trace: str | dict | None = None
     calib_trace: str | None = None
     model_shape: str | None = None
@@ -83,7 +91,8 @@ class SweepConfig:
     max_failures: int = 2
     baseline_policies: tuple[str, ...] = tuple(PRESETS)
     baseline_capacity_fraction: float | None = None
-    remeasure: Remeasure = field(default_factory=Remeasure)
+    emulation: Emulation = field(default_factory=Emulation)
+    ppl_budgets_pct: tuple[float, ...] = (0.5, 1.0, 2.0)
     source: str = "<config>"
 
     def baseline_capacity(self) -> dict[str, float]:
@@ -144,9 +153,9 @@ def _trace(where: str, v: Any) -> str | dict | None:
     raise InputError(f"{where} = {v!r}: expected a trace file or {{synthetic: {{num_tokens, ...}}}}")
 
 
-_KEYS = {"name", "model", "text", "trace", "calib_trace", "model_shape", "max_tokens", "hosts", "trials", "sampler",
+_KEYS = {"name", "model", "text", "calib_text", "trace", "calib_trace", "model_shape", "max_tokens", "hosts", "trials", "sampler",
          "population", "seed", "objectives", "batch", "task_seconds", "max_failures", "baselines",
-         "remeasure", "space"}
+         "emulation", "ppl_budgets_pct", "space"}
 
 
 def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
@@ -159,11 +168,14 @@ def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
     if "space" not in data:
         raise InputError(f"{source}: space is required")
     kw: dict[str, Any] = {"source": source, "space": parse_space(data["space"], f"{source}: space")}
-    for key in ("name", "model", "text", "calib_trace", "model_shape"):
+    for key in ("name", "model", "text", "calib_text", "calib_trace", "model_shape"):
         if data.get(key) is not None:
             if not isinstance(data[key], str) or not data[key]:
                 raise InputError(f"{source}: {key} = {data[key]!r} must be a non-empty string")
             kw[key] = data[key]
+    if kw.get("calib_text") and kw.get("text") and Path(kw["calib_text"]).resolve() == Path(kw["text"]).resolve():
+        raise InputError(f"{source}: calib_text = {kw['calib_text']} is the evaluated text (a warm start must not see "
+                         f"the evaluated data; leave calib_text out for a held-out part)")
     if "name" in kw and any(c in kw["name"] for c in ' /\\:"'):
         raise InputError(f"{source}: name = {kw['name']!r}: use letters, digits, ., - and _")
     if "trace" in data:
@@ -205,16 +217,35 @@ def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf < 1):
             raise InputError(f"{source}: baselines.capacity_fraction = {cf!r} must be in (0, 1)")
         kw["baseline_capacity_fraction"] = cf
-    if "remeasure" in data:
-        r = data["remeasure"] or {}
-        if not isinstance(r, dict) or set(r) - {"emulation", "max_policies", "engine"}:
-            raise InputError(f"{source}: remeasure = {r!r}: expected {{emulation, max_policies, engine}}")
-        for k in ("emulation", "engine"):
-            if k in r and not isinstance(r[k], bool):
-                raise InputError(f"{source}: remeasure.{k} = {r[k]!r} must be true or false")
-        mp = _int(f"{source}: remeasure.max_policies", r.get("max_policies", 10), 1)
-        kw["remeasure"] = Remeasure(r.get("emulation", True), mp, r.get("engine", True))
+    if "emulation" in data:
+        kw["emulation"] = _emulation(f"{source}: emulation", data["emulation"], kw.get("max_tokens"))
+    if "ppl_budgets_pct" in data:
+        b = data["ppl_budgets_pct"]
+        if (not isinstance(b, list) or not b or any(isinstance(x, bool) or not isinstance(x, int | float)
+                                                     or not 0 < x < math.inf for x in b)):
+            raise InputError(f"{source}: ppl_budgets_pct = {b!r} must be a non-empty list of positive numbers")
+        kw["ppl_budgets_pct"] = tuple(sorted(float(x) for x in b))
     return SweepConfig(**kw)
+
+
+def _emulation(where: str, v: Any, max_tokens: int | None) -> Emulation:
+    if v is False or v is None:
+        return Emulation(enabled=False)
+    if v is True:
+        return Emulation()
+    keys = {"rungs", "eta", "max_full", "engine"}
+    if not isinstance(v, dict) or set(v) - keys:
+        raise InputError(f"{where} = {v!r}: expected false or {{rungs: [TOKENS, ...], eta, max_full, engine}}")
+    rungs = v.get("rungs", list(Emulation.rungs))
+    if not isinstance(rungs, list) or any(isinstance(r, bool) or not isinstance(r, int) or r < 16 for r in rungs) \
+            or rungs != sorted(set(rungs)):
+        raise InputError(f"{where}.rungs = {rungs!r} must be increasing token budgets >= 16")
+    if max_tokens is not None and rungs and rungs[-1] >= max_tokens:
+        raise InputError(f"{where}.rungs = {rungs!r}: every rung must be below max_tokens = {max_tokens}")
+    if "engine" in v and not isinstance(v["engine"], bool):
+        raise InputError(f"{where}.engine = {v['engine']!r} must be true or false")
+    return Emulation(True, tuple(rungs), _int(f"{where}.eta", v.get("eta", 3), 2),
+                     _int(f"{where}.max_full", v.get("max_full", 8), 1), v.get("engine", True))
 
 
 def load_config(path: str | Path) -> SweepConfig:

@@ -30,7 +30,7 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from runtime.errors import InputError, atomic_write, cli_main  # noqa: E402
+from runtime.errors import ArgumentParser, InputError, atomic_write, cli_main  # noqa: E402
 from runtime.policy import PRESETS  # noqa: E402
 from sweep import config as sweep_config  # noqa: E402
 from sweep import data, hosts, report, tracking  # noqa: E402
@@ -40,11 +40,11 @@ log = logging.getLogger("sweep.pareto")
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "search_spaces" / "demo.yaml"
-STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json")
+STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json", "logs")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python sweep/pareto.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python sweep/pareto.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep YAML (default search_spaces/demo.yaml)")
     p.add_argument("--out", help="output folder (default results/<sweep name>/)")
     p.add_argument("--name", help="override the sweep name")
@@ -58,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-experiment", default=tracking.EXPERIMENT)
     p.add_argument("--ray-address", default="auto", help="auto | local | HOST:PORT (default auto)")
     p.add_argument("--num-cpus", type=int, help="CPUs of an embedded Ray (default: all)")
-    p.add_argument("--no-remeasure", action="store_true", help="skip the emulation of the fronts")
+    p.add_argument("--no-emulation", action="store_true",
+                   help="simulator only: skip the ladder's emulation (no perplexity fronts, no answer)")
     p.add_argument("--resume", action="store_true", help="continue the sweep in --out after its driver stopped")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray, Tune, Optuna and MLflow logs here (always written to <out>/logs/)")
     return p
 
 
@@ -77,43 +80,75 @@ def load(args: argparse.Namespace) -> sweep_config.SweepConfig:
     return cfg
 
 
-def connect_ray(address: str, host_specs, num_cpus: int | None) -> bool:  # noqa: ANN001
-    """Join or start Ray; True when this driver started (and owns) an embedded cluster."""
+def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = False  # noqa: ANN001
+                ) -> tuple[bool, str | None]:
+    """Join or start Ray: (True when this driver started and owns an embedded cluster, the session folder).
+
+    Quiet unless `verbose`: the workers' output stays in Ray's session logs (linked from
+    <out>/logs/ray), Ray's own driver-side messages go to <out>/logs/sweep.log."""
     import ray
 
     env = os.environ.get("RAY_ADDRESS")
     if address == "auto" and env:
         address = env
+    quiet = {"logging_level": logging.INFO if verbose else logging.WARNING, "log_to_driver": verbose}
     if address not in ("auto", "local"):
         try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+            ctx = ray.init(address=address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise InputError(f"--ray-address {address}: cannot join the Ray cluster "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        return False
+        return False, ctx.address_info.get("session_dir")
     if address == "auto":
         try:
-            ray.init(address="auto", logging_level=logging.WARNING)
-            return False
+            ctx = ray.init(address="auto", **quiet)
+            return False, ctx.address_info.get("session_dir")
         except ConnectionError:
             pass
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-node cluster on 127.0.0.1
-    ray.init(num_cpus=num_cpus or os.cpu_count(), resources=hosts.local_resources(host_specs),
-             include_dashboard=False, object_store_memory=256 * 2**20, logging_level=logging.WARNING,
-             _node_ip_address="127.0.0.1")
-    return True
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # explicit: a private single-node cluster on 127.0.0.1
+    ctx = ray.init(num_cpus=num_cpus or os.cpu_count(), resources=hosts.local_resources(host_specs),
+                   include_dashboard=False, object_store_memory=256 * 2**20, _node_ip_address="127.0.0.1", **quiet)
+    return True, ctx.address_info.get("session_dir")
 
 
-def _faults() -> list[dict[str, Any]]:
-    text = os.environ.get("EXPERTSWEEP_FAULTS")
-    if not text:
-        return []
-    try:
-        faults = json.loads(text)
-        assert isinstance(faults, list) and all(f["action"] in ("raise", "kill", "sleep") for f in faults)
-    except (ValueError, AssertionError, KeyError, TypeError):
-        raise InputError(f"EXPERTSWEEP_FAULTS = {text!r}: expected a JSON list of {{match, action, seconds}}") from None
-    return faults
+LIBRARY_LOGGERS = ("ray", "mlflow", "optuna", "alembic", "urllib3", "filelock", "py.warnings", "numba")
+
+
+def setup_logging(out: Path, verbose: bool) -> Path:
+    """Everything at INFO into <out>/logs/sweep.log; the console gets only this project's warnings
+    (and, with `verbose`, everything). Returns the log folder."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    to_file = next((h for h in root.handlers if isinstance(h, logging.FileHandler)
+                    and h.baseFilename == str(logs / "sweep.log")), None)
+    if to_file is None:
+        to_file = logging.FileHandler(logs / "sweep.log")
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        to_file.setLevel(logging.INFO)
+        root.addHandler(to_file)
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.captureWarnings(True)
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")  # MLflow leaves its logger to us
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+    for name in LIBRARY_LOGGERS:
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.INFO)
+        lg.handlers = [to_file] if not verbose else [to_file, *[h for h in root.handlers if h is not to_file]]
+        lg.propagate = False
+    return logs
+
+
+# "module:Class" of the evaluator the workers run instead of sweep.worker.Evaluator (same constructor
+# and `evaluate`); None = that one. Test support sets it (tests/sweep_faults.py: fault injection).
+EVALUATOR: str | None = None
+EVALUATOR_ARGS: Any = None
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
@@ -148,7 +183,6 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = load(args)
     out = _out_dir(args)
     args.out = str(out)
-    faults = _faults()
 
     # -- inputs, MLflow and hosts are checked before anything is scheduled
     if not args.resume:
@@ -156,6 +190,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             p = out / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    logs = setup_logging(out, args.verbose)
     inputs = data.prepare(cfg, out)
     from runtime import costmodel
     from runtime.simulate import shape_for_trace
@@ -175,18 +210,29 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)  # no result.json: by design
     import ray
 
-    owns_ray = connect_ray(args.ray_address, cfg.hosts, args.num_cpus)
+    owns_ray, session_dir = connect_ray(args.ray_address, cfg.hosts, args.num_cpus, args.verbose)
+    setup_logging(out, args.verbose)  # ray.init installs its own handlers: route them again
+    _link_ray_logs(logs, session_dir)
     try:
         hosts.check_cluster(cfg.hosts, ray.cluster_resources())
         profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir)
-        return _sweep(args, cfg, out, inputs, uri, profiles, state, faults)
+        return _sweep(args, cfg, out, inputs, uri, profiles, state)
     finally:
         ray.shutdown()
         if owns_ray:
             log.info("embedded Ray stopped")
 
 
-def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, Any]:  # noqa: ANN001
+def _link_ray_logs(logs: Path, session_dir: str | None) -> None:
+    """<out>/logs/ray -> this Ray session's log folder (workers' output, raylet, GCS), when on this machine."""
+    link = logs / "ray"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    if session_dir and (Path(session_dir) / "logs").is_dir():
+        link.symlink_to(Path(session_dir) / "logs")
+
+
+def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # noqa: ANN001
     import ray
     from ray import tune
 
@@ -200,7 +246,8 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
     parent = tracker.start_parent(
         cfg.name, params={"config": args.config, "trace": inputs.trace, "model": inputs.model_dir,
                           "hosts": ",".join(host_names), "trials": cfg.trials, "sampler": cfg.sampler,
-                          "objectives": ",".join(cfg.objectives), "space": json.dumps(
+                          "objectives": ",".join(cfg.objectives), "warm_start": inputs.warm_start,
+                          "calib_text": inputs.calib_text, "calib_trace": inputs.calib_trace, "space": json.dumps(
                               {p.name: p.kind for p in cfg.space.params})},
         tags={"sweep": cfg.name, "fidelity": "sweep", "hosts": ",".join(host_names)},
         run_id=state.get("parent_run_id"))
@@ -209,7 +256,8 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
              "started": state.get("started", time.time())}
     atomic_write(out / "state.json", lambda tmp: Path(tmp).write_text(json.dumps(state, indent=2)))
     ledger = Ledger(out / "trials.jsonl")
-    session = Session(out, ledger, tracker, host_names, gpus, cfg.objectives)
+    session = Session(out, ledger, tracker, host_names, gpus, cfg.objectives,
+                      totals={h: cfg.trials + len(cfg.baseline_policies) for h in host_names})
 
     # nodes on other machines may not see the trace files: serve them from a named actor
     store_name = store = None
@@ -219,7 +267,8 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
         store = ray.remote(TraceStore).options(name=store_name, num_cpus=0).remote(
             [p for p in (inputs.trace, inputs.calib_trace) if p])
     ctx = {"trace": inputs.trace, "calib_trace": inputs.calib_trace, "model_shape": cfg.model_shape,
-           "profiles": profiles, "max_failures": cfg.max_failures, "faults": faults,
+           "profiles": profiles, "max_failures": cfg.max_failures,
+           "evaluator": EVALUATOR, "evaluator_args": EVALUATOR_ARGS,
            "ledger": str(ledger.path), "report_s": 1.0, "store": store_name}
     # the context goes to the object store once, not into every trial's config
     trainable = tune.with_resources(tune.with_parameters(run_task, ctx=ctx), trial_resources)
@@ -233,7 +282,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
     else:
         storage = journal_storage(out / "optuna.journal")
         searchers = {h: HostStudy(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i, cfg.population),
-                                  storage, f"{cfg.name}:{h}") for i, h in enumerate(host_names)}
+                                  storage, f"{cfg.name}:{h}", h) for i, h in enumerate(host_names)}
         base_params = [(n, complete({**PRESETS[n].to_dict(), **cfg.baseline_capacity()}))
                        for n in cfg.baseline_policies]
         baselines = {h: [{"key": f"{h}:baseline:{n}", "number": None, "baseline": n, "params": p}
@@ -258,19 +307,29 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
             raise InputError(f"the sweep was stopped before it finished; continue it with: python sweep/pareto.py "
                              f"--out {out} --resume")
         sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
+        session.close_bars()
         session.refresh()
-        notes = _remeasure(cfg, inputs, session, ledger, enabled=not args.no_remeasure)
+        t_ladder = time.time()
+        notes, ladder_stats = _ladder(cfg, inputs, session, ledger, enabled=not args.no_emulation)
+        ladder_stats["seconds"] = time.time() - t_ladder
+        ladder_stats["screening"] = {"trials": session.new_rows, "seconds": sweep_s}
         meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
                 "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
-                "gpus": gpus, "notes": notes}
+                "gpus": gpus, "notes": notes, "warm_start": inputs.warm_start, "ladder": ladder_stats,
+                "budgets": cfg.ppl_budgets_pct}
         rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
         tracker.log_children(report.policy_records(ledger.rows, rep["fronts"], host_names), gpus)
         tracker.log_table(rep["trials"], "tables/trials.json")
         for h, fr in rep["fronts"].items():
             tracker.log_table(fr, f"tables/front_{h}.json")
+        ans = rep["answer"]
+        if not ans.empty:
+            tracker.log_table(ans, "tables/answer.json")
+            tracker.log_parent_metrics(_answer_metrics(ans))
         tracker.flush()
         stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
         stats["fit_window"] = fit_window
+        stats["ladder"] = ladder_stats
         atomic_write(out / "stats.json", lambda tmp: Path(tmp).write_text(json.dumps(stats, indent=2)))
         files = [p for p in rep["paths"].values() if Path(p).is_file()]
         files += [out / f"pareto_{h}.parquet" for h in host_names]
@@ -289,40 +348,37 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, faults) -> dict[str, An
             ray.kill(store)
 
 
-def _remeasure(cfg, inputs, session, ledger, enabled: bool) -> list[str]:  # noqa: ANN001
-    """Re-measure the fronts: exact emulation once, the engine on each calibrated host; summary notes."""
-    from sweep import remeasure
-    from sweep.worker import Evaluator
+def _ladder(cfg, inputs, session, ledger, enabled: bool) -> tuple[list[str], dict[str, Any]]:  # noqa: ANN001
+    """The multi-fidelity ladder (sweep/ladder.py) and the engine on calibrated hosts; (notes, stats)."""
+    from sweep import ladder
+    from sweep.remeasure import Measurer
 
     calibrated = [h.name for h in cfg.hosts if not hosts.simulated(h)]
-    todo = [None] if cfg.remeasure.emulation else []
-    todo += calibrated if cfg.remeasure.engine else []
-    if not enabled or not todo:
-        return ["Re-measurement was switched off for this sweep."]
+    if not enabled or not cfg.emulation.enabled:
+        return ["Emulation was switched off for this sweep: no perplexity fronts and no answer, only the "
+                "simulator's screening (mass view)."], {}
     if inputs.model_dir is None:
-        return ["Re-measurement needs a model; this sweep ran on a trace only."]
-    _, fronts = report.write_tables(session.out, ledger.rows, session.hosts, cfg.objectives)
-    baselines = [r for r in ledger.rows if r.get("baseline") and r["status"] == "ok"
-                 and r.get("fidelity") == "simulator" and r["host"] == session.hosts[0]]
-    cands = remeasure.candidates(fronts, baselines, cfg.remeasure.max_policies)
-    evaluators: list[Evaluator] = []
-
-    def fraction(params: dict[str, Any]) -> float:  # a VRAM budget -> the fraction of slots it gives
-        if not evaluators:
-            evaluators.append(Evaluator(inputs.trace, None, cfg.model_shape))
-        return float(evaluators[0].capacities(params)[0]) / inputs.dims[1]
-
-    notes = []
-    for host in todo:  # None: exact emulation (host independent); a name: the engine on that host
-        n = remeasure.run_emulation(cands, ledger.keys, inputs.model_dir, inputs.text, inputs.calib_text,
-                                    cfg.max_tokens, fraction, session.record, host=host,
-                                    gpus=hosts.gpus_of(host) if host else 0)
-        what = f"by the engine on {host}" if host else "by exact emulation"
-        notes.append(f"Re-measured {len(cands)} policies {what} ({n} run now) on {inputs.text}.")
+        return ["Emulation needs a model; this sweep ran on a trace only: no perplexity fronts and no answer, "
+                "only the simulator's screening (mass view)."], {}
+    cands = ladder.screening_candidates(ledger.rows, session.hosts)
+    bases = ladder.baseline_params(list(cfg.baseline_policies), cfg.baseline_capacity())
+    measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.record)
+    stats = ladder.run_ladder(cands, bases, ledger.rows, session.hosts, list(cfg.emulation.rungs), cfg.emulation.eta,
+                              cfg.emulation.max_full, cfg.max_tokens, list(cfg.ppl_budgets_pct), measure, cfg.seed)
+    full_params = {report.policy_key(p): p for p in cands + bases}
+    full = [full_params[pk] for pk in stats["full"] if pk in full_params]
+    notes = [f"Ladder: {stats['screened']} screened candidates -> " + " -> ".join(
+        f"{r['candidates']} at {r['tokens'] or 'all'} tokens" for r in stats["rungs"])
+        + f" (the full budget includes the {len(bases)} named baselines) on {inputs.text}."]
+    for host in (calibrated if cfg.emulation.engine else []):
+        t0 = time.time()
+        measure.engine(full, cfg.max_tokens, host, hosts.gpus_of(host))
+        stats.setdefault("engine", []).append({"host": host, "policies": len(full), "seconds": time.time() - t0})
+        notes.append(f"The engine decoded the {len(full)} full-budget policies on {host} (measured time per token).")
     if not calibrated:
         notes.append("No host of this sweep is calibrated (all profiles are presets): times per token are the "
                      "cost model's; a host with `profile: calibrate` is also measured by the engine.")
-    return notes
+    return notes, stats
 
 
 def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[str, float]) -> dict[str, Any]:  # noqa: ANN001
@@ -339,7 +395,19 @@ def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[
             "mlflow_children_written": tracker.written, "mlflow_errors": tracker.errors}
 
 
+def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFrame
+    """MLflow parent metrics of the answer: per host and budget, the speed ratio and the upper bound."""
+    out = {}
+    for _, r in ans.iterrows():
+        if isinstance(r["policy"], str):
+            tag = f"{r['host']}_within_{r['ppl_budget_pct']:g}pct"
+            out[f"answer_{tag}_speed_ratio_vs_fetch_all"] = float(r["speed_ratio_vs_fetch_all"])
+            out[f"answer_{tag}_ppl_ci_high"] = float(r["ppl_ci_high"])
+    return out
+
+
 def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out: Path, stats: dict) -> None:
+    """The results on stdout: the fronts, then the answer last (what the user asked)."""
     for h in host_names:
         fr = rep["fronts"].get(h)
         if fr is not None and not fr.empty:
@@ -353,7 +421,12 @@ def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out
     for k, p in rep["paths"].items():
         if k.startswith("plot") or k == "summary":
             print(f"{k}: {p}")
-    print(f"outputs: {out}")
+    print(f"outputs: {out}\n")
+    if not rep["answer"].empty:
+        print("The answer: per host and perplexity budget, the fastest policy within it (upper 95% bound)\n")
+        print(report.answer_text(rep["answer"]))
+    else:
+        print("No perplexity was measured (emulation off or no model): no answer, screening fronts only.")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,8 +71,15 @@ class Session:
     """Live state of one sweep in the driver."""
 
     def __init__(self, out: Path, ledger: Ledger, tracker, hosts: list[str], gpus: dict[str, str],
-                 objectives: tuple[str, ...], refresh_s: float = 5.0):
+                 objectives: tuple[str, ...], refresh_s: float = 5.0, totals: dict[str, int] | None = None):
         self.out, self.ledger, self.tracker = out, ledger, tracker
+        self.bars = {}
+        if totals:  # a progress bar per host (trials recorded, with tqdm's rate and ETA)
+            from tqdm import tqdm
+
+            done = {h: ok + bad for h, (ok, bad) in self._counts(hosts).items()}
+            self.bars = {h: tqdm(total=totals[h], initial=done[h], desc=f"trials {h}", unit="trial", position=i,
+                                 mininterval=1.0, dynamic_ncols=True) for i, h in enumerate(hosts)}
         self.hosts, self.gpus, self.objectives = hosts, gpus, objectives
         self.refresh_s = refresh_s
         self._last_refresh = 0.0
@@ -88,6 +95,8 @@ class Session:
                 if row.get("fidelity") == "simulator":
                     self.new_rows += 1
                     self.eval_seconds += row.get("eval_seconds", 0.0)
+                    if row["host"] in self.bars:
+                        self.bars[row["host"]].update(1)
             elif "eval_seconds" in row:
                 self.repeated += 1
         now = time.monotonic()
@@ -97,9 +106,17 @@ class Session:
             self._last_progress = now
             self.progress()
 
+    def close_bars(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+        self.bars = {}
+
     def counts(self) -> dict[str, list[int]]:
         """host -> [ok, failed] simulator trials recorded."""
-        counts = {h: [0, 0] for h in self.hosts}
+        return self._counts(self.hosts)
+
+    def _counts(self, hosts: list[str]) -> dict[str, list[int]]:
+        counts = {h: [0, 0] for h in hosts}
         for r in self.ledger.rows:
             if r.get("fidelity") == "simulator" and r["host"] in counts:
                 counts[r["host"]][0 if r["status"] == "ok" else 1] += 1

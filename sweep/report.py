@@ -1,11 +1,21 @@
-"""Sweep outputs from the ledger of trial rows: Pareto fronts, speed ratios, plots, summary.md.
+"""Sweep outputs from the ledger of trial rows: the answer, perplexity fronts, plots, summary.md.
 
 Written under the sweep's `--out` folder (atomically, so a reader never sees half a file):
-`pareto_<host>.csv` and `.parquet` (the host's front, fastest first), `speed_ratios.csv` (each
-front policy against fetch-every-miss, host compute of misses and the all-resident bound, at
-its capacity), `trials.csv` (every simulator trial), `pareto_<host>.png`, `pareto.png` (the
-hosts' fronts together) and `summary.md`. The mass hypothesis check is `pearson` with a
-percentile bootstrap interval over the re-measured policies that always fetch the first choice.
+
+- `answer.csv`: per host and perplexity budget (`ppl_budgets_pct`), the fastest policy whose upper
+  95% bound of the perplexity change stays within the budget, with its speed ratio over
+  fetch-every-miss (at its capacity): the question the sweep answers;
+- `pareto_<host>.csv` / `.parquet`: the host's front in (time per token, perplexity change) over the
+  policies emulated at the full budget, fastest first (every row has `ppl_change_pct`,
+  `ppl_ci_low`, `ppl_ci_high`; `engine_time_per_token_ms` on calibrated hosts); without emulation,
+  the screening front (`front_kind` says which);
+- `screening_<host>.csv`: the simulator's (time, mass) front, per family (policies that always fetch
+  the first choice / that can substitute it: mass ranks only within a family);
+- `speed_ratios.csv`, `trials.csv`, `pareto_<host>.png` (perplexity panel and mass panel),
+  `pareto.png` (the hosts together) and `summary.md` (the answer first).
+
+The mass hypothesis check is `pearson` with a percentile bootstrap interval over the full-budget
+policies that always fetch the first choice.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         rec = {k: v for k, v in r.items() if k != "params"}
         rec.update({k: r["params"].get(k) for k in PARAMETERS if k in r["params"]})
         rec["policy_key"] = policy_key(r["params"])
+        rec["family"] = family(r["params"])
+        rec["fetches_first_choice"] = policy_of(r["params"]).fetches_first_choice
         recs.append(rec)
     df = pd.DataFrame(recs)
     if not df.empty:
@@ -61,14 +73,34 @@ def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return df
 
 
-def front(df: pd.DataFrame, host: str, objectives: tuple[str, ...]) -> pd.DataFrame:
-    """The host's Pareto front over its ok trials, fastest first; one row per distinct policy."""
+def family(params: dict[str, Any]) -> str:
+    """The policy's family: its rule, what a non-fetched miss becomes, admission and prefetch."""
+    p = policy_of(params)
+    if p.rule == "substitute_all" and p.fallback == "host":
+        out = "host-compute"
+    else:
+        out = p.rule + ("" if p.rule == "fetch_all" or p.fallback == "substitute" else
+                        f"->{p.fallback}" + (str(p.lowbit_bits) if p.fallback == "lowbit" else ""))
+    if p.beta is not None:
+        out += "+admission"
+    if p.prefetch != "off":
+        out += f"+prefetch:{p.prefetch}"
+    return out
+
+
+def screening_front(df: pd.DataFrame, host: str, objectives: tuple[str, ...]) -> pd.DataFrame:
+    """The host's (time, mass) front over its ok simulator trials, computed within each family group
+    (always fetches the first choice / can substitute it), fastest first; one row per policy."""
     d = df[(df["host"] == host) & (df["status"] == "ok")]
     if d.empty:
         return d
     d = d.drop_duplicates("policy_key")
-    mask = pareto_mask(d[list(objectives)].to_numpy(dtype=float))
-    return d[mask].sort_values(["time_per_token_s", "mass_per_token"]).reset_index(drop=True)
+    parts = []
+    for first in (True, False):
+        g = d[d["fetches_first_choice"] == first]
+        if not g.empty:
+            parts.append(g[pareto_mask(g[list(objectives)].to_numpy(dtype=float))])
+    return pd.concat(parts).sort_values(["time_per_token_s", "mass_per_token"]).reset_index(drop=True)
 
 
 def pearson(x: np.ndarray, y: np.ndarray, n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
@@ -109,72 +141,17 @@ def _label(r: pd.Series) -> str:
     return f"{r['baseline']}" if isinstance(r.get("baseline"), str) else r["policy"]
 
 
-def _plot(fronts: dict[str, pd.DataFrame], df: pd.DataFrame, path: Path, title: str, all_points: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (host, fr) in enumerate(fronts.items()):
-        c = colors[i % len(colors)]
-        if all_points:
-            d = df[(df["host"] == host) & (df["status"] == "ok")]
-            ax.scatter(d["mass_per_token"], d["time_per_token_ms"], s=12, alpha=0.35, color=c, label=f"{host} trials")
-        if not fr.empty:
-            st = fr.sort_values(["mass_per_token", "time_per_token_ms"])  # the staircase bounding the front
-            ax.step(st["mass_per_token"], st["time_per_token_ms"], where="post", color=c, lw=1.5)
-            ax.scatter(fr["mass_per_token"], fr["time_per_token_ms"], s=30, color=c, edgecolor="k",
-                       label=f"{host} front ({len(fr)})")
-        base = df[(df["host"] == host) & df["baseline"].notna() & (df["status"] == "ok")] if "baseline" in df else []
-        for _, r in (base.iterrows() if len(base) else []):
-            ax.scatter([r["mass_per_token"]], [r["time_per_token_ms"]], marker="x", color=c)
-            if all_points or i == 0:
-                ax.annotate(r["baseline"], (r["mass_per_token"], r["time_per_token_ms"]), fontsize=7,
-                            xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("substituted mass per token (simulator)")
-    ax.set_ylabel("time per token (ms, simulated)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
-
-
-def write_tables(out: Path, rows: list[dict[str, Any]], hosts: list[str],
-                 objectives: tuple[str, ...]) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """Rewrite trials.csv and the per-host Pareto tables (cheap; called as trials finish)."""
-    df = trials_frame(rows)
-    fronts = {}
-    if df.empty:
-        return df, fronts
-    remeasured = _remeasured(rows)
-    for host in hosts:
-        fr = front(df, host, objectives)
-        if not fr.empty and remeasured is not None:
-            fr = fr.merge(remeasured, on="policy_key", how="left")
-        engine = _engine(rows, host)
-        if not fr.empty and engine is not None:
-            fr = fr.merge(engine, on="policy_key", how="left")
-        fronts[host] = fr
-        _write_csv(fr, out / f"pareto_{host}.csv")
-        _write_parquet(fr, out / f"pareto_{host}.parquet")
-    _write_csv(df, out / "trials.csv")
-    return df, fronts
-
-
-def _remeasured(rows: list[dict[str, Any]]) -> pd.DataFrame | None:
-    recs = []
-    for r in rows:
-        if r.get("fidelity") == "emulation" and r["status"] == "ok":
-            recs.append({"policy_key": policy_key(r["params"]), "ppl_change_pct": r.get("ppl_change_pct"),
-                         "ppl_ci_low": r.get("ppl_ci_low"), "ppl_ci_high": r.get("ppl_ci_high"),
-                         "perplexity": r.get("perplexity"), "emulated_mass_per_token": r.get("mass_per_token")})
-    if not recs:
-        return None
-    return pd.DataFrame(recs).drop_duplicates("policy_key", keep="last")
+def quality_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Full-budget emulation rows (host independent): policy key -> perplexity change and interval."""
+    recs = [{"policy_key": policy_key(r["params"]), "ppl_change_pct": r.get("ppl_change_pct"),
+             "ppl_ci_low": r.get("ppl_ci_low"), "ppl_ci_high": r.get("ppl_ci_high"),
+             "perplexity": r.get("perplexity"), "exact_perplexity": r.get("exact_perplexity"),
+             "emulated_mass_per_token": r.get("mass_per_token"), "emulated_tokens": r.get("tokens"),
+             "emulation_initial_residency": r.get("initial_residency")}
+            for r in rows if r.get("fidelity") == "emulation" and r.get("budget") == "full" and r["status"] == "ok"
+            and r.get("ppl_change_pct") is not None]
+    cols = ["policy_key", "ppl_change_pct", "ppl_ci_low", "ppl_ci_high"]
+    return pd.DataFrame(recs).drop_duplicates("policy_key", keep="last") if recs else pd.DataFrame(columns=cols)
 
 
 def _engine(rows: list[dict[str, Any]], host: str) -> pd.DataFrame | None:
@@ -184,13 +161,142 @@ def _engine(rows: list[dict[str, Any]], host: str) -> pd.DataFrame | None:
     return pd.DataFrame(recs).drop_duplicates("policy_key", keep="last") if recs else None
 
 
+def measured(df: pd.DataFrame, quality: pd.DataFrame, rows: list[dict[str, Any]], host: str) -> pd.DataFrame:
+    """The host's simulator rows of the policies emulated at the full budget, with their quality
+    (and the engine's time on a calibrated host)."""
+    d = df[(df["host"] == host) & (df["status"] == "ok")] if not df.empty else df
+    if d.empty or quality.empty:
+        return d.iloc[:0]
+    d = d.drop_duplicates("policy_key").merge(quality, on="policy_key", how="inner")
+    eng = _engine(rows, host)
+    if eng is not None:
+        d = d.merge(eng, on="policy_key", how="left")
+    return d
+
+
+def ppl_front(m: pd.DataFrame, objectives: tuple[str, ...]) -> pd.DataFrame:
+    """The front in (time per token, perplexity change [, device memory]) over `measured` rows."""
+    if m.empty:
+        return m
+    cols = ["time_per_token_s", "ppl_change_pct"] + [o for o in objectives if o == "device_memory_GiB"]
+    return m[pareto_mask(m[cols].to_numpy(dtype=float))].sort_values(
+        ["time_per_token_s", "ppl_change_pct"]).reset_index(drop=True)
+
+
+def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFrame:
+    """Per host and budget: the fastest measured policy whose upper 95% bound stays within the budget."""
+    recs = []
+    for host, m in tables.items():
+        for b in budgets:
+            ok = m[m["ppl_ci_high"] <= b] if not m.empty else m
+            rec: dict[str, Any] = {"host": host, "ppl_budget_pct": b}
+            if ok.empty:
+                rec["policy"] = None
+            else:
+                r = ok.sort_values(["time_per_token_s", "ppl_ci_high"]).iloc[0]
+                rec.update(policy=_label(r), family=r["family"], capacity=_capacity_text(r),
+                           time_per_token_ms=r["time_per_token_ms"], speed_ratio_vs_fetch_all=r["speed_ratio_vs_fetch_all"],
+                           ppl_change_pct=r["ppl_change_pct"], ppl_ci_low=r["ppl_ci_low"], ppl_ci_high=r["ppl_ci_high"],
+                           policy_key=r["policy_key"])
+                if pd.notna(r.get("engine_time_per_token_ms", np.nan)):
+                    rec["engine_time_per_token_ms"] = r["engine_time_per_token_ms"]
+            recs.append(rec)
+    return pd.DataFrame(recs)
+
+
+def answer_text(ans: pd.DataFrame) -> str:
+    lines = ["| host | perplexity budget | fastest policy within it (upper 95% bound) | family | ms/token | "
+             "x fetch-every-miss | ppl change % [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for _, r in ans.iterrows():
+        if r["policy"] is None or (isinstance(r["policy"], float) and math.isnan(r["policy"])):
+            lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | none measured within it | | | | |")
+            continue
+        lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | {r['policy']} | {r['family']} | "
+                     f"{r['time_per_token_ms']:.3f} | {r['speed_ratio_vs_fetch_all']:.2f} | "
+                     f"{r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] |")
+    return "\n".join(lines)
+
+
+def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: list[float]) -> None:
+    """Left: ms/token against perplexity change (interval bars, front drawn, baselines labelled) over
+    the full-budget policies; right: the screening fidelity's mass view. One colour per host."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    one = len(panels) == 1
+    for i, (host, p) in enumerate(panels.items()):
+        c = colors[i % len(colors)]
+        m, fr, trials, scr = p["measured"], p["front"], p["trials"], p["screening"]
+        if not m.empty:
+            err = np.vstack([m["ppl_change_pct"] - m["ppl_ci_low"], m["ppl_ci_high"] - m["ppl_change_pct"]])
+            ax.errorbar(m["ppl_change_pct"], m["time_per_token_ms"], xerr=np.clip(err, 0, None), fmt="o", ms=4,
+                        color=c, alpha=0.45 if not one else 0.6, elinewidth=0.8, capsize=2,
+                        label=f"{host}: measured ({len(m)})")
+            if not fr.empty:
+                st = fr.sort_values(["ppl_change_pct", "time_per_token_ms"])
+                ax.step(st["ppl_change_pct"], st["time_per_token_ms"], where="post", color=c, lw=1.5)
+                ax.scatter(fr["ppl_change_pct"], fr["time_per_token_ms"], s=36, color=c, edgecolor="k", zorder=3,
+                           label=f"{host}: front ({len(fr)})")
+            for _, r in m[m["baseline"].notna()].iterrows() if "baseline" in m else []:
+                if one or i == 0:
+                    ax.annotate(r["baseline"], (r["ppl_change_pct"], r["time_per_token_ms"]), fontsize=7,
+                                xytext=(3, 3), textcoords="offset points")
+        if one and not trials.empty:
+            bx.scatter(trials["mass_per_token"], trials["time_per_token_ms"], s=10, alpha=0.3, color=c,
+                       label=f"{host}: screened ({len(trials)})")
+        if not scr.empty:
+            bx.scatter(scr["mass_per_token"], scr["time_per_token_ms"], s=24, color=c, edgecolor="k",
+                       label=f"{host}: screening front ({len(scr)})")
+        base = trials[trials["baseline"].notna()] if "baseline" in trials and not trials.empty else trials.iloc[:0]
+        for _, r in base.iterrows():
+            bx.scatter([r["mass_per_token"]], [r["time_per_token_ms"]], marker="x", color=c)
+            if one or i == 0:
+                bx.annotate(r["baseline"], (r["mass_per_token"], r["time_per_token_ms"]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+    for b in budgets:
+        ax.axvline(b, color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("perplexity change % (exact emulation, full budget; bars: 95% CI; dotted: budgets)")
+    ax.set_ylabel("time per token (ms, simulated)")
+    ax.set_title(f"{title}: speed vs perplexity")
+    bx.set_xlabel("substituted mass per token (simulator)")
+    bx.set_ylabel("time per token (ms, simulated)")
+    bx.set_title("screening fidelity (mass ranks only within a family)")
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def write_tables(out: Path, rows: list[dict[str, Any]], hosts: list[str],
+                 objectives: tuple[str, ...]) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+    """Rewrite trials.csv and the screening fronts (cheap; called as trials finish)."""
+    df = trials_frame(rows)
+    fronts = {}
+    if df.empty:
+        return df, fronts
+    for host in hosts:
+        fronts[host] = screening_front(df, host, objectives[:2] + tuple(o for o in objectives[2:]))
+        _write_csv(fronts[host], out / f"screening_{host}.csv")
+    _write_csv(df, out / "trials.csv")
+    return df, fronts
+
+
 def policy_records(rows: list[dict[str, Any]], fronts: dict[str, pd.DataFrame], hosts: list[str]
                    ) -> list[dict[str, Any]]:
-    """One record per (host, policy) that matters: a baseline, a front member or a re-measured policy,
-    with its simulated figures and, where measured, the emulation's and the engine's (MLflow children)."""
+    """One record per (host, policy) that matters: a baseline, a front member or a policy measured
+    beyond the simulator, with its simulated figures and, where measured, the emulation's and the
+    engine's (the MLflow child runs)."""
     import hashlib
 
-    emu = {policy_key(r["params"]): r for r in rows if r.get("fidelity") == "emulation" and r["status"] == "ok"}
+    emu = {policy_key(r["params"]): r for r in rows
+           if r.get("fidelity") == "emulation" and r.get("budget") == "full" and r["status"] == "ok"}
     eng = {(r["host"], policy_key(r["params"])): r for r in rows
            if r.get("fidelity") == "engine" and r["status"] == "ok"}
     out = []
@@ -198,15 +304,15 @@ def policy_records(rows: list[dict[str, Any]], fronts: dict[str, pd.DataFrame], 
         on_front = set(fronts[host]["policy_key"]) if host in fronts and not fronts[host].empty else set()
         seen = set()
         for r in rows:
-            if r.get("fidelity") != "simulator" or r["host"] != host:
+            if r.get("fidelity") != "simulator" or r["host"] != host or r["status"] != "ok":
                 continue
             pk = policy_key(r["params"])
-            if pk in seen or not (r.get("baseline") or pk in on_front or pk in emu or (host, pk) in eng):
+            if pk in seen or not (r.get("baseline") or pk in on_front or pk in emu):
                 continue
             seen.add(pk)
             rec = {k: v for k, v in r.items() if k not in ("key", "number", "node", "pid")}
             rec.update(key=f"{host}:{hashlib.sha1(pk.encode()).hexdigest()[:16]}", on_front=pk in on_front,
-                       policy=r.get("policy") or policy_of(r["params"]).label())
+                       policy=r.get("policy") or policy_of(r["params"]).label(), family=family(r["params"]))
             if pk in emu:
                 e = emu[pk]
                 rec.update(fidelity="emulation", **{k: e.get(k) for k in (
@@ -219,9 +325,9 @@ def policy_records(rows: list[dict[str, Any]], fronts: dict[str, pd.DataFrame], 
 
 
 def mass_hypothesis(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Pearson r (substituted mass vs perplexity change) over re-measured first-choice-fetching policies."""
+    """Pearson r (substituted mass vs perplexity change) over full-budget first-choice-fetching policies."""
     pts = [(r["mass_per_token"], r["ppl_change_pct"]) for r in rows
-           if r.get("fidelity") == "emulation" and r["status"] == "ok"
+           if r.get("fidelity") == "emulation" and r.get("budget") == "full" and r["status"] == "ok"
            and policy_of(r["params"]).fetches_first_choice and r.get("ppl_change_pct") is not None]
     if not pts:
         return pearson(np.array([]), np.array([]))
@@ -233,9 +339,10 @@ def speed_ratios(fronts: dict[str, pd.DataFrame]) -> pd.DataFrame:
     recs = []
     for host, fr in fronts.items():
         for _, r in fr.iterrows():
-            recs.append({"host": host, "policy": _label(r), "capacity": _capacity_text(r),
+            recs.append({"host": host, "policy": _label(r), "family": r["family"], "capacity": _capacity_text(r),
                          "time_per_token_ms": r["time_per_token_ms"], "mass_per_token": r["mass_per_token"],
-                         **{c: r[c] for c in RATIO_COLUMNS}})
+                         **{c: r[c] for c in RATIO_COLUMNS},
+                         **({"ppl_change_pct": r["ppl_change_pct"]} if "ppl_change_pct" in r else {})})
     return pd.DataFrame(recs)
 
 
@@ -243,60 +350,96 @@ def host_table_text(host: str, fr: pd.DataFrame, gpu: str = "") -> str:
     """A Markdown table of a host's front."""
     has_ppl = "ppl_change_pct" in fr and fr["ppl_change_pct"].notna().any()
     has_engine = "engine_time_per_token_ms" in fr and fr["engine_time_per_token_ms"].notna().any()
-    head = "| policy | capacity | ms/token | x fetch-all | x host-compute | x all-resident | mass/token |"
-    sep = "|---|---|---|---|---|---|---|"
+    head = "| policy | family | capacity | ms/token |"
+    sep = "|---|---|---|---|"
     if has_engine:
         head += " engine ms/token |"
         sep += "---|"
+    head += " x fetch-all | x host-compute | x all-resident |"
+    sep += "---|---|---|"
     if has_ppl:
         head += " ppl change % [95% CI] |"
         sep += "---|"
+    head += " mass/token |"
+    sep += "---|"
     lines = [f"### {host}" + (f" ({gpu})" if gpu else ""), "", head, sep]
     for _, r in fr.iterrows():
-        line = (f"| {_label(r)} | {_capacity_text(r)} | {r['time_per_token_ms']:.3f} | "
-                f"{r['speed_ratio_vs_fetch_all']:.2f} | {r['speed_ratio_vs_host_compute']:.2f} | "
-                f"{r['speed_ratio_vs_all_resident']:.2f} | {r['mass_per_token']:.4f} |")
+        line = f"| {_label(r)} | {r['family']} | {_capacity_text(r)} | {r['time_per_token_ms']:.3f} |"
         if has_engine:
             v = r.get("engine_time_per_token_ms")
             line += f" {v:.3f} |" if pd.notna(v) else " |"
+        line += (f" {r['speed_ratio_vs_fetch_all']:.2f} | {r['speed_ratio_vs_host_compute']:.2f} | "
+                 f"{r['speed_ratio_vs_all_resident']:.2f} |")
         if has_ppl:
-            line += (f" {r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] |"
-                     if pd.notna(r.get("ppl_change_pct")) else " |")
+            line += f" {r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] |"
+        line += f" {r['mass_per_token']:.4f} |"
         lines.append(line)
     return "\n".join(lines)
 
 
 def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], objectives: tuple[str, ...],
                  meta: dict[str, Any]) -> dict[str, Any]:
-    """Every output file; returns their paths, the fronts and the mass-hypothesis figures."""
-    df, fronts = write_tables(out, rows, hosts, objectives)
+    """Every output file; returns their paths, the fronts, the answer and the mass-hypothesis figures."""
+    df, screening = write_tables(out, rows, hosts, objectives)
+    quality = quality_frame(rows)
+    budgets = list(meta.get("budgets", (0.5, 1.0, 2.0)))
+    tables = {h: measured(df, quality, rows, h) for h in hosts}
+    fronts = {}
+    for h in hosts:
+        if quality.empty:  # no emulation: the screening front is all there is
+            fronts[h] = screening.get(h, df.iloc[:0]).assign(front_kind="screening (mass)")
+        else:
+            fronts[h] = ppl_front(tables[h], objectives).assign(front_kind="perplexity")
+        _write_csv(fronts[h], out / f"pareto_{h}.csv")
+        _write_parquet(fronts[h], out / f"pareto_{h}.parquet")
     paths: dict[str, Any] = {"trials": out / "trials.csv"}
+    ans = answer(tables, budgets) if not quality.empty else pd.DataFrame()
+    if not ans.empty:
+        _write_csv(ans, out / "answer.csv")
+        paths["answer"] = out / "answer.csv"
     sr = speed_ratios(fronts)
     _write_csv(sr, out / "speed_ratios.csv")
     paths["speed_ratios"] = out / "speed_ratios.csv"
-    for host in hosts:
-        paths[f"pareto_{host}"] = out / f"pareto_{host}.csv"
+    panels = {}
+    for h in hosts:
+        paths[f"pareto_{h}"] = out / f"pareto_{h}.csv"
+        panels[h] = {"measured": tables[h], "front": fronts[h] if not quality.empty else df.iloc[:0],
+                     "trials": df[(df["host"] == h) & (df["status"] == "ok")] if not df.empty else df,
+                     "screening": screening.get(h, df.iloc[:0])}
         if not df.empty:
-            _plot({host: fronts.get(host, df.iloc[:0])}, df, out / f"pareto_{host}.png", f"{host}: simulated sweep",
-                  all_points=True)
-            paths[f"plot_{host}"] = out / f"pareto_{host}.png"
+            _plot({h: panels[h]}, out / f"pareto_{h}.png", h, budgets)
+            paths[f"plot_{h}"] = out / f"pareto_{h}.png"
     if not df.empty:
-        _plot(fronts, df, out / "pareto.png", "Pareto fronts by host", all_points=False)
-    paths["plot"] = out / "pareto.png"
+        _plot(panels, out / "pareto.png", "all hosts", budgets)
+        paths["plot"] = out / "pareto.png"
     hyp = mass_hypothesis(rows)
-    summary = _summary(df, fronts, hyp, meta, paths)
+    summary = _summary(df, fronts, screening, ans, hyp, meta, paths)
     atomic_write(out / "summary.md", lambda tmp: Path(tmp).write_text(summary))
     paths["summary"] = out / "summary.md"
-    return {"paths": paths, "fronts": fronts, "hypothesis": hyp, "trials": df}
+    return {"paths": paths, "fronts": fronts, "screening": screening, "answer": ans, "hypothesis": hyp,
+            "trials": df, "measured": tables}
 
 
-def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], hyp: dict[str, float], meta: dict[str, Any],
-             paths: dict[str, Any]) -> str:
+def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[str, pd.DataFrame],
+             ans: pd.DataFrame, hyp: dict[str, float], meta: dict[str, Any], paths: dict[str, Any]) -> str:
     lines = [f"# Sweep {meta.get('name', '')}", ""]
+    if not ans.empty:
+        lines += ["## The answer", "",
+                  "Per host and perplexity budget: the fastest policy whose upper 95% bound of the perplexity "
+                  "change (exact emulation at the full token budget) stays within the budget, and its speed "
+                  "ratio over fetch-every-miss at the same capacity (simulated time per token).", "",
+                  answer_text(ans), ""]
+    else:
+        lines += ["No perplexity was measured (emulation off or no model), so there is no answer in perplexity; "
+                  "the tables below are the simulator's screening fronts (time and substituted mass).", ""]
     lines.append(f"- trace: `{meta.get('trace')}`" + (f", model: `{meta['model']}`" if meta.get("model") else ""))
-    lines.append(f"- objectives: {', '.join(meta.get('objectives', []))} (all minimised; quality = substituted "
-                 f"mass per token at simulator fidelity)")
-    lines.append(f"- sampler: {meta.get('sampler')}, {meta.get('trials')} trials per host after the baselines")
+    if meta.get("warm_start"):
+        lines.append(f"- warm start (initial residency; never the evaluated tokens): {meta['warm_start']}")
+    lines.append(f"- screening: {', '.join(meta.get('objectives', []))} (simulator), sampler {meta.get('sampler')}, "
+                 f"{meta.get('trials')} trials per host after the baselines")
+    for r in (meta.get("ladder") or {}).get("rungs", []):
+        lines.append(f"- rung {r['rung']}: {r['candidates']} policies emulated at "
+                     f"{r['tokens'] or 'all'} tokens in {r['seconds']:.0f} s, {r['promoted']} went on")
     if meta.get("mlflow_uri"):
         lines.append(f"- MLflow: `{meta['mlflow_uri']}`, parent run `{meta.get('parent_run_id')}`")
     lines.append("")
@@ -306,18 +449,23 @@ def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], hyp: dict[str, f
             d = df[df["host"] == host]
             lines.append(f"| {host} | {(d['status'] == 'ok').sum()} | {(d['status'] != 'ok').sum()} | {len(fr)} |")
         lines.append("")
-    lines += ["## Pareto fronts and speed ratios", "",
+    kind = "perplexity" if not ans.empty else "screening"
+    lines += [f"## Fronts ({kind})", "",
+              ("Each host's front in (simulated time per token, perplexity change) over the policies emulated at "
+               "the full budget." if kind == "perplexity" else
+               "Each host's (time, mass) front within each family (mass ranks policies only among those that "
+               "fetch the same way)."),
               "Speed ratios compare each policy with fetch-every-miss, with computing misses on the host, "
               "and with the all-resident bound, on the same host at the same capacity (>1 = faster).", ""]
     for host, fr in fronts.items():
         lines += [host_table_text(host, fr, meta.get("gpus", {}).get(host, "")), ""]
     lines += ["## Mass hypothesis", ""]
     if math.isnan(hyp["r"]):
-        lines.append(f"Not enough re-measured policies that fetch the first choice ({hyp['n']} with distinct "
+        lines.append(f"Not enough full-budget policies that fetch the first choice ({hyp['n']} with distinct "
                      f"values; 3 needed) for a correlation.")
     else:
         lines.append(f"Pearson r between substituted mass per token and perplexity change (exact emulation) over "
-                     f"{hyp['n']} re-measured policies that always fetch the first choice: **r = {hyp['r']:.3f}** "
+                     f"{hyp['n']} full-budget policies that always fetch the first choice: **r = {hyp['r']:.3f}** "
                      f"(95% bootstrap interval [{hyp['ci_low']:.3f}, {hyp['ci_high']:.3f}]). The paper reports "
                      f"r ~ 0.92 on Qwen3-Next-80B-A3B.")
     for note in meta.get("notes", []):

@@ -11,12 +11,12 @@ baselines first (they also seed that host's study when they lie inside the space
 are reported), then Optuna batches, preferring the host whose task just ended (so Tune reuses its
 actor) and else round-robin, until every host has asked its `trials`. With `batch: auto` a batch
 holds about `task_seconds` of simulation at the median seconds per trial measured lately on that
-host. Its state is saved as JSON with Tune's experiment state (the studies' trials live in their
-storage), so `Tuner.restore` resumes it; Optuna trials asked after the last save are failed on
-restore, listed in the study's user attribute `orphaned`, and asked anew.
+host. Its state is saved as JSON with Tune's experiment state (the finished trials live in their
+record), so `Tuner.restore` resumes it: trials still pending in a restored Tune trial are asked
+again with the values they were drawn with, trials asked after the last save are simply asked anew.
 
-The studies live in Optuna's own `JournalStorage` on `JournalFileBackend` (`<out>/optuna.journal`,
-file lock and fsync per append).
+Each host's finished trials are recorded in Optuna's own `JournalStorage` on `JournalFileBackend`
+(`<out>/optuna.journal`: a file lock and an fsync per append), one append per trial (`HostStudy`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from sweep.space import Space
 log = logging.getLogger(__name__)
 
 DEFAULT_EVAL_S = 0.05  # assumed seconds per simulator trial until a host has reported some
-ORPHANED = "orphaned"  # study user attribute: numbers of trials failed because no task held them
 
 
 def journal_storage(path: str | Path) -> optuna.storages.JournalStorage:
@@ -59,71 +58,105 @@ def make_sampler(kind: str, seed: int, population: int) -> optuna.samplers.BaseS
 
 
 class HostStudy:
-    """One host's Optuna study, asked and told through the public ask-and-tell interface."""
+    """One host's search: an in-memory Optuna study asked and told through its public ask-and-tell
+    interface, and its record in the journal (one `add_trial` per finished trial).
+
+    Sampling runs on the in-memory study (`study`); each finished trial (and each baseline inside
+    the space) is then appended to the persistent study (`record`, Optuna's `JournalStorage`) with
+    its sweep key as a user attribute. One journal append (a lock and an fsync) per trial instead of
+    one per `suggest_*` call keeps the driver off the disk's latency. A restored search rebuilds the
+    in-memory study from the record (`load`) and asks its still-pending trials again with their
+    drawn values (`enqueue_trial`), so nothing recorded is lost and a trial never counts twice."""
 
     def __init__(self, space: Space, objectives: tuple[str, ...], sampler: optuna.samplers.BaseSampler,
-                 storage: optuna.storages.BaseStorage, study_name: str):
+                 storage: optuna.storages.BaseStorage, study_name: str, host: str):
         self.space = space
         self.objectives = tuple(objectives)
-        self.study = optuna.create_study(storage=storage, study_name=study_name, sampler=sampler,
-                                         directions=["minimize"] * len(self.objectives), load_if_exists=True)
-        self.pending: dict[str, set[int]] = {}  # Tune trial id -> Optuna numbers not yet told
+        self.sampler = sampler
+        self.host = host
+        self.directions = ["minimize"] * len(self.objectives)
+        self.record = optuna.create_study(storage=storage, study_name=study_name, directions=self.directions,
+                                          load_if_exists=True)
+        self.pending: dict[str, dict[str, list]] = {}  # Tune trial id -> {key: [in-memory number, params]}
+        self.load()
 
-    def ask_batch(self, trial_id: str, n: int) -> list[tuple[int, dict[str, Any]]]:
+    def load(self) -> None:
+        """The in-memory study from the record (its finished trials, in order)."""
+        self.study = optuna.create_study(directions=self.directions, sampler=self.sampler)
+        recorded = self.record.get_trials(deepcopy=False)
+        self.study.add_trials(recorded)
+        self.keys = {t.user_attrs.get("key") for t in recorded}
+        self.next_index = 1 + max((int(k.rsplit(":", 1)[1]) for k in self.keys
+                                   if k and k.rsplit(":", 1)[1].isdigit()), default=-1)
+
+    def counted(self) -> int:
+        """Recorded trials that count against the host's budget (not the baselines)."""
+        return sum(1 for t in self.record.get_trials(deepcopy=False) if "baseline" not in t.user_attrs)
+
+    def _draw(self, params: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        if params is not None:  # a trial drawn before a restore: the same values again
+            self.study.enqueue_trial(self.space.optuna_params(params)[0], skip_if_exists=False)
+        trial = self.study.ask()
+        return trial.number, self.space.sample(trial)
+
+    def ask_batch(self, trial_id: str, n: int) -> list[tuple[str, int, dict[str, Any]]]:
+        """n new trials for Tune trial `trial_id`: (sweep key, Optuna number, policy config)."""
         out = []
         for _ in range(n):
-            trial = self.study.ask()
-            out.append((trial.number, self.space.sample(trial)))
-        self.pending[trial_id] = {num for num, _ in out}
+            num, params = self._draw()
+            out.append((f"{self.host}:{self.next_index}", num, params))
+            self.next_index += 1
+        self.pending[trial_id] = {key: [num, params] for key, num, params in out}
         return out
 
-    def tell_row(self, trial_id: str, row: dict[str, Any]) -> None:
-        """Tell one reported result (once: a repeated report of the same number is ignored)."""
-        pending = self.pending.get(trial_id)
-        if pending is None or row["number"] not in pending:
-            return
-        pending.discard(row["number"])
-        values = [row.get(o) for o in self.objectives] if row["status"] == "ok" else None
-        if values is not None and all(isinstance(v, float) and math.isfinite(v) for v in values):
-            self.study.tell(row["number"], values, skip_if_finished=True)
+    def _finish(self, key: str, number: int, values: list[float] | None) -> None:
+        if values is not None:
+            ft = self.study.tell(number, values, skip_if_finished=True)
         else:
-            self.study.tell(row["number"], state=TrialState.FAIL, skip_if_finished=True)
+            ft = self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        if key in self.keys:
+            return
+        self.record.add_trial(optuna.trial.create_trial(
+            params=ft.params, distributions=ft.distributions, state=ft.state,
+            values=ft.values if ft.state == TrialState.COMPLETE else None, user_attrs={**ft.user_attrs, "key": key}))
+        self.keys.add(key)
+
+    def tell_row(self, trial_id: str, row: dict[str, Any]) -> None:
+        """Tell one reported result (once: a repeated report of the same key is ignored)."""
+        entry = self.pending.get(trial_id, {}).pop(row["key"], None)
+        if entry is None:
+            return
+        values = [row.get(o) for o in self.objectives] if row["status"] == "ok" else None
+        if values is not None and not all(isinstance(v, float) and math.isfinite(v) for v in values):
+            values = None
+        self._finish(row["key"], entry[0], values)
 
     def finish(self, trial_id: str) -> None:
         """A Tune trial ended: every Optuna trial it never reported is failed."""
-        for num in sorted(self.pending.pop(trial_id, set())):
-            self.study.tell(num, state=TrialState.FAIL, skip_if_finished=True)
+        for key, (num, _) in sorted(self.pending.pop(trial_id, {}).items()):
+            self._finish(key, num, None)
 
     def add_baseline(self, row: dict[str, Any]) -> None:
         """Seed the study with a baseline's result when the baseline is a point of the space (once)."""
-        if row["status"] != "ok" or not self.space.contains(row["params"]):
-            return
-        if any(t.user_attrs.get("baseline") == row["baseline"] for t in self.study.get_trials(deepcopy=False)):
+        if row["status"] != "ok" or not self.space.contains(row["params"]) or row["key"] in self.keys:
             return
         params, dists = self.space.optuna_params(row["params"])
-        self.study.add_trial(optuna.trial.create_trial(
-            params=params, distributions=dists, values=[row[o] for o in self.objectives],
-            user_attrs={"baseline": row["baseline"]}))
+        ft = optuna.trial.create_trial(params=params, distributions=dists, values=[row[o] for o in self.objectives],
+                                       user_attrs={"baseline": row["baseline"], "key": row["key"]})
+        self.record.add_trial(ft)
+        self.study.add_trial(ft)
+        self.keys.add(row["key"])
 
-    def counted(self) -> int:
-        """Optuna trials that count against the host's budget (not baselines, not orphans)."""
-        orphans = set(self.study.user_attrs.get(ORPHANED, []))
-        return sum(1 for t in self.study.get_trials(deepcopy=False)
-                   if "baseline" not in t.user_attrs and t.number not in orphans)
-
-    def fail_orphans(self) -> int:
-        """After a restore: forget the held trials that finished meanwhile (told after the saved
-        state), and fail the running Optuna trials that no restored Tune trial holds."""
-        running = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-        for nums in self.pending.values():
-            nums &= running
-        held = set().union(*self.pending.values()) if self.pending else set()
-        orphans = sorted(running - held)
-        if orphans:
-            self.study.set_user_attr(ORPHANED, sorted(set(self.study.user_attrs.get(ORPHANED, [])) | set(orphans)))
-            for num in orphans:
-                self.study.tell(num, state=TrialState.FAIL, skip_if_finished=True)
-        return len(orphans)
+    def restore_pending(self, pending: dict[str, dict[str, list]]) -> None:
+        """After a restore: the in-memory study anew from the record, and the Tune trials' pending
+        Optuna trials (those not recorded meanwhile) asked again with the values they were drawn with."""
+        self.load()
+        self.pending = {}
+        for tid, entries in pending.items():
+            todo = {key: params for key, (_, params) in entries.items() if key not in self.keys}
+            self.pending[tid] = {key: [self._draw(params)[0], params] for key, params in todo.items()}
+        self.next_index = max([self.next_index] + [int(k.rsplit(":", 1)[1]) + 1 for e in pending.values()
+                                                   for k in e])
 
 
 class HostSearch(Searcher):
@@ -148,9 +181,8 @@ class HostSearch(Searcher):
         self._last_done: str | None = None
 
     def sync_from_storage(self) -> None:
-        """Start from what the studies already hold (a resumed sweep without Tune state)."""
+        """Start from what the records already hold (a resumed sweep without Tune state)."""
         for host, s in self.searchers.items():
-            s.fail_orphans()
             self.asked[host] = s.counted()
 
     def set_search_properties(self, metric, mode, config, **spec) -> bool:  # noqa: ANN001 - Tune's signature
@@ -188,8 +220,8 @@ class HostSearch(Searcher):
         drawn = self.searchers[host].ask_batch(trial_id, n)
         self.asked[host] += n
         self.trial_host[trial_id] = host
-        return self._config(host, [{"key": f"{host}:{num}", "number": num, "baseline": None, "params": params}
-                                   for num, params in drawn])
+        return self._config(host, [{"key": key, "number": num, "baseline": None, "params": params}
+                                   for key, num, params in drawn])
 
     def _rows(self, trial_id: str, result: dict[str, Any] | None) -> None:
         host = self.trial_host.get(trial_id)
@@ -225,8 +257,7 @@ class HostSearch(Searcher):
         state = {k: getattr(self, k) for k in self.STATE_KEYS}
         state["baseline_trials"] = sorted(self.baseline_trials)
         state["eval_seconds"] = {h: list(v) for h, v in self.eval_seconds.items()}
-        state["pending"] = {h: {tid: sorted(nums) for tid, nums in s.pending.items()}
-                            for h, s in self.searchers.items()}
+        state["pending"] = {h: s.pending for h, s in self.searchers.items()}
         with open(checkpoint_path, "w") as f:
             json.dump(state, f)
 
@@ -237,7 +268,6 @@ class HostSearch(Searcher):
             setattr(self, k, state[k])
         self.baseline_trials = set(state["baseline_trials"])
         self.eval_seconds = {h: deque(state["eval_seconds"].get(h, []), maxlen=200) for h in self.hosts}
+        # the searcher and Tune's trials were saved together, so they agree; the records may hold more
         for h, s in self.searchers.items():
-            s.pending = {tid: set(nums) for tid, nums in state["pending"].get(h, {}).items()}
-        # the searcher and Tune's trials were saved together, so they agree; the studies may hold more
-        self.sync_from_storage()
+            s.restore_pending(state["pending"].get(h, {}))

@@ -148,6 +148,8 @@ def _check_value(where: str, name: str, v: Any) -> Any:
             raise InputError(f"{where} = {v!r} is out of range ({lo:g}, {hi:g})")
         return float(v)
     prm = PARAM_BY_NAME[name]
+    if v is False and prm.choices and OFF in prm.choices:  # YAML reads prefetch: off as false
+        v = OFF
     if v is None:
         raise InputError(f"{where} = None: give a value ({prm.range_text()})")
     try:

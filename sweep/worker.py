@@ -11,14 +11,14 @@ driver records them as they finish and a killed task loses only what it had not 
 An item that raises is retried in place up to `max_failures` times, then reported failed (an
 `InputError`, a bad configuration, fails at once). A task whose process dies is retried by Tune
 (`FailureConfig`); on a retry, items already in the driver's ledger are skipped when the ledger
-file is reachable from this node. `EXPERTSWEEP_FAULTS` (read by the driver) injects faults for
-tests: a JSON list of `{"match": {param: value}, "action": "raise" | "kill" | "sleep",
-"seconds": s}`.
+file is reachable from this node. `ctx["evaluator"]` ("module:Class") replaces `Evaluator` (the
+tests' fault injection, tests/sweep_faults.py, lives there, outside this module).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -140,12 +140,17 @@ _EVALUATORS: dict[tuple, Evaluator] = {}
 
 
 def evaluator(ctx: dict[str, Any]) -> Evaluator:
-    key = (ctx["trace"], ctx.get("calib_trace"), ctx.get("model_shape"))
+    key = (ctx["trace"], ctx.get("calib_trace"), ctx.get("model_shape"), ctx.get("evaluator"))
     if key not in _EVALUATORS:
         trace = local_copy(ctx["trace"], ctx.get("store"))
         calib = local_copy(ctx["calib_trace"], ctx.get("store")) if ctx.get("calib_trace") else None
+        cls = Evaluator
+        if ctx.get("evaluator"):
+            module, name = ctx["evaluator"].split(":")
+            cls = getattr(importlib.import_module(module), name)
         _EVALUATORS.clear()  # one sweep per process at a time; free the previous trace
-        _EVALUATORS[key] = Evaluator(trace, calib, ctx.get("model_shape"))
+        _EVALUATORS[key] = cls(trace, calib, ctx.get("model_shape"), **({"args": ctx["evaluator_args"]}
+                                                                          if ctx.get("evaluator_args") else {}))
     return _EVALUATORS[key]
 
 
@@ -178,22 +183,6 @@ class TraceStore:
         return Path(path).read_bytes()
 
 
-def _matches(fault: dict[str, Any], host: str, params: dict[str, Any]) -> bool:
-    return all((host if k == "host" else params.get(k)) == v for k, v in fault.get("match", {}).items())
-
-
-def inject_faults(faults: list[dict[str, Any]], host: str, params: dict[str, Any]) -> None:
-    for f in faults:
-        if not _matches(f, host, params):
-            continue
-        if f["action"] == "sleep":
-            time.sleep(float(f.get("seconds", 1.0)))
-        elif f["action"] == "raise":
-            raise RuntimeError(f"injected fault for {params}")
-        elif f["action"] == "kill":
-            os._exit(17)
-
-
 def run_item(ev: Evaluator, item: dict[str, Any], profile: costmodel.HostProfile, ctx: dict[str, Any],
              host: str) -> dict[str, Any]:
     """Evaluate one item with in-place retries; returns its ledger row (status ok or failed)."""
@@ -203,7 +192,6 @@ def run_item(ev: Evaluator, item: dict[str, Any], profile: costmodel.HostProfile
     while True:
         attempts += 1
         try:
-            inject_faults(ctx.get("faults", []), host, item["params"])
             row.update(ev.evaluate(item["params"], profile), status="ok")
             break
         except InputError as exc:

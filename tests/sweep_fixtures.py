@@ -58,7 +58,7 @@ def make_trace(folder: Path, tokens: int = 1200, layers: int = 3, experts: int =
     path = folder / "trace.parquet"
     if not path.exists():
         save_trace(synthetic_trace(tokens, layers, experts, top_k, seed=0), path)
-        save_trace(synthetic_trace(tokens, layers, experts, top_k, seed=1), folder / "calib.parquet")
+        save_trace(synthetic_trace(tokens, layers, experts, top_k, seed=0, sample=1), folder / "calib.parquet")
     return path
 
 
@@ -67,7 +67,7 @@ def write_config(folder: Path, name: str = "t", **kw) -> Path:
     trace = make_trace(folder)
     cfg = {"name": name, "trace": str(trace), "calib_trace": str(folder / "calib.parquet"),
            "hosts": ["rtx3090", "rtx4090"], "trials": 6, "max_failures": 1,
-           "remeasure": {"emulation": False}, "space": SPACE}
+           "emulation": False, "space": SPACE}
     cfg.update(kw)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     path = folder / f"{name}.yaml"
@@ -75,14 +75,16 @@ def write_config(folder: Path, name: str = "t", **kw) -> Path:
     return path
 
 
-def driver_cmd(config: Path, out: Path, *extra: str) -> list[str]:
-    return [PY, str(REPO / "sweep" / "pareto.py"), "--config", str(config), "--out", str(out), *extra]
+def driver_cmd(config: Path, out: Path, *extra: str, faults: list[dict] | None = None) -> list[str]:
+    """sweep/pareto.py, or with `faults` its test-support wrapper (tests/sweep_faults.py); run from REPO."""
+    head = [PY, "-m", "tests.sweep_faults", json.dumps(faults)] if faults else [PY, str(REPO / "sweep" / "pareto.py")]
+    return [*head, "--config", str(config), "--out", str(out), *extra]
 
 
-def run_driver(config: Path, out: Path, *extra: str, timeout: float = 240, **env_extra: str
-               ) -> subprocess.CompletedProcess:
-    return subprocess.run(driver_cmd(config, out, *extra), cwd=REPO, env=env(**env_extra), capture_output=True,
-                          text=True, timeout=timeout)
+def run_driver(config: Path, out: Path, *extra: str, timeout: float = 240, faults: list[dict] | None = None,
+               **env_extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(driver_cmd(config, out, *extra, faults=faults), cwd=REPO, env=env(**env_extra),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def ledger(out: Path) -> list[dict]:

@@ -76,8 +76,9 @@ def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, micro_mod
     assert parent.info.status == "FINISHED"
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
                                   max_results=1000)
-    assert sorted(c.data.tags["key"] for c in children) == sorted(r["key"] for r in rows)
-    assert {c.data.tags["fidelity"] for c in children} == {"simulator", "emulation"}
+    assert {c.data.tags["host"] for c in children} == {"rtx3090", "rtx4090"}
+    assert "emulation" in {c.data.tags["fidelity"] for c in children}
+    assert all(c.info.run_name.endswith(c.data.tags["policy"]) for c in children)
     assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
@@ -90,7 +91,7 @@ def test_failing_and_killed_trials_are_retried_then_recorded_failed(ray_cluster,
     faults = [{"match": {"rule": "substitute_all"}, "action": "raise"},
               {"match": {"rule": "first_choice"}, "action": "kill"}]
     proc = run_driver(cfg, out, "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}", RAY_ADDRESS=ray_cluster.address,
-                      EXPERTSWEEP_FAULTS=json.dumps(faults), timeout=300)
+                      faults=faults, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {r["key"]: r for r in ledger(out)}
     assert len(rows) == 2 + 6
@@ -111,10 +112,10 @@ def test_driver_killed_mid_sweep_is_resumed(ray_cluster, tmp_path):
     cfg = write_config(tmp_path, trials=14, batch=2, baselines={"policies": ["rule-0.15", "speed-first"]})
     out = tmp_path / "out"
     db = f"sqlite:///{tmp_path / 'm.db'}"
-    e = env(RAY_ADDRESS=ray_cluster.address,
-            EXPERTSWEEP_FAULTS=json.dumps([{"match": {}, "action": "sleep", "seconds": 0.3}]))
+    e = env(RAY_ADDRESS=ray_cluster.address)
+    slow = [{"match": {}, "action": "sleep", "seconds": 0.3}]
     log = open(tmp_path / "driver1.log", "w")
-    proc = subprocess.Popen(driver_cmd(cfg, out, "--mlflow-uri", db), cwd=REPO, env=e, stdout=log,
+    proc = subprocess.Popen(driver_cmd(cfg, out, "--mlflow-uri", db, faults=slow), cwd=REPO, env=e, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 180
@@ -128,7 +129,7 @@ def test_driver_killed_mid_sweep_is_resumed(ray_cluster, tmp_path):
     before_keys = [json.loads(line)["key"] for line in before.splitlines() if line.strip()]
     parent = json.loads((out / "state.json").read_text())["parent_run_id"]
 
-    proc2 = subprocess.run(driver_cmd(cfg, out, "--resume"), cwd=REPO, env=e, capture_output=True, text=True,
+    proc2 = subprocess.run(driver_cmd(cfg, out, "--resume", faults=slow), cwd=REPO, env=e, capture_output=True, text=True,
                            timeout=300)
     assert proc2.returncode == 0, proc2.stderr[-4000:]
     after = (out / "trials.jsonl").read_text()
@@ -146,7 +147,9 @@ def test_driver_killed_mid_sweep_is_resumed(ray_cluster, tmp_path):
     client = MlflowClient(db)
     children = client.search_runs([client.get_experiment_by_name("expertsweep").experiment_id],
                                   f"tags.mlflow.parentRunId = '{parent}'", max_results=1000)
-    assert sorted(c.data.tags["key"] for c in children) == sorted(keys)
+    child_keys = [c.data.tags["key"] for c in children]
+    assert len(child_keys) == len(set(child_keys)), "a child run was written twice"
+    assert {c.data.tags.get("baseline") for c in children} >= {"rule-0.15", "speed-first"}
     assert client.get_run(parent).info.status == "FINISHED"
 
 
@@ -158,10 +161,10 @@ def test_worker_node_lost_mid_sweep_costs_only_its_running_trials(ray_cluster, t
     extra_id = extra_ids.pop()
     cfg = write_config(tmp_path, hosts=["rtx3090"], trials=24, batch=2, baselines={"policies": ["rule-0.15"]})
     out = tmp_path / "out"
-    e = env(RAY_ADDRESS=ray_cluster.address,
-            EXPERTSWEEP_FAULTS=json.dumps([{"match": {}, "action": "sleep", "seconds": 0.4}]))
+    e = env(RAY_ADDRESS=ray_cluster.address)
     log = open(tmp_path / "driver.log", "w")
-    proc = subprocess.Popen(driver_cmd(cfg, out, "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"), cwd=REPO,
+    proc = subprocess.Popen(driver_cmd(cfg, out, "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}",
+                                       faults=[{"match": {}, "action": "sleep", "seconds": 0.4}]), cwd=REPO,
                             env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 180

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -20,7 +21,7 @@ def _one_line_error(proc) -> str:
 
 
 @pytest.mark.parametrize("case", ["unknown parameter", "empty range", "missing trace", "missing model",
-                                  "unreachable mlflow", "bad faults"])
+                                  "unreachable mlflow", "calib is the text", "bad flag"])
 def test_bad_input_is_one_line_before_any_trial(tmp_path, case):
     extra: list[str] = []
     env: dict[str, str] = {}
@@ -42,9 +43,14 @@ def test_bad_input_is_one_line_before_any_trial(tmp_path, case):
     elif case == "unreachable mlflow":
         extra = ["--mlflow-uri", f"http://127.0.0.1:{free_port()}"]
         expect = "unreachable"
+    elif case == "calib is the text":
+        kw.update(trace=None, calib_trace=None, model="test", text=str(tmp_path / "t.txt"),
+                  calib_text=str(tmp_path / "t.txt"))
+        (tmp_path / "t.txt").write_text("some text")
+        expect = "is the evaluated text"
     else:
-        env["EXPERTSWEEP_FAULTS"] = "{not json"
-        expect = "EXPERTSWEEP_FAULTS"
+        extra = ["--trials", "many"]
+        expect = "--trials"
     cfg = write_config(tmp_path, **kw)
     out = tmp_path / "out"
     proc = run_driver(cfg, out, "--ray-address", "local", "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}",
@@ -75,7 +81,13 @@ def test_embedded_sweep_end_to_end(tmp_path):
         order = [r["baseline"] is not None for r in rows if r["host"] == host]
         assert order == sorted(order, reverse=True), f"{host}: a search trial finished before a baseline"
     summary = (out / "summary.md").read_text()
-    assert "fetch-every-miss" in summary or "x fetch-all" in summary
+    for host in ("rtx3090", "rtx4090"):  # each host's front as a table, one line per front policy
+        front = pd.read_csv(out / f"pareto_{host}.csv")
+        table = summary.split(f"### {host}")[1].split("\n\n")[1].splitlines()
+        assert len(table) == 2 + len(front) and len(front) >= 1
+        labels = [line.split("|")[1].strip() for line in table[2:]]
+        assert labels == [b if isinstance(b, str) else p for b, p in zip(front["baseline"], front["policy"], strict=True)]
+    assert "held-out" not in summary and "warm start" in summary.lower()
 
     client = MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("expertsweep")
@@ -116,7 +128,7 @@ def test_calibrated_host_is_measured_and_remeasured_by_the_engine(tmp_path, micr
     cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=512, trials=3,
                        hosts=[{"name": "box", "profile": "calibrate"}],
                        baselines={"policies": ["fetch-every-miss", "rule-0.15"]},
-                       remeasure={"emulation": True, "engine": True, "max_policies": 1},
+                       emulation={"rungs": [128], "max_full": 1, "engine": True},
                        space={"rule": {"choices": ["threshold", "first_choice"]}, "tau": {"low": 0.1, "high": 0.4},
                               "capacity_fraction": 0.25})
     out = tmp_path / "out"
@@ -130,3 +142,57 @@ def test_calibrated_host_is_measured_and_remeasured_by_the_engine(tmp_path, micr
     assert engine and all(r["host"] == "box" and r["status"] == "ok" and r["time_per_token_s"] > 0 for r in engine)
     assert any(r["fidelity"] == "emulation" for r in rows)
     assert "engine ms/token" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_ladder_fronts_in_perplexity_and_the_answer(tmp_path, micro_model):
+    """Screening -> a short rung -> the full budget on a micro model: the fronts are in perplexity space
+    (every row measured at the full budget, nothing dominated in time and perplexity), and the answer
+    exists per host and budget."""
+    budgets = [0.5, 1.0, 2.0, 50.0]
+    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=768, trials=10,
+                       emulation={"rungs": [256], "eta": 2, "max_full": 4}, ppl_budgets_pct=budgets,
+                       space={"rule": {"choices": ["threshold", "first_choice", "substitute_all"]},
+                              "tau": {"low": 0.05, "high": 0.5, "log": True},
+                              "evict": {"choices": ["lfu", "lru"]}, "capacity_fraction": 0.25})
+    out = tmp_path / "out"
+    proc = run_driver(cfg, out, "--ray-address", "local", "--num-cpus", "2", "--mlflow-uri",
+                      f"sqlite:///{tmp_path / 'm.db'}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = ledger(out)
+    full = {r["key"]: r for r in rows if r["fidelity"] == "emulation" and r["budget"] == "full"}
+    short = [r for r in rows if r["fidelity"] == "emulation" and r["budget"] == "256"]
+    assert short and all(r["status"] == "ok" for r in list(full.values()) + short)
+    assert len(full) <= 4 + 7  # max_full survivors + the named baselines
+    stats = json.loads((out / "stats.json").read_text())
+    rungs = stats["ladder"]["rungs"]
+    assert [r["rung"] for r in rungs] == [0, "full"] and rungs[0]["candidates"] == len(short)
+    assert rungs[1]["candidates"] == len(full)
+    from sweep.report import pareto_mask, policy_key
+
+    full_keys = {policy_key(r["params"]): r for r in full.values()}
+    for host in ("rtx3090", "rtx4090"):
+        front = pd.read_csv(out / f"pareto_{host}.csv")
+        assert len(front) >= 1 and set(front["front_kind"]) == {"perplexity"}
+        assert front[["ppl_change_pct", "ppl_ci_low", "ppl_ci_high"]].notna().all().all()
+        assert set(front["policy_key"]) <= set(full_keys)  # every front row was measured at the full budget
+        sims = {policy_key(r["params"]): r for r in rows if r["fidelity"] == "simulator" and r["host"] == host}
+        pts = [(sims[pk]["time_per_token_s"], f["ppl_change_pct"], pk) for pk, f in full_keys.items() if pk in sims]
+        # the front is the non-dominated set in (time, perplexity) over the full-budget policies ...
+        keep = pareto_mask(np.array([(t, p) for t, p, _ in pts]))
+        assert sorted(front["policy_key"]) == sorted(pk for (_, _, pk), k in zip(pts, keep, strict=True) if k)
+        # ... so a policy off it (whatever its mass) is beaten in both time and perplexity by a front row
+        on = set(front["policy_key"])
+        for t, p, pk in pts:
+            if pk not in on:
+                assert any(t2 <= t and p2 <= p for t2, p2, pk2 in pts if pk2 in on), pk
+    ans = pd.read_csv(out / "answer.csv")
+    assert sorted(ans["host"].unique()) == ["rtx3090", "rtx4090"]
+    assert sorted(ans["ppl_budget_pct"].unique()) == budgets
+    loose = ans[ans["ppl_budget_pct"] == 50.0]
+    assert loose["policy"].notna().all()  # fetch-every-miss (+0%) always fits a loose budget
+    assert (loose["ppl_ci_high"] <= 50.0).all() and (loose["speed_ratio_vs_fetch_all"] >= 1.0 - 1e-9).all()
+    summary = (out / "summary.md").read_text()
+    assert summary.index("## The answer") < summary.index("## Fronts (perplexity)")
+    tail = proc.stdout[proc.stdout.index("The answer"):]  # printed last
+    assert all(f"| {h} | {b:g}% |" in tail for h in ("rtx3090", "rtx4090") for b in budgets)

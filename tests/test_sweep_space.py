@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 
 import numpy as np
 import optuna
@@ -14,10 +15,10 @@ import yaml
 from runtime.errors import InputError
 from runtime.policy import PRESETS
 from sweep import config as sweep_config
+from sweep.ladder import screening_candidates
 from sweep.recorder import Ledger
-from sweep.remeasure import candidates
 from sweep.report import pareto_mask, pearson, policy_key, trials_frame, write_report
-from sweep.search import ORPHANED, HostSearch, HostStudy, journal_storage, make_sampler
+from sweep.search import HostSearch, HostStudy, journal_storage, make_sampler
 from sweep.space import complete, parse_space, policy_of
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -104,12 +105,21 @@ def test_config_errors(tmp_path):
                            ({"sampler": "cmaes"}, "sampler = 'cmaes'"),
                            ({"objectives": ["mass_per_token"]}, "objectives"),
                            ({"hosts": ["a", "a"]}, "listed twice"),
-                           ({"baselines": {"policies": ["nope"]}}, "baselines.policies")]:
-        with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+                           ({"baselines": {"policies": ["nope"]}}, "baselines.policies"),
+                           ({"emulation": {"rungs": [512, 256]}}, "emulation.rungs = [512, 256] must be increasing"),
+                           ({"max_tokens": 1024, "emulation": {"rungs": [1024]}}, "below max_tokens = 1024"),
+                           ({"emulation": {"max_full": 0}}, "emulation.max_full = 0"),
+                           ({"emulation": {"sizes": 1}}, "expected false or"),
+                           ({"ppl_budgets_pct": [1, -2]}, "ppl_budgets_pct"),
+                           ({"text": "a.txt", "calib_text": "./a.txt"}, "is the evaluated text")]:
+        with pytest.raises(InputError, match=re.escape(message)):
             sweep_config.from_dict({**base, **extra}, "x.yaml")
     cfg = sweep_config.from_dict({**base, "hosts": [{"name": "box", "profile": "preset:rtx3090"}]}, "x.yaml")
     assert cfg.hosts[0].resource == "host:box"
     assert cfg.baseline_capacity() == {"capacity_fraction": 0.25}
+    assert cfg.emulation.enabled and cfg.ppl_budgets_pct == (0.5, 1.0, 2.0)
+    off = sweep_config.from_dict({**base, "emulation": False, "ppl_budgets_pct": [2, 0.25]}, "x.yaml")
+    assert not off.emulation.enabled and off.ppl_budgets_pct == (0.25, 2.0)
 
 
 def test_journal_storage_round_trip_and_pickle(tmp_path):
@@ -131,7 +141,7 @@ def test_host_search_baselines_first_then_batches(tmp_path):
     space = parse_space(SPACE)
     storage = journal_storage(tmp_path / "o.journal")
     searchers = {h: HostStudy(space, ("time_per_token_s", "mass_per_token"), make_sampler("nsga2", 0, 4),
-                              storage, f"t:{h}") for h in ("a", "b")}
+                              storage, f"t:{h}", h) for h in ("a", "b")}
     base = {h: [{"key": f"{h}:baseline:rule-0.15", "number": None, "baseline": "rule-0.15",
                  "params": complete({**PRESETS["rule-0.15"].to_dict(), "capacity_fraction": 0.25})}]
             for h in ("a", "b")}
@@ -146,32 +156,42 @@ def test_host_search_baselines_first_then_batches(tmp_path):
         configs[f"t{i}"] = c
     assert sum(len(c["items"]) for c in configs.values()) == 10  # 5 per host, in batches of <= 2
     tid, c = next(iter(configs.items()))
-    rows = [{"number": it["number"], "baseline": None, "status": "ok", "time_per_token_s": 1.0,
+    host = c["host"]
+    rows = [{"key": it["key"], "number": it["number"], "baseline": None, "status": "ok", "time_per_token_s": 1.0,
              "mass_per_token": 0.1, "eval_seconds": 0.01} for it in c["items"]]
     hs.on_trial_result(tid, {"items": rows})
     hs.on_trial_result(tid, {"items": rows})  # a repeated report is told once
     hs.on_trial_complete(tid, {"items": []})
-    study = searchers[c["host"]].study
-    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    done = [t for t in searchers[host].study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) == len(rows)
-    # the state is saved as JSON data; a restore fails the trials asked but held by no restored Tune
-    # trial as orphans (not counted against the budget, so they are asked again)
-    held = next(t for t, c2 in configs.items() if t != tid and c2["host"] == c["host"])
+    # each finished trial is one record in the journal, with its key
+    record = optuna.load_study(study_name=f"t:{host}", storage=journal_storage(tmp_path / "o.journal"))
+    assert sorted(t.user_attrs["key"] for t in record.trials) == sorted(r["key"] for r in rows)
+    # the state is saved as JSON data; a restore rebuilds the studies from the records and asks the
+    # still-pending trials again with the same values; trials asked after the save do not count
+    held_tid, held = next((t, c2) for t, c2 in configs.items() if t != tid and c2["host"] == host)
     state = tmp_path / "hs.json"
     hs.save(str(state))
     saved = json.loads(state.read_text())
-    assert saved["asked"] == hs.asked and held in saved["pending"][c["host"]]
-    before = hs.asked[c["host"]]
-    extra = hs.searchers[c["host"]].study.ask()  # asked after the save: held by no Tune trial
+    assert saved["asked"] == hs.asked and set(saved["pending"][host][held_tid]) == {it["key"] for it in held["items"]}
+    hs.searchers[host].ask_batch("after-the-save", 2)  # lost with the driver
     again = {h: HostStudy(space, ("time_per_token_s", "mass_per_token"), make_sampler("nsga2", 0, 4),
-                          journal_storage(tmp_path / "o.journal"), f"t:{h}") for h in ("a", "b")}
+                          journal_storage(tmp_path / "o.journal"), f"t:{h}", h) for h in ("a", "b")}
     fresh = HostSearch(again, base, trials=5, batch=2, task_seconds=1.0, parallelism=1)
     fresh.restore(str(state))
-    st = again[c["host"]].study
-    assert extra.number in st.user_attrs[ORPHANED]
-    assert st.trials[extra.number].state == optuna.trial.TrialState.FAIL
-    assert fresh.asked[c["host"]] == before  # the orphan does not count
-    assert all(st.trials[n].state == optuna.trial.TrialState.RUNNING for n in saved["pending"][c["host"]][held])
+    assert fresh.asked == saved["asked"]
+    st = again[host].study
+    pending = [it for t, c2 in configs.items() if t != tid and c2["host"] == host for it in c2["items"]]
+    assert len(st.trials) == len(rows) + len(pending)
+    running = [t for t in st.trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert sorted(t.params["capacity_fraction"] for t in running) == sorted(
+        it["params"]["capacity_fraction"] for it in pending)
+    # the restored pending trials are told by key, then recorded
+    late = [{"key": it["key"], "number": it["number"], "baseline": None, "status": "ok", "time_per_token_s": 2.0,
+             "mass_per_token": 0.2, "eval_seconds": 0.01} for it in held["items"]]
+    fresh.on_trial_complete(held_tid, {"items": late})
+    assert len(again[host].record.trials) == len(rows) + len(late)
+    assert again[host].next_index > max(int(it["key"].split(":")[1]) for it in held["items"])
 
 
 def test_pareto_mask_and_front():
@@ -205,24 +225,38 @@ def _rows(host: str, n: int) -> list[dict]:
     return rows
 
 
-def test_report_files_and_candidates(tmp_path):
+def test_report_files_candidates_and_answer(tmp_path):
     rows = _rows("a", 12) + _rows("b", 9)
-    rows.append({"key": "emulation:1", "params": rows[2]["params"], "host": "all", "fidelity": "emulation",
-                 "status": "ok", "ppl_change_pct": 1.5, "ppl_ci_low": 1.0, "ppl_ci_high": 2.0, "mass_per_token": 0.3})
+    # two policies measured at the full budget: the slower one is exact, the faster costs 1.5%
+    fast, slow = rows[2], rows[4]
+    for r, (ppl, lo, hi) in ((fast, (1.5, 1.0, 2.0)), (slow, (0.0, 0.0, 0.0))):
+        rows.append({"key": f"emulation:full:{r['key']}", "params": r["params"], "host": "all",
+                     "fidelity": "emulation", "budget": "full", "status": "ok", "ppl_change_pct": ppl,
+                     "ppl_ci_low": lo, "ppl_ci_high": hi, "mass_per_token": 0.3})
     rep = write_report(tmp_path, rows, ["a", "b"], ("time_per_token_s", "mass_per_token"),
-                       {"name": "t", "objectives": ("time_per_token_s", "mass_per_token")})
-    for f in ("pareto_a.csv", "pareto_a.parquet", "pareto_b.csv", "speed_ratios.csv", "pareto.png",
-              "pareto_a.png", "summary.md", "trials.csv"):
+                       {"name": "t", "objectives": ("time_per_token_s", "mass_per_token"), "budgets": [1.0, 2.0]})
+    for f in ("pareto_a.csv", "pareto_a.parquet", "pareto_b.csv", "screening_a.csv", "speed_ratios.csv",
+              "pareto.png", "pareto_a.png", "summary.md", "trials.csv", "answer.csv"):
         assert (tmp_path / f).stat().st_size > 0, f
-    fr = pd.read_csv(tmp_path / "pareto_a.csv")
+    scr = pd.read_csv(tmp_path / "screening_a.csv")
     df = trials_frame(rows)
-    ok = df[(df.host == "a") & (df.status == "ok")]
-    for _, r in fr.iterrows():  # nothing in the front is dominated by an ok trial
-        assert not ((ok.time_per_token_s <= r.time_per_token_s) & (ok.mass_per_token <= r.mass_per_token)
-                    & ((ok.time_per_token_s < r.time_per_token_s) | (ok.mass_per_token < r.mass_per_token))).any()
-    assert "## Mass hypothesis" in (tmp_path / "summary.md").read_text()
-    cands = candidates(rep["fronts"], [rows[0]], 3)
-    assert policy_key(cands[0]) == policy_key(rows[0]["params"]) and len(cands) <= 4
+    for first in (True, False):  # nothing in a family's screening front is dominated within the family
+        ok = df[(df.host == "a") & (df.status == "ok") & (df.fetches_first_choice == first)]
+        for _, r in scr[scr.fetches_first_choice == first].iterrows():
+            assert not ((ok.time_per_token_s <= r.time_per_token_s) & (ok.mass_per_token <= r.mass_per_token)
+                        & ((ok.time_per_token_s < r.time_per_token_s) | (ok.mass_per_token < r.mass_per_token))).any()
+    # the reported front is in perplexity: only the two measured policies can be on it
+    fr = pd.read_csv(tmp_path / "pareto_a.csv")
+    assert set(fr["policy_key"]) <= {policy_key(fast["params"]), policy_key(slow["params"])}
+    assert fr[["ppl_change_pct", "ppl_ci_low", "ppl_ci_high"]].notna().all().all()
+    ans = rep["answer"].set_index(["host", "ppl_budget_pct"])
+    t_fast, t_slow = fast["time_per_token_s"], slow["time_per_token_s"]
+    assert ans.loc[("a", 1.0), "policy"] == slow["policy"]  # the 1.5% policy's upper bound (2%) exceeds 1%
+    assert ans.loc[("a", 2.0), "policy"] == (fast["policy"] if t_fast < t_slow else slow["policy"])
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.index("## The answer") < summary.index("## Mass hypothesis")
+    cands = screening_candidates(rows, ["a", "b"])
+    assert cands and all(policy_key(c) in set(df["policy_key"]) for c in cands)
 
 
 def test_ledger_writes_each_key_once(tmp_path):
