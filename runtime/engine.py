@@ -555,8 +555,6 @@ class Engine:
     def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, plan) -> torch.Tensor:
         """Experts' output for tokens x [N, H]: exact streaming (plan None) or the kernel's plan."""
         if plan is None:
-            from runtime.prefill import stream_layer  # noqa: PLC0415 - prefill imports this module
-
             return stream_layer(self, layer, x, ids, w)
         return self._apply_plan(layer, x, w, plan)
 
@@ -817,6 +815,64 @@ class Engine:
 
 
 @functools.cache
+def stream_layer(eng: Engine, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact experts' output for x [N, H], selection ids [N, k] and gate weights w [N, k] -> [N, H]: the
+    engine's exact mode (prefill, the exact reference). Resident experts read their slots; the others
+    stream host -> device through two staging buffers, the copy of the next expert overlapping the
+    compute of the current one. Tokens accumulate in the Hugging Face eager order (ascending expert
+    id, then rank-major token order), so the result equals the model's.
+
+    One device -> host read of the selection per call (which experts, which tokens); the token lists
+    go back to the device in one pinned, asynchronous copy; no other synchronisation."""
+    out = torch.zeros_like(x)
+    ids_h = ids.cpu().numpy()  # [N, k]
+    experts = np.unique(ids_h).tolist()  # ascending
+    N, k = ids_h.shape
+    # per expert, (token, rank) pairs in rank-major order, as the HF eager loop accumulates them
+    pos_l, tok_l, bounds = [], [], [0]
+    for e in experts:
+        pos, tok = np.nonzero((ids_h == e).T)  # [k, N] mask: rank-major
+        pos_l.append(pos)
+        tok_l.append(tok)
+        bounds.append(bounds[-1] + len(tok))
+    idx = torch.from_numpy(np.concatenate([np.concatenate(tok_l), np.concatenate(pos_l)]).astype(np.int64))
+    if eng.cuda:
+        idx = idx.pin_memory().to(eng.device, non_blocking=True)
+    M = bounds[-1]
+    toks, poss = idx[:M], idx[M:]
+    slots = {e: eng.resident_slot(layer, e) for e in experts}
+    stream = [e for e in experts if slots[e] < 0]
+    bufs = [eng.take_staging() for _ in range(min(2, len(stream)))]
+    handles: list = [None, None]
+
+    def issue(n: int) -> None:
+        handles[n % 2] = eng.copy_async(layer, stream[n], bufs[n % 2], stream="copy")
+        eng.stats["prefill_copies"] += 1
+
+    if stream:
+        issue(0)
+    n = 0
+    act = eng.act[layer]
+    for a, e in enumerate(experts):
+        if slots[e] >= 0:
+            buf = eng.slots[layer][slots[e]]
+        else:
+            eng.wait_copy(handles[n % 2])
+            buf = bufs[n % 2]
+            if n + 1 < len(stream):
+                issue(n + 1)  # into the other buffer, whose last reader (expert n-1) was marked below
+        tok, pos = toks[bounds[a] : bounds[a + 1]], poss[bounds[a] : bounds[a + 1]]
+        y = expert_forward(x[tok], buf.gate_up, buf.down, act) * w[tok, pos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+        if slots[e] < 0:
+            eng.mark_read(buf)  # the next copy into this buffer waits for this compute
+            n += 1
+    for b in bufs:
+        eng.give_staging(b)
+    return out
+
+
+
 def _takes_cache(cls: type) -> bool:
     return "cache" in inspect.signature(cls.forward).parameters
 
@@ -867,34 +923,6 @@ def cpu_threads(device: torch.device, threads: int | None):
         yield
     finally:
         torch.set_num_threads(old)
-
-
-def emulate_engine(model: str | os.PathLike, text: str | os.PathLike, policies: dict[str, PolicyConfig],
-                   capacity_fraction: float | None = 0.25, capacity=None, max_tokens: int | None = None,
-                   window: int | None = None, calib_text: str | os.PathLike | None = None, *,
-                   device: str | None = None, vram_budget: float | None = None, dtype: str = "fp32",
-                   host_store: str = "ram", **_ignored) -> dict:
-    """Compatibility wrapper: the engine backend (runtime/backends.py) over `policies`; returns
-    {"exact": {...}, name: Result.to_dict()} as the earlier `emulate_engine` did."""
-    from runtime import backends  # noqa: PLC0415 - backends imports this module lazily too
-    from runtime.spec import RunSpec  # noqa: PLC0415
-
-    if _ignored:
-        raise InputError(f"emulate_engine: unsupported arguments {sorted(_ignored)}")
-    dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, dtype)
-    if vram_budget is not None:
-        capacity = capacity_fraction = None
-    elif capacity is not None:
-        capacity_fraction = None
-    specs = {n: RunSpec(policy=p, name=n, capacity=capacity, capacity_fraction=capacity_fraction,
-                        vram_budget_GiB=vram_budget, model=str(model), text=str(text), max_tokens=max_tokens,
-                        window=window, calib_text=None if calib_text is None else str(calib_text), device=device,
-                        dtype=dt, host_store=host_store) for n, p in policies.items()}
-    res = backends.get_backend("engine").evaluate_many(list(specs.values()))
-    out: dict = {n: r.to_dict() for n, r in zip(specs, res, strict=True)}
-    first = res[0]
-    out["exact"] = {"perplexity": first.exact_perplexity, "tokens": first.tokens}
-    return out
 
 
 def load_engine(model_dir: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype = "fp32",
