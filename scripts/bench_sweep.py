@@ -117,7 +117,7 @@ def main() -> None:
 
     out = Path(a.out)
     argv = ["--config", a.config, "--out", str(out), "--trials", str(a.trials), "--ray-address", "local",
-            "--mlflow-uri", f"sqlite:///{out / 'mlflow.db'}", "--no-remeasure"]
+            "--mlflow-uri", f"sqlite:///{out / 'mlflow.db'}", "--no-emulation"]
     if a.trace:
         argv += ["--trace", a.trace]
     sampler = CpuSampler()

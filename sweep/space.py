@@ -93,7 +93,7 @@ class Param:
             return self.value
         if self.kind == "choice":
             v = trial.suggest_categorical(self.name, [OFF if c is None else c for c in self.choices])
-            return None if v == OFF else v
+            return None if v == OFF and None in self.choices else v
         if self.off and trial.suggest_categorical(_switch(self.name), [False, True]):
             return None
         if self.kind == "int":

@@ -268,3 +268,33 @@ def test_ledger_writes_each_key_once(tmp_path):
     again = Ledger(tmp_path / "l.jsonl")
     assert [r["key"] for r in again.rows] == ["a"]
     again.close()
+
+
+def test_policy_families_from_the_table_in_a_space():
+    """The fields added to the parameter table (fallback, lowbit, prefetch) are searchable with no
+    sweep-side list; a string choice named off (prefetch) stays a value, beta off stays None."""
+    space = parse_space(yaml.safe_load("""
+rule: {choices: [threshold, substitute_all]}
+tau: {low: 0.1, high: 0.4}
+fallback: {choices: [substitute, drop, host, lowbit]}
+lowbit_bits: {choices: [8, 4]}
+beta: {choices: [off, 0.5]}
+prefetch: {choices: [off, oracle]}
+prefetch_n: {low: 1, high: 8, off: true}
+capacity_fraction: 0.25
+"""))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(60):
+        trial = study.ask()
+        cfg = space.sample(trial)
+        pol = policy_of(cfg)
+        assert cfg["prefetch"] in ("off", "oracle") and cfg["beta"] in (None, 0.5)
+        assert ("lowbit_bits" in trial.params) == (cfg["fallback"] == "lowbit")
+        assert ("prefetch_n" in trial.params or "prefetch_n_off" in trial.params) == (cfg["prefetch"] != "off")
+        assert space.contains(cfg)
+        seen.add((pol.fallback, pol.prefetch))
+        study.tell(trial, 1.0)
+    assert len(seen) == 8
+    with pytest.raises(InputError, match="space.fallback.choices\\[0\\] = 'cpu' is unknown"):
+        parse_space({"fallback": {"choices": ["cpu"]}, "capacity_fraction": 0.25, "rule": "threshold", "tau": 0.2})
