@@ -191,9 +191,6 @@ class PolicyExperts(nn.Module):
         if ctx.cache is None and ctx.recorder is None:
             return self.compute(hidden_states, top_k_index, top_k_weights, None)
         logits = self.tap.logits.reshape(top_k_index.shape[0], -1)
-        if not torch.isfinite(logits).all():
-            bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
-            raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token {bad[0]} of this batch")
         score = self.scores(logits)  # [N, E]
         sel = torch.gather(score, 1, top_k_index)  # [N, k]
         # rank order: descending score, ties lower id (stable sort over ids sorted ascending)
@@ -209,8 +206,16 @@ class PolicyExperts(nn.Module):
         rest = score.scatter(1, ids, float("-inf"))
         others = torch.sort(-rest, dim=1, stable=True).indices[:, : max(depth - k, 0)]
         ranking = torch.cat([ids, others], dim=1)  # [N, M]
-        ids_np = ids.cpu().numpy().astype(np.int32)
-        w_np = w.detach().float().cpu().numpy()
+        # ONE device -> host read per layer (the kernel runs on the host): ids, weights, ranking and a
+        # finiteness flag per token, packed as float64 (exact for these ids and float32/bf16 weights)
+        finite = torch.isfinite(logits).all(dim=1, keepdim=True)  # [N, 1]
+        packed = torch.cat([ids.double(), w.detach().double(), ranking.double(), finite.double()], 1).cpu().numpy()
+        if not packed[:, -1].all():
+            bad = int(np.flatnonzero(packed[:, -1] == 0)[0])
+            raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token {bad} of this batch")
+        ids_np = packed[:, :k].astype(np.int32)
+        w_np = packed[:, k : 2 * k].astype(np.float32)
+        rank_np = packed[:, 2 * k : -1].astype(np.int32)  # [N, M]
         pol = ctx.cache.policy if ctx.cache is not None else None
         P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
         P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
@@ -219,7 +224,7 @@ class PolicyExperts(nn.Module):
             r = ctx.recorder
             r.ids[self.layer].append(ids_np)
             r.weights[self.layer].append(w_np.astype(np.float32))
-            r.ranking[self.layer].append(ranking[:, : r.depth].cpu().numpy().astype(np.int32))
+            r.ranking[self.layer].append(rank_np[:, : r.depth])
             if P_rec:
                 r.lookahead[self.layer].append(look[:, :P_rec])
         if ctx.cache is None:
@@ -233,11 +238,14 @@ class PolicyExperts(nn.Module):
             ctx.pending[self.layer] = None
             if self.layer + 1 < ctx.num_layers:
                 ctx.pending[self.layer + 1] = look[:, :P_pol]
-        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float32).astype(np.float64), ranking.cpu().numpy(),
-                             predicted=predicted)
+        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted)
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:
             ctx.decisions[self.layer].append((res.kind, res.served, res.slot))
+        if ctx.executor is not None and ctx.substitute_weight == "missed":
+            # the engine applies the plan itself (DROP computes nothing, LOWBIT from its copies): no
+            # decision tensors on the device, no further host-device synchronisation
+            return ctx.executor(self.layer, hidden_states, ids, w, res)
         kind = torch.from_numpy(res.kind.astype(np.int64)).to(ids.device)
         served = torch.from_numpy(res.served.astype(np.int64)).to(ids.device)
         new_w = w.clone()
