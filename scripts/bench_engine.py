@@ -24,6 +24,7 @@ shared host (it also leaves out time blocked on the link thread: admission stall
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -41,15 +42,23 @@ from runtime.calibrate import calibrate  # noqa: E402
 from runtime.engine import Engine, cpu_threads, load_engine  # noqa: E402
 from runtime.errors import atomic_write  # noqa: E402
 from runtime.kernel import PolicyCache, warm_residency  # noqa: E402
-from runtime.policy import PRESETS, resolve_capacities  # noqa: E402
+from runtime.policy import PRESETS, PolicyConfig, resolve_capacities  # noqa: E402
 from runtime.simulate import simulate  # noqa: E402
 
 log = logging.getLogger("bench_engine")
 
 AGREEMENT_POLICIES = ("fetch-every-miss", "rule-0.15", "quality-first")
 EXTRA_POLICIES = ("speed-first", "host-compute")
+# issue 11's families (--families): a prefetching and two fallback policies beside the paper's presets
+FAMILY_POLICIES = {
+    "fetch-all+lookahead": PolicyConfig(rule="fetch_all", prefetch="lookahead"),
+    "rule-0.15+host": PolicyConfig(rule="threshold", tau=0.15, fallback="host"),
+    "rule-0.15+lowbit4": PolicyConfig(rule="threshold", tau=0.15, fallback="lowbit", lowbit_bits=4, lowbit_group=64),
+}
+POLICIES: dict[str, PolicyConfig] = {}  # name -> config of this run (PRESETS plus the families)
 TARGET = 0.15
-COUNTERS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions")
+COUNTERS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "lowbit_computes",
+            "prefetches")
 
 
 def build_model(d: Path, hidden: int, inter: int, experts: int, top_k: int, layers: int) -> Path:
@@ -84,21 +93,23 @@ def build_model(d: Path, hidden: int, inter: int, experts: int, top_k: int, laye
 def record_policy(eng: Engine, name: str, windows: np.ndarray, caps: np.ndarray, init, sha: str) -> dict:
     """One engine run with the recorder on: the trace the engine saw, its counters and kernel events."""
     m = eng.m
-    cache = PolicyCache(PRESETS[name], m.E, m.k, caps, init)
-    rec = m.ctx.start_recording(m.E)
+    cache = PolicyCache(POLICIES[name], m.E, m.k, caps, init)
+    P = cache.prefetch_width if POLICIES[name].prefetch == "lookahead" else 0
+    rec = m.ctx.start_recording(m.E, lookahead=P)
     try:
         eng.teacher_forced(m, windows, cache)
     finally:
         m.ctx.recorder = None
     ids, w, rank = rec.arrays()
-    return {"trace": hfmodel.make_trace(m, ids, w, rank, windows, sha, f"bench_engine policy={name}"),
+    return {"trace": hfmodel.make_trace(m, ids, w, rank, windows, sha, f"bench_engine policy={name}",
+                                        lookahead=rec.lookahead_array()),
             "counters": {key: int(cache.counter_totals()[key]) for key in COUNTERS}, "events": eng.trace_events(),
             "times": [], "reports": []}
 
 
 def timed_run(eng: Engine, name: str, windows: np.ndarray, caps: np.ndarray, init, row: dict) -> float:
     m = eng.m
-    cache = PolicyCache(PRESETS[name], m.E, m.k, caps, init)
+    cache = PolicyCache(POLICIES[name], m.E, m.k, caps, init)
     _, rep = eng.teacher_forced(m, windows, cache)
     if any(int(cache.counter_totals()[key]) != row["counters"][key] for key in COUNTERS):
         raise RuntimeError(f"{name}: a timed run made different decisions than the recorded one")
@@ -107,7 +118,7 @@ def timed_run(eng: Engine, name: str, windows: np.ndarray, caps: np.ndarray, ini
 
 
 def simulated(name: str, row: dict, caps, init, profile, shape) -> float:
-    sim = simulate(row["trace"], PRESETS[name], caps, initial_residency=init, host=profile, model_shape=shape,
+    sim = simulate(row["trace"], POLICIES[name], caps, initial_residency=init, host=profile, model_shape=shape,
                    baselines=False)
     for key in COUNTERS:
         if sim.counters[key] != row["counters"][key]:
@@ -156,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pageable", action="store_true", help="CUDA: host store in pageable memory")
     p.add_argument("--clock", default="wall", choices=["wall", "thread"],
                    help="thread: the main thread's CPU time (CPU device mode; leaves out other processes' turns)")
+    p.add_argument("--families", action="store_true",
+                   help="also lookahead prefetch, host and 4-bit low-bit fallbacks (issue 11), reported beside")
     p.add_argument("--out", default=None, help="write the JSON results here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -174,14 +187,22 @@ def main(argv: list[str] | None = None) -> int:
                      "clock": a.clock, "cuda_context_bytes": eng.context_bytes,
                      "copies_block_host": eng.copies_block_host}
     names = AGREEMENT_POLICIES + EXTRA_POLICIES
+    POLICIES.update({n: PRESETS[n] for n in names})
+    if a.families:
+        fams = dict(FAMILY_POLICIES)
+        if importlib.util.find_spec("hqq") is None:
+            log.warning("no hqq: the low-bit family is left out")
+            fams = {n: p for n, p in fams.items() if p.fallback != "lowbit"}
+        POLICIES.update(fams)
+        names = names + tuple(fams)
     try:
         with cpu_threads(eng.device, a.threads):
             shape = costmodel.model_shape_from_hf_config(m.model.config.to_dict(), name="bench")
             if a.budget_for_fraction is not None:
                 c = resolve_capacities(None, m.num_layers, m.E, m.k, a.budget_for_fraction)
-                a.vram_budget = costmodel.budget_for_capacities(eng.shape, c, [PRESETS[n] for n in names]) * (1 + 1e-9)
+                a.vram_budget = costmodel.budget_for_capacities(eng.shape, c, [POLICIES[n] for n in names]) * (1 + 1e-9)
             if a.vram_budget is not None:
-                caps = eng.capacities_for_budget(a.vram_budget, [PRESETS[n] for n in names])
+                caps = eng.capacities_for_budget(a.vram_budget, [POLICIES[n] for n in names])
                 results["vram_budget_GiB"] = a.vram_budget
             else:
                 caps = resolve_capacities(None, m.num_layers, m.E, m.k, a.capacity_fraction or 0.25)

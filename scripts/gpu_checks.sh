@@ -22,8 +22,9 @@
 #   4 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
 #   5 oom        a device out-of-memory inside the engine's CLI: one 'expertsweep: error:' line, exit 2
 #   6 bench-pinned    scripts/bench_engine.py: calibration + simulated vs measured time per token for
-#                     fetch-every-miss, rule-0.15, quality-first, speed-first, host-compute at the VRAM
-#                     budget (runtime.costmodel) that holds 25% of the experts; speedups; peak vs budget
+#                     fetch-every-miss, rule-0.15, quality-first, speed-first, host-compute, and (--families)
+#                     lookahead prefetch, host and 4-bit fallbacks, at the VRAM budget (runtime.costmodel)
+#                     that holds 25% of the experts; speedups; peak vs budget
 #   7 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
 #   8 calibrate  runtime.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
 #   9 generate   runtime.generate: greedy agreement of quality-first with the exact model at that budget
@@ -203,7 +204,7 @@ exactness() {
     -k "$EXACT_K" --junitxml="$WORK/junit_exact.xml"
 }
 bench_pinned() {
-  "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds "$ROUNDS" --out "$RES/bench_pinned.json"
+  "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds "$ROUNDS" --families --out "$RES/bench_pinned.json"
 }
 bench_pageable() {
   "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds 1 --pageable --out "$RES/bench_pageable.json"
