@@ -11,7 +11,7 @@ import torch
 
 from runtime import adapters, backends, emulate
 from runtime.errors import InputError, cli_main
-from runtime.kernel import PolicyCache, warm_residency
+from runtime.kernel import COUNTER_NAMES, FLOAT_COUNTERS, INT_COUNTERS, PolicyCache, warm_residency
 from runtime.policy import PRESETS, PolicyConfig
 from runtime.simulate import simulate
 from runtime.trace import load_trace
@@ -117,9 +117,10 @@ def test_emulation_trace_replays_in_simulator(ckpts, text, tmp_path):
     tr = load_trace(tr_path)
     assert tr.M == tr.E and tr.T == emu["tokens"]
     sim = simulate(tr, pol, 3, initial_residency=[r for r in np.load(res_path)], baselines=False).to_dict()
-    for key in ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions"):
+    for key in INT_COUNTERS:
         assert sim[key] == emu[key], key
-    assert sim["substituted_mass"] == pytest.approx(emu["substituted_mass"], rel=1e-12)
+    for key in FLOAT_COUNTERS:
+        assert sim[key] == pytest.approx(emu[key], rel=1e-12), key
     assert emu["substitutions"] > 0 and emu["admissions"] > 0
 
 
@@ -149,8 +150,8 @@ def test_emulate_cli_json_and_nll(ckpts, text, tmp_path, capsys):
         raise SystemExit(0)
     assert e.value.code == 0
     res = json.loads(capsys.readouterr().out)
-    for key in ("perplexity", "exact_perplexity", "ppl_change_pct", "substituted_mass", "mass_per_token",
-                "calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions"):
+    for key in ("perplexity", "exact_perplexity", "ppl_change_pct", "ppl_ci_low", "ppl_ci_high", "mass_per_token",
+                "initial_residency", *COUNTER_NAMES):
         assert key in res, key
     lo, hi = res["ppl_change_ci95"]
     assert lo <= res["ppl_change_pct"] <= hi

@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 
 from runtime.errors import cli_main
+from runtime.kernel import COUNTER_NAMES
 from runtime.policy import PRESETS, PolicyConfig
 from runtime.simulate import main, simulate
-from runtime.trace import load_trace, save_trace, synthetic_trace
+from runtime.trace import calibration_twin, load_trace, save_trace, synthetic_trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 REPO = Path(__file__).resolve().parents[1]
-KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "substituted_mass",
-        "mass_per_token", "time_per_token_s", "speed_ratio_vs_fetch_all", "replay_seconds", "per_layer")
+KEYS = COUNTER_NAMES + ("mass_per_token", "time_per_token_s", "speed_ratio_vs_fetch_all", "replay_seconds", "per_layer",
+                        "initial_residency")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def traces(tmp_path_factory):
     d = tmp_path_factory.mktemp("traces")
     ev, cal = d / "eval.parquet", d / "calib.parquet"
     save_trace(synthetic_trace(300, 4, 64, 6, 16, seed=1), ev)
-    save_trace(synthetic_trace(200, 4, 64, 6, 16, seed=2), cal)
+    save_trace(calibration_twin(200, 4, 64, 6, 16, seed=1), cal)  # same routing model, other tokens
     return ev, cal
 
 
