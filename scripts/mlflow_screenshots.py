@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("mlflow_screenshots")
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars")
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+                  "--disable-dev-shm-usage")
 
 
 def free_port() -> int:
@@ -44,7 +45,7 @@ def start_server(store: str, artifacts: str, port: int, logs: Path) -> subproces
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     proc = subprocess.Popen(cmd, stdout=open(logs, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 600  # a loaded machine takes minutes to import the server
     while True:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -74,12 +75,25 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def shoot(chromium: str, url: str, path: Path, size: str, wait_ms: int) -> None:
+    """One PNG of `url`: Chromium waits `wait_ms` of real time for the page (MLflow's UI keeps polling,
+    so a virtual-time budget never runs out), then saves the screenshot; stopped by its process group."""
     with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
         cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
-               f"--virtual-time-budget={wait_ms}", f"--screenshot={path}", url]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0 or not path.is_file():
-        raise SystemExit(f"chromium failed on {url}: {proc.stderr[-1500:]}")
+               f"--timeout={wait_ms}", f"--screenshot={path}", url]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=wait_ms / 1000 + 240)
+        except subprocess.TimeoutExpired:
+            err = "timed out"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+    if not path.is_file():
+        raise SystemExit(f"chromium failed on {url}: {err[-1500:]}")
     log.info("saved %s (%s)", path, url)
 
 
@@ -91,7 +105,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "img"))
     ap.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
     ap.add_argument("--size", default="1600,1000")
-    ap.add_argument("--wait-ms", type=int, default=20000, help="virtual time the page gets to render")
+    ap.add_argument("--wait-ms", type=int, default=45000, help="time each page gets to load and render")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not a.chromium:

@@ -71,7 +71,7 @@ class Session:
     """Live state of one sweep in the driver."""
 
     def __init__(self, out: Path, ledger: Ledger, tracker, hosts: list[str], gpus: dict[str, str],
-                 objectives: tuple[str, ...], refresh_s: float = 5.0, totals: dict[str, int] | None = None):
+                 objectives: tuple[str, ...], refresh_s: float = 30.0, totals: dict[str, int] | None = None):
         self.out, self.ledger, self.tracker = out, ledger, tracker
         self.bars = {}
         if totals:  # a progress bar per host (trials recorded, with tqdm's rate and ETA)

@@ -44,15 +44,18 @@ def policy_key(params: dict[str, Any]) -> str:
 
 def pareto_mask(points: np.ndarray) -> np.ndarray:
     """Non-dominated rows of `points` [n, m] for minimisation (equal points are all kept)."""
-    n = len(points)
+    pts = np.asarray(points, float)
+    n = len(pts)
     keep = np.ones(n, dtype=bool)
-    for i in range(n):
-        if not keep[i]:
-            continue
-        dominated = np.all(points <= points[i], axis=1) & np.any(points < points[i], axis=1)
-        if dominated.any():
-            keep[i] = False
+    for i0 in range(0, n, 256):  # [b, n, m] comparisons a block of rows at a time
+        blk = pts[i0:i0 + 256]
+        le = np.all(pts[None, :, :] <= blk[:, None, :], axis=2)  # [b, n]: row j is <= row i everywhere
+        lt = np.any(pts[None, :, :] < blk[:, None, :], axis=2)  # [b, n]: and < somewhere
+        keep[i0:i0 + 256] = ~np.any(le & lt, axis=1)
     return keep
+
+
+_KIND: dict[str, tuple[str, bool]] = {}
 
 
 def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -63,9 +66,10 @@ def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
             continue
         rec = {k: v for k, v in r.items() if k != "params"}
         rec.update({k: r["params"].get(k) for k in PARAMETERS if k in r["params"]})
-        rec["policy_key"] = policy_key(r["params"])
-        rec["family"] = family(r["params"])
-        rec["fetches_first_choice"] = policy_of(r["params"]).fetches_first_choice
+        rec["policy_key"] = pk = policy_key(r["params"])
+        if pk not in _KIND:  # a policy's family, computed once per policy (the tables are rebuilt often)
+            _KIND[pk] = (family(r["params"]), policy_of(r["params"]).fetches_first_choice)
+        rec["family"], rec["fetches_first_choice"] = _KIND[pk]
         recs.append(rec)
     df = pd.DataFrame(recs)
     if not df.empty:

@@ -259,7 +259,7 @@ class HostSearch(Searcher):
         state["eval_seconds"] = {h: list(v) for h, v in self.eval_seconds.items()}
         state["pending"] = {h: s.pending for h, s in self.searchers.items()}
         with open(checkpoint_path, "w") as f:
-            json.dump(state, f)
+            f.write(json.dumps(state))  # dumps: the C encoder (json.dump streams through the Python one)
 
     def restore(self, checkpoint_path: str) -> None:
         with open(checkpoint_path) as f:
