@@ -24,7 +24,6 @@ into a trace's lookahead column (`start_recording(depth, lookahead=P)`).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,8 +32,6 @@ from torch import nn
 
 from runtime.errors import InputError
 from runtime.kernel import DROP, LOWBIT, SUB, PolicyCache
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

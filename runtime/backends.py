@@ -28,8 +28,6 @@ from runtime.errors import ArgumentParser, InputError, check_output_path, cli_ma
 from runtime.policy import add_policy_flags, policies_from_flags
 from runtime.spec import FLAGS, Result, RunSpec
 
-log = logging.getLogger(__name__)
-
 _COMMON = frozenset({"capacity", "capacity_fraction", "vram_budget_GiB", "max_tokens", "initial_residency",
                      "residency_out", "record_decisions"})
 _TEXT = frozenset({"model", "text", "window", "batch_windows", "calib_text", "calib_max_tokens", "dtype", "nll_out",
@@ -109,7 +107,7 @@ class EngineBackend(Backend):
         first = specs[0]
         dev = engine.resolve_device(first.device)
         with engine.device_errors(), engine.cpu_threads(dev, 1):
-            m = hfmodel.load(first.model, engine.parse_dtype(first.dtype))
+            m = hfmodel.load(first.model, hfmodel.parse_dtype(first.dtype))
             eng = engine.Engine(m, dev, host_store=first.host_store)
             try:
                 res = emulate.evaluate_group(m, specs, runner=eng.teacher_forced, backend=self.name, progress=progress)
@@ -126,12 +124,12 @@ _MODELS: dict[tuple, object] = {}
 
 def _loaded(spec: RunSpec):
     """The emulation's loaded checkpoint, kept between calls (one per model and dtype)."""
-    from runtime import engine, hfmodel
+    from runtime import hfmodel
 
     key = (spec.model, spec.dtype)
     if key not in _MODELS:
         _MODELS.clear()
-        _MODELS[key] = hfmodel.load(spec.model, engine.parse_dtype(spec.dtype))
+        _MODELS[key] = hfmodel.load(spec.model, hfmodel.parse_dtype(spec.dtype))
     return _MODELS[key]
 
 

@@ -48,6 +48,7 @@ from torch import nn
 
 from runtime import adapters, costmodel, hfmodel
 from runtime.errors import InputError, cli_main
+from runtime.hfmodel import parse_dtype
 from runtime.kernel import DROP, FETCH, HOST, LOWBIT, PolicyCache, StepResult, warmup
 from runtime.policy import PolicyConfig
 
@@ -931,11 +932,3 @@ def load_engine(model_dir: str | os.PathLike, device: str | None = None, dtype: 
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     dev = resolve_device(device)
     return Engine(hfmodel.load(model_dir, dt), dev, host_store=host_store, pinned=pinned, debug=debug)
-
-
-def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise InputError(f"{flag} = {name!r} must be one of fp32, bf16, fp16")
-    return table[name]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,13 @@ from runtime.errors import InputError
 from runtime.kernel import PolicyCache
 from runtime.trace import Trace, TraceMeta
 
-log = logging.getLogger(__name__)
+
+def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise InputError(f"{flag} = {name!r} must be one of fp32, bf16, fp16")
+    return table[name]
 
 
 @dataclass

@@ -23,7 +23,6 @@ a ranking row starts with the token's selection and holds distinct expert ids.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +30,6 @@ from numba import njit
 
 from runtime.errors import InputError
 from runtime.policy import EVICT_CODE, FALLBACK_CODE, RULE_CODE, PolicyConfig
-
-log = logging.getLogger(__name__)
 
 # decision kinds, per token, layer and top-k slot j
 HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5

@@ -28,15 +28,12 @@ LOWBIT decision exactly as a device holding those copies would.
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from runtime.errors import InputError
-
-log = logging.getLogger(__name__)
 
 BITS = (8, 4, 3, 2)
 HQQ_ITERS = 20  # HQQ's default number of half-quadratic iterations

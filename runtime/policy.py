@@ -16,7 +16,6 @@ is an alias, normalised at construction to `rule = substitute_all` (fetch nothin
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -24,8 +23,6 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InputError
-
-log = logging.getLogger(__name__)
 
 RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "band")
 EVICTS = ("lfu", "lru", "crf", "belady")

@@ -9,13 +9,9 @@ decoding starts from the cache's (warm) state.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from runtime.engine import Engine, forward_cached
-
-log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()

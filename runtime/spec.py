@@ -20,7 +20,6 @@ Warm start (docs/policies.md "Initial residency"): never the evaluated data.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -30,8 +29,6 @@ import numpy as np
 
 from runtime.errors import InputError
 from runtime.policy import PolicyConfig
-
-log = logging.getLogger(__name__)
 
 HELD_OUT = "held-out"
 HELD_OUT_FRACTION = 0.2  # the last 20% of the tokens calibrate a held-out warm start
