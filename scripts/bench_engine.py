@@ -117,23 +117,35 @@ def timed_run(eng: Engine, name: str, windows: np.ndarray, caps: np.ndarray, ini
     return rep["time_per_token_s"]
 
 
-def simulated(name: str, row: dict, caps, init, profile, shape) -> float:
+def params_for(name: str, profile, shape, pinned: bool) -> costmodel.CostParams:
+    pol = POLICIES[name]
+    return costmodel.cost_params(profile, shape, pinned=pinned, lowbit_bits=pol.lowbit_bits,
+                                 lowbit_group=pol.lowbit_group)
+
+
+def simulated(name: str, row: dict, caps, init, profile, shape, pinned: bool) -> float:
+    """The simulator on the engine's recorded trace (its counters must equal the engine's). A pageable
+    store: the simulator's kernel events (the same decisions) replayed with cost_params(pinned=False),
+    whose copies block the host (runtime.simulate models a pinned store)."""
     sim = simulate(row["trace"], POLICIES[name], caps, initial_residency=init, host=profile, model_shape=shape,
                    baselines=False)
     for key in COUNTERS:
         if sim.counters[key] != row["counters"][key]:
             raise RuntimeError(f"{name}: simulator {key} = {sim.counters[key]} != engine {row['counters'][key]}")
-    return sim.time_per_token_s
+    if pinned:
+        return sim.time_per_token_s
+    ev = row["events"]
+    return costmodel.replay_time(ev, np.ones(ev.shape[:2], bool), params_for(name, profile, shape, False)).per_token_s
 
 
-def summarize(name: str, row: dict, rounds: list[dict], caps, init, shape) -> dict:
+def summarize(name: str, row: dict, rounds: list[dict], caps, init, shape, pinned: bool = True) -> dict:
     """Per round: measured vs simulated with that round's calibration; the verdict is the median error."""
     meas = [r["measured"][name] for r in rounds]
-    sims = [simulated(name, row, caps, init, r["profile"], shape) for r in rounds]
+    sims = [simulated(name, row, caps, init, r["profile"], shape, pinned) for r in rounds]
     errs = [(s_ - m_) / m_ for s_, m_ in zip(sims, meas, strict=True)]
     i = int(np.argsort(errs)[len(errs) // 2])  # the median round
     ev = row["events"]
-    timing = costmodel.replay_time(ev, np.ones(ev.shape[:2], bool), costmodel.cost_params(rounds[i]["profile"], shape))
+    timing = costmodel.replay_time(ev, np.ones(ev.shape[:2], bool), params_for(name, rounds[i]["profile"], shape, pinned))
     rep = row["reports"][-1]
     return {"policy": name, "measured_time_per_token_s": meas[i], "simulated_time_per_token_s": sims[i],
             "rel_error": errs[i], "rounds_measured_s": meas, "rounds_simulated_s": sims, "rounds_rel_error": errs,
@@ -221,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     results["cuda_context_bytes"] = eng.context_bytes  # the largest measured during the runs (CUDA)
     costmodel.save_host_profile(rounds[-1]["profile"], work / "host.yaml")
     results["calibration_rounds"] = [r["calibration"] for r in rounds]
-    rows = {n: summarize(n, recorded[n], rounds, caps, init, shape) for n in names}
+    pinned = not (eng.cuda and not eng.store.pinned)
+    rows = {n: summarize(n, recorded[n], rounds, caps, init, shape, pinned) for n in names}
     for n, r in rows.items():
         print(f"{n:17s} measured {r['measured_time_per_token_s'] * 1e3:7.3f} ms/token  simulated "
               f"{r['simulated_time_per_token_s'] * 1e3:7.3f}  error {r['rel_error'] * 100:+6.1f}% (rounds "
