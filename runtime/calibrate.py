@@ -9,7 +9,8 @@ Measured with the engine itself (runtime/engine.py), at the model's shape and dt
   memcpy bandwidth);
 - one synchronous expert fetch, isolated (the engine's fetch path, host store -> slot, synchronised)
   and *in context*: a fetch-every-miss decode with k slots minus the substitute-all decode, per
-  fetch (both report; the in-context one sets `link_latency_us`);
+  fetch (both report; the in-context one sets `link_latency_us` when it lies within 0.25x-4x of
+  the isolated one, else it is taken for noise and the isolated one is used, with a warning);
 - how long a "non-blocking" copy holds the issuing thread, from pinned and from pageable memory;
 - the final norm + LM head once (`head_us`);
 - one expert computed from its packed 4-bit copy (group 64: dequantize on the device, then compute),
@@ -53,6 +54,8 @@ from runtime.policy import PRESETS
 
 log = logging.getLogger(__name__)
 
+# the in-context fetch is used when it lies within this band around the isolated one (else: noise)
+FETCH_CONTEXT_BAND = (0.25, 4.0)
 LOWBIT_BITS, LOWBIT_GROUP = 4, 64  # the low-bit expert time is measured at these (HostProfile.lowbit_expert_us)
 
 
@@ -192,8 +195,10 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
     fetch_decode_s = sum(per_tok["fetch"]) / len(per_tok["fetch"])
     nf = sum(fetches_per_tok) / len(fetches_per_tok)
     fetch_ctx_s = (fetch_decode_s - full_s) / nf if nf > 0 else float("nan")
-    if not fetch_ctx_s > 0:
-        log.warning("fetch in context measured <= 0 (%.3g s): using the isolated fetch %.3g s", fetch_ctx_s, fetch_s)
+    if not FETCH_CONTEXT_BAND[0] * fetch_s <= fetch_ctx_s <= FETCH_CONTEXT_BAND[1] * fetch_s:
+        # the difference of two decodes is noise when fetches are a small part of them (a loaded host)
+        log.warning("fetch in context %.3g s is outside [%g, %g] x the isolated fetch %.3g s (noise): using the "
+                    "isolated one", fetch_ctx_s, *FETCH_CONTEXT_BAND, fetch_s)
         fetch_used_s = fetch_s
     else:
         fetch_used_s = fetch_ctx_s
