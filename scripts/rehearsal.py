@@ -88,7 +88,8 @@ space:
 """
 
 
-def rehearse(name: str, a: argparse.Namespace, work: Path) -> dict:
+def rehearse(name: str, a: argparse.Namespace, work: Path, results: list[dict], save=lambda: None) -> dict:
+    """Every stage on one model; its result is appended to `results` first and saved after each stage."""
     from runtime.tinymodel import SPECS, is_complete, model_dir
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -96,7 +97,9 @@ def rehearse(name: str, a: argparse.Namespace, work: Path) -> dict:
     E = spec.num_experts
     res: dict = {"model": name, "layers": spec.num_layers, "experts": E, "top_k": spec.num_experts_per_tok,
                  "tokens": a.tokens, "stages": {}}
-    st = res["stages"]
+    st = _Stages(save)
+    res["stages"] = st
+    results.append(res)
     path = model_dir(name)
     cached = is_complete(path)
     st["build"] = run_stage([PY, "-m", "runtime.tinymodel", "--size", name, "--quiet"], env, a.timeout)
@@ -144,12 +147,22 @@ def rehearse(name: str, a: argparse.Namespace, work: Path) -> dict:
     st["engine"] = r = run_stage(
         [PY, "-m", "runtime.emulate", "--backend", "engine", "--device", "cpu", "--model", str(path), "--text",
          str(text), "--policy", "quality-first", "--capacity-fraction", "0.25", "--max-tokens",
-         str(a.engine_tokens), "--json"], env, a.timeout)
+         str(a.engine_tokens), "--window", str(min(a.engine_tokens, spec.seq_len)), "--json"], env, a.timeout)
     if r["rc"] == 0:
         r["time_per_token_s"] = _json_tail(r["stdout"]).get("time_per_token_s")
-    for v in st.values():
-        v.pop("stdout", None)
     return res
+
+
+class _Stages(dict):
+    """Stage results; each new stage is saved at once (a partial rehearsal keeps what ran)."""
+
+    def __init__(self, save) -> None:
+        super().__init__()
+        self._save = save
+
+    def __setitem__(self, key: str, value: dict) -> None:
+        super().__setitem__(key, value)
+        self._save()
 
 
 def _cell(s: dict | None) -> str:
@@ -204,16 +217,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-md", default=None)
     p.add_argument("--out-json", default=None)
     a = p.parse_args(argv)
-    results = []
+    results: list[dict] = []
+
+    def save() -> None:
+        if a.out_json:
+            clean = [{**r, "stages": {k: {f: v for f, v in s.items() if f != "stdout"} for k, s in r["stages"].items()}}
+                     for r in results]
+            Path(a.out_json).write_text(json.dumps(clean, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="rehearsal-") as work:
         for name in a.models.split(","):
-            results.append(rehearse(name, a, Path(work)))
+            rehearse(name, a, Path(work), results, save)
+            save()
             print(f"{name}: done", file=sys.stderr, flush=True)
     md = table(results)
     if a.out_md:
         Path(a.out_md).write_text(md)
-    if a.out_json:
-        Path(a.out_json).write_text(json.dumps(results, indent=2) + "\n")
     print(md)
 
 
