@@ -113,10 +113,21 @@ def mmap_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def pin_in_place(t: torch.Tensor, what: str) -> None:
-    """Page-lock a contiguous host tensor's memory where it is (cudaHostRegister): exactly its bytes, no
-    power-of-two rounding, no copy. Failure (not enough lockable memory, ulimit -l) is a one-line error."""
-    nbytes = t.numel() * t.element_size()
+def page_aligned_empty(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """A host tensor of `numel` elements that starts on a page boundary and owns every page it touches
+    (2 spare pages allocated around it), and the page-rounded byte length to register: a registration
+    never shares a page with another buffer (cudaHostRegister refuses a page registered twice)."""
+    page = mmap.PAGESIZE
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % page
+    return raw[off : off + nbytes].view(dtype), -(-nbytes // page) * page
+
+
+def pin_in_place(t: torch.Tensor, nbytes: int, what: str) -> None:
+    """Page-lock `nbytes` of host memory from `t`'s first byte where it is (cudaHostRegister): no copy and
+    no power-of-two rounding (only to whole pages). Failure (not enough lockable memory, ulimit -l) is a
+    one-line error."""
     try:
         rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
     except (RuntimeError, AttributeError) as exc:
@@ -155,10 +166,12 @@ class HostStore:
         fused, flat, ptrs = [], [], []
         for l_, ex in enumerate(experts):
             gu, d = ex.gate_up_proj.data, ex.down_proj.data
-            buf = torch.empty(gu.numel() + d.numel(), dtype=dtype)
             if pin:
-                pin_in_place(buf, f"the host expert store (MoE layer {l_})")
+                buf, nbytes = page_aligned_empty(gu.numel() + d.numel(), dtype)
+                pin_in_place(buf, nbytes, f"the host expert store (MoE layer {l_})")
                 ptrs.append(buf.data_ptr())
+            else:
+                buf = torch.empty(gu.numel() + d.numel(), dtype=dtype)
             fgu, fd = buf[: gu.numel()].view(gu.shape), buf[gu.numel():].view(d.shape)
             fgu.copy_(gu)
             fd.copy_(d)

@@ -411,3 +411,18 @@ def test_engine_fallbacks_and_prefetch_equal_emulation(pair, name):
         assert eng.stats["prefetch_copies"] == eng.stats["prefetch_applied"] + eng.stats["prefetch_wasted"]
     if pol.prefetch == "oracle":  # known only at the layer itself: loaded as it is decided
         assert tot["prefetches"] > 0 and eng.stats["prefetch_sync_loads"] == tot["prefetches"]
+
+
+def test_pinned_store_buffers_own_their_pages():
+    """cudaHostRegister refuses a page registered twice: each layer's buffer starts on a page and the
+    page-rounded registered range lies inside its own allocation."""
+    import mmap
+
+    from runtime.engine import page_aligned_empty
+
+    for n, dt in ((1000, torch.float32), (12345, torch.bfloat16), (1, torch.float16)):
+        t, nbytes = page_aligned_empty(n, dt)
+        st = t.untyped_storage()
+        assert t.numel() == n and t.dtype == dt and t.data_ptr() % mmap.PAGESIZE == 0
+        assert nbytes % mmap.PAGESIZE == 0 and n * t.element_size() <= nbytes < n * t.element_size() + mmap.PAGESIZE
+        assert st.data_ptr() <= t.data_ptr() and t.data_ptr() + nbytes <= st.data_ptr() + st.nbytes()
