@@ -139,9 +139,10 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
         buf = eng.slots[i % L][(i // L) % k]
         out.add_((expert_forward(x, buf.gate_up, buf.down, eng.act[0]) * w)[0])
 
-    def host():
+    def host():  # as the engine does it: the activation to the host, the expert there, the result back
         i = next(cycle)
-        out.add_((eng.host_expert(i % L, (i // L) % E, x) * w)[0])
+        y = eng.host_expert(i % L, (i // L) % E, x.to("cpu"))
+        out.add_((eng.result_to_device(y) * w)[0])
 
     dev_s = _mean_s(dev, repeats, sync, inner=L * k, clock=eng.clock)
     host_s = _mean_s(host, repeats, sync, inner=L * k, clock=eng.clock)

@@ -591,7 +591,8 @@ class Engine:
         gu, d = self.store.weights(layer, e)
         return expert_forward(x_host, gu, d, self.act[layer])
 
-    def _to_device(self, y: torch.Tensor) -> torch.Tensor:
+    def result_to_device(self, y: torch.Tensor) -> torch.Tensor:
+        """A host result back to the device: a non-blocking copy from pinned memory (CPU device mode: as is)."""
         if not self.cuda:
             return y
         return y.pin_memory().to(self.device, non_blocking=True)  # the caching host allocator keeps it alive
@@ -713,7 +714,7 @@ class Engine:
             # (5) host compute runs on the CPU while the device works through (4); results go back async
             for j in sorted(hosts, key=lambda j: served[i, j]):
                 y = self.host_expert(layer, int(served[i, j]), xh)
-                out[i] += (self._to_device(y) * w[i, j])[0]
+                out[i] += (self.result_to_device(y) * w[i, j])[0]
                 self.stats["host_computes"] += 1
             # (6) the admissions queued at this token start copying in the background
             while qi < len(queued) and queued[qi, 0] == t:
