@@ -390,8 +390,11 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
     tables = {h: measured(df, quality, rows, h) for h in hosts}
     fronts = {}
     for h in hosts:
-        if quality.empty:  # no emulation: the screening front is all there is
-            fronts[h] = screening.get(h, df.iloc[:0]).assign(front_kind="screening (mass)")
+        if quality.empty:  # no emulation: the screening front of the policies that always fetch the first
+            # choice (mass ranks them); one that can substitute it is never placed on a front by mass alone
+            scr = screening.get(h, df.iloc[:0])
+            scr = scr[scr["fetches_first_choice"].astype(bool)] if not scr.empty else scr
+            fronts[h] = scr.assign(front_kind="screening (mass, first-choice fetching)")
         else:
             fronts[h] = ppl_front(tables[h], objectives).assign(front_kind="perplexity")
         _write_csv(fronts[h], out / f"pareto_{h}.csv")

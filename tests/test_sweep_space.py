@@ -255,6 +255,15 @@ def test_report_files_candidates_and_answer(tmp_path):
     assert ans.loc[("a", 2.0), "policy"] == (fast["policy"] if t_fast < t_slow else slow["policy"])
     summary = (tmp_path / "summary.md").read_text()
     assert summary.index("## The answer") < summary.index("## Mass hypothesis")
+    # without any perplexity, the reported front holds only first-choice-fetching policies (never by mass alone)
+    sim_only = [r for r in rows if r.get("fidelity") == "simulator"]
+    (tmp_path / "sim").mkdir()
+    rep2 = write_report(tmp_path / "sim", sim_only, ["a", "b"], ("time_per_token_s", "mass_per_token"), {"name": "t"})
+    assert rep2["answer"].empty and "No perplexity was measured" in (tmp_path / "sim" / "summary.md").read_text()
+    for h in ("a", "b"):
+        f2 = pd.read_csv(tmp_path / "sim" / f"pareto_{h}.csv")
+        assert len(f2) >= 1 and f2["fetches_first_choice"].all()
+        assert (pd.read_csv(tmp_path / "sim" / f"screening_{h}.csv")["fetches_first_choice"] == False).any()  # noqa: E712
     cands = screening_candidates(rows, ["a", "b"])
     assert cands and all(policy_key(c) in set(df["policy_key"]) for c in cands)
 
