@@ -256,10 +256,10 @@ def finding_heavy(s: Setup, runs: dict[str, PolicyRun]) -> Row:
 
 
 def mass_policies() -> dict[str, PolicyConfig]:
-    """20 policies that always fetch the first choice: thresholds 0.05, 0.1, 0.15, 0.3 and first-choice
-    x {lfu, lru} x admission {off, beta 0.5}."""
+    """28 policies that always fetch the first choice: thresholds 0.05, 0.1, 0.15, 0.2, 0.3, 0.5 and
+    first-choice x {lfu, lru} x admission {off, beta 0.5}."""
     out = {}
-    for tau in (0.05, 0.1, 0.15, 0.3, None):
+    for tau in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, None):
         for evict in ("lfu", "lru"):
             for beta in (None, 0.5):
                 pol = (PolicyConfig(rule="first_choice", evict=evict, beta=beta) if tau is None else
