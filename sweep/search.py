@@ -269,5 +269,9 @@ class HostSearch(Searcher):
         self.baseline_trials = set(state["baseline_trials"])
         self.eval_seconds = {h: deque(state["eval_seconds"].get(h, []), maxlen=200) for h in self.hosts}
         # the searcher and Tune's trials were saved together, so they agree; the records may hold more
+        # (trials asked and finished after the save): a host's budget is spent by what its record holds
+        # and what its restored Tune trials still carry; trials asked after the save and never
+        # finished are asked anew
         for h, s in self.searchers.items():
             s.restore_pending(state["pending"].get(h, {}))
+            self.asked[h] = s.counted() + sum(len(e) for e in s.pending.values())

@@ -122,7 +122,7 @@ def test_driver_killed_mid_sweep_is_resumed(ray_cluster, tmp_path):
         while len(ledger(out)) < 12 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.5)
         assert proc.poll() is None, f"the driver ended before it was killed: {(tmp_path / 'driver1.log').read_text()[-3000:]}"
-        assert (out / "pareto_rtx3090.csv").exists() or (out / "pareto_rtx4090.csv").exists()  # written as they finish
+        assert (out / "screening_rtx3090.csv").exists() or (out / "screening_rtx4090.csv").exists()  # as they finish
     finally:
         stop_group(proc, signal.SIGKILL)
     before = (out / "trials.jsonl").read_text()
