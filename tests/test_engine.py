@@ -334,7 +334,7 @@ def test_other_families_equal_emulation(tmp_path, family):
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_FILES = ["bench_pageable.json", "bench_pinned.json", "calibrate.json", "generate.json", "gpu_checks.log",
                "host.yaml", "summary.md", "versions.json"]
-CHECK_STEPS = ["versions", "kernel", "engine-cpu", "exactness", "oom", "bench-pinned", "bench-pageable", "calibrate",
+CHECK_STEPS = ["versions", "kernel", "engine-cpu", "oom", "bench-pinned", "exactness", "bench-pageable", "calibrate",
                "generate"]
 
 
