@@ -114,11 +114,12 @@ class TinySpec:
             "head_dim",
             "seq_len",
             "batch_size",
-            "steps",
         )
         for f in positive:
             if getattr(self, f) <= 0:
                 raise InputError(f"TinySpec.{f}: must be > 0, got {getattr(self, f)}")
+        if self.steps < 0:
+            raise InputError(f"TinySpec.steps: must be >= 0 (0: random weights), got {self.steps}")
         if self.num_experts_per_tok > self.num_experts:
             raise InputError(
                 f"TinySpec.num_experts_per_tok: {self.num_experts_per_tok} > num_experts "
@@ -206,7 +207,8 @@ SPECS: dict[str, TinySpec] = {
         heldout_bytes=50_000,  # per domain and held-out split
     ),
     # Qwen3-Next's routing shape (48 MoE layers, 512 experts, top-10, a shared expert) at a tiny
-    # hidden size, briefly trained: for rehearsing every stage at that shape, not for quality.
+    # hidden size, with random weights: for rehearsing every stage's cost at that shape, not for
+    # quality (30 training steps collapsed its routing onto ~32 experts per layer: every call hit).
     "next-shape": TinySpec(
         name="next-shape",
         num_layers=48,
@@ -221,7 +223,7 @@ SPECS: dict[str, TinySpec] = {
         vocab_size=4096,
         seq_len=256,
         batch_size=4,
-        steps=30,
+        steps=0,
         warmup_steps=5,
         lr=3e-3,
         seed=0,
@@ -636,7 +638,11 @@ def build(spec: TinySpec, out_dir: Path, progress: bool = True) -> dict[str, Any
             train_tokens.numel(),
             spec.steps,
         )
-        train_log = train_model(model, train_tokens, spec, progress=progress)
+        if spec.steps:
+            train_log = train_model(model, train_tokens, spec, progress=progress)
+        else:  # random weights (the initialisation of the seed), e.g. for cost rehearsals
+            train_log = {"steps": 0, "tokens_seen": 0, "train_tokens": int(train_tokens.numel()),
+                         "train_wall_s": 0.0, "loss_curve": []}
         ev = evaluate(model, eval_tokens, spec)
         by_domain: dict[str, dict[str, float]] = {}
         for dom in corpus.domains():
@@ -798,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="training corpus (default: the spec's, stdlib)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="override the number of steps")
+    parser.add_argument("--steps", type=int, default=None, help="override the number of steps (0: random weights)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:

