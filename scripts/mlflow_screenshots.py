@@ -75,11 +75,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def shoot(chromium: str, url: str, path: Path, size: str, wait_ms: int) -> None:
-    """One PNG of `url`: Chromium waits `wait_ms` of real time for the page (MLflow's UI keeps polling,
-    so a virtual-time budget never runs out), then saves the screenshot; stopped by its process group."""
+    """One PNG of `url`: Chromium gives the page `wait_ms` of virtual time (its scripts run; the budget
+    pauses while requests are in flight) and at most `wait_ms` of real time (MLflow's UI keeps
+    polling, so the virtual budget alone may never run out), then saves the screenshot; stopped by
+    its process group."""
     with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
         cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
-               f"--timeout={wait_ms}", f"--screenshot={path}", url]
+               f"--virtual-time-budget={wait_ms}", f"--timeout={wait_ms}", f"--screenshot={path}", url]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:
