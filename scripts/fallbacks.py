@@ -31,6 +31,7 @@ from tqdm import tqdm  # noqa: E402
 
 from runtime import costmodel, hfmodel  # noqa: E402
 from runtime.backends import get_backend  # noqa: E402
+from runtime.errors import InputError  # noqa: E402
 from runtime.policy import PolicyConfig  # noqa: E402
 from runtime.spec import RunSpec  # noqa: E402
 
@@ -74,7 +75,12 @@ def run(model: str, max_tokens: int, fraction: float, tmp: Path) -> list[dict]:
         tr, res = tmp / f"{i}.parquet", tmp / f"{i}.npy"
         spec = RunSpec(policy=pol, name=name, model=str(mdir), text=str(text), max_tokens=max_tokens,
                        trace_out=str(tr), residency_out=str(res), **size)
-        r = emu.evaluate(spec)
+        try:
+            r = emu.evaluate(spec)
+        except InputError as exc:  # e.g. the low-bit copies alone exceed the budget: a finding, not a crash
+            rows.append({"policy": name, "size": size_label, "infeasible": str(exc)})
+            _flush(rows)
+            continue
         d = r.to_dict()
         row = {"policy": name, "size": size_label, "capacity": r.capacity[0], "ppl_change_pct": r.ppl_change_pct,
                "ppl_ci": [r.ppl_ci_low, r.ppl_ci_high], "substituted_calls_pct": 100 * d["substituted_call_fraction"],
@@ -87,7 +93,17 @@ def run(model: str, max_tokens: int, fraction: float, tmp: Path) -> list[dict]:
             row[f"ms_{host}"] = s.time_per_token_s * 1e3
             row[f"x_{host}"] = s.speed_ratio_vs_fetch_all
         rows.append(row)
+        _flush(rows)
     return rows
+
+
+_PARTIAL: Path | None = None
+
+
+def _flush(rows: list[dict]) -> None:
+    """Rows so far (a long run that is stopped still leaves what it measured)."""
+    if _PARTIAL is not None:
+        _PARTIAL.write_text(json.dumps(rows, indent=2))
 
 
 def markdown(rows: list[dict], header: str) -> str:
@@ -95,6 +111,9 @@ def markdown(rows: list[dict], header: str) -> str:
            + " | ".join(f"{h} ms/token (x vs fetch-every-miss)" for h in HOSTS) + " |",
            "|---|---|---|---|---|---|" + "---|" * len(HOSTS)]
     for r in rows:
+        if "infeasible" in r:
+            out.append(f"| {r['policy']} | {r['size']} | does not fit: {r['infeasible']} | | | |" + " |" * len(HOSTS))
+            continue
         acc = f"{100 * r['prefetch_accuracy']:.0f}%" if r["prefetch_accuracy"] is not None else ""
         cache = f"{r['size']}" + (f" (C = {r['capacity']})" if "GiB" in r["size"] else "")
         out.append(f"| {r['policy']} | {cache} | {r['ppl_change_pct']:+.2f} [{r['ppl_ci'][0]:+.2f}, {r['ppl_ci'][1]:+.2f}] | "
@@ -112,6 +131,8 @@ def main() -> None:
     ap.add_argument("--out-json", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    global _PARTIAL
+    _PARTIAL = Path(a.out_json).with_suffix(".partial.json") if a.out_json else None
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         rows = run(a.model, a.max_tokens, a.capacity_fraction, Path(d))
