@@ -334,30 +334,7 @@ def hf_tokenizer(tok: Any, spec: TinySpec) -> Any:
 def make_config(spec: TinySpec, vocab_size: int, eos_id: int) -> Any:
     from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
-    if spec.architecture == "qwen2_moe":
-        return Qwen2MoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            moe_intermediate_size=spec.moe_intermediate_size,
-            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-            num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            num_experts=spec.num_experts,
-            num_experts_per_tok=spec.num_experts_per_tok,
-            norm_topk_prob=spec.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-            router_aux_loss_coef=spec.router_aux_loss_coef,
-            max_position_embeddings=spec.seq_len,
-            tie_word_embeddings=False,
-            bos_token_id=eos_id,
-            eos_token_id=eos_id,
-            pad_token_id=eos_id,
-        )
-    return Qwen3MoeConfig(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -365,7 +342,6 @@ def make_config(spec: TinySpec, vocab_size: int, eos_id: int) -> Any:
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
         num_experts=spec.num_experts,
         num_experts_per_tok=spec.num_experts_per_tok,
         norm_topk_prob=spec.norm_topk_prob,
@@ -379,6 +355,9 @@ def make_config(spec: TinySpec, vocab_size: int, eos_id: int) -> Any:
         eos_token_id=eos_id,
         pad_token_id=eos_id,
     )
+    if spec.architecture == "qwen2_moe":  # carries a shared expert (qwen3_moe cannot)
+        return Qwen2MoeConfig(**common, shared_expert_intermediate_size=spec.shared_expert_intermediate_size)
+    return Qwen3MoeConfig(**common, head_dim=spec.head_dim)
 
 
 def _lr_factor(step: int, spec: TinySpec) -> float:
