@@ -18,6 +18,7 @@ from runtime.policy import PolicyConfig
 from runtime.record import record_trace
 from runtime.simulate import simulate
 from runtime.trace import load_trace
+from tests.test_emulate import logits_under
 from tests.tiny_hf import build_tiny
 
 TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()
@@ -97,12 +98,7 @@ def test_lowbit_logits_close_to_exact_and_ordered_by_bits(ckpts):
     caps = np.full(m.num_layers, m.k + 1)
 
     def logits(cache):
-        m.ctx.cache = cache
-        try:
-            with torch.inference_mode():
-                return m.model(input_ids=ids, use_cache=False).logits.float()
-        finally:
-            m.ctx.cache = None
+        return logits_under(m, ids, cache)
 
     exact = logits(None)
     dev = {}
