@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +69,9 @@ class Exact:
     init_file: list | None = None  # per-layer ids from a .npy or a calibration trace
 
 
-_EXACT: dict[tuple, Exact] = {}  # kept between calls (a sweep worker evaluates many policies on one input)
+# kept between calls (a sweep worker evaluates many policies on one input), per loaded model and
+# only while that model lives: keyed by the module itself, never by id(), which a later model reuses
+_EXACT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float, float]:
@@ -85,9 +88,10 @@ def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1
 
 def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False) -> Exact:
     """Tokenize, split off the warm-start tokens, run the exact model; cached per input."""
-    key = (id(m.model),) + tuple(getattr(spec, f) for f in GROUP_FIELDS[1:-1])
-    if key in _EXACT:
-        return _EXACT[key]
+    cached = _EXACT.setdefault(m.model, {})
+    key = tuple(getattr(spec, f) for f in GROUP_FIELDS[1:-1])
+    if key in cached:
+        return cached[key]
     W = spec.window or default_window(m)
     ids, sha = read_tokens(m, spec.text)
     ir = spec.initial_residency
@@ -119,9 +123,9 @@ def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False) -> Exact:
     t0 = time.perf_counter()
     _, _, _, nll = record(m, windows, m.k, spec.batch_windows, progress, desc="exact")
     ex = Exact(windows, sha, nll, time.perf_counter() - t0, calib_ids, source, init_file)
-    if len(_EXACT) >= 4:
-        _EXACT.pop(next(iter(_EXACT)))
-    _EXACT[key] = ex
+    if len(cached) >= 4:
+        cached.pop(next(iter(cached)))
+    cached[key] = ex
     return ex
 
 

@@ -124,6 +124,26 @@ def test_emulation_trace_replays_in_simulator(ckpts, text, tmp_path):
     assert emu["substitutions"] > 0 and emu["admissions"] > 0
 
 
+def test_exact_pass_cache_is_per_model_and_dies_with_it(ckpts, text):
+    """The exact pass is cached per loaded model only while it lives: a later model (which may get
+    the freed one's id()) must never be handed the earlier model's warm start (CI saw the engine run
+    qwen2_moe from qwen3_moe's warm start that way)."""
+    import gc
+
+    from runtime.spec import RunSpec
+
+    spec = RunSpec(policy=PRESETS["first-choice"], model=str(ckpts["qwen3_moe"]), text=str(text), capacity=3,
+                   window=16, max_tokens=96, initial_residency="held-out")
+    a, b = emulate.load(ckpts["qwen3_moe"]), emulate.load(ckpts["qwen2_moe"])
+    ex_a, ex_b = emulate.exact_pass(a, spec), emulate.exact_pass(b, spec)
+    assert emulate.exact_pass(a, spec) is ex_a  # cached for the same model
+    assert not np.array_equal(ex_a.nll, ex_b.nll)  # another model, its own pass
+    n = len(emulate._EXACT)
+    del a, ex_a
+    gc.collect()
+    assert len(emulate._EXACT) == n - 1  # the freed model's entry is gone with it
+
+
 def test_record_cli_and_warm_residency(ckpts, text, tmp_path, capsys):
     from runtime import record
 
