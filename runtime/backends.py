@@ -23,10 +23,10 @@ import logging
 import sys
 from collections.abc import Callable
 
-from runtime import emulate, simulate
+from runtime import simulate
 from runtime.errors import ArgumentParser, InputError, check_output_path, cli_main
 from runtime.policy import add_policy_flags, policies_from_flags
-from runtime.spec import FLAGS, Result, RunSpec
+from runtime.spec import FLAGS, GROUP_FIELDS, Result, RunSpec
 
 _COMMON = frozenset({"capacity", "capacity_fraction", "vram_budget_GiB", "max_tokens", "initial_residency",
                      "residency_out", "record_decisions"})
@@ -69,7 +69,7 @@ class Backend:
         return out  # type: ignore[return-value]
 
     def _group_key(self, spec: RunSpec) -> tuple:
-        return tuple(getattr(spec, f) for f in emulate.GROUP_FIELDS)
+        return tuple(getattr(spec, f) for f in GROUP_FIELDS)
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
         raise NotImplementedError
@@ -92,6 +92,9 @@ class Emulation(Backend):
     refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
+        # torch-side: imported when first used (a simulator-only sweep worker never imports torch)
+        from runtime import emulate
+
         m = _loaded(specs[0])
         return emulate.evaluate_group(m, specs, backend=self.name, progress=progress)
 
@@ -102,7 +105,7 @@ class EngineBackend(Backend):
     refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
-        from runtime import engine, hfmodel  # torch-side engine: imported when first used
+        from runtime import emulate, engine, hfmodel  # torch-side: imported when first used
 
         first = specs[0]
         dev = engine.resolve_device(first.device)
@@ -150,6 +153,8 @@ def evaluate(spec: RunSpec, backend: str = "simulator", progress: bool = False) 
 # ---------------------------------------------------------------- python -m runtime.emulate
 
 def build_parser(backends: tuple[str, ...] = ("emulation", "engine")) -> argparse.ArgumentParser:
+    from runtime import emulate
+
     p = ArgumentParser(prog="python -m runtime.emulate", description=emulate.__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--text", required=True, help="UTF-8 text file to evaluate")

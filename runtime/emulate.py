@@ -46,14 +46,11 @@ from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime
 )
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PolicyConfig, resolve_capacities
-from runtime.spec import HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
+from runtime.spec import GROUP_FIELDS, HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
 from runtime.trace import load_trace, save_trace
 
 log = logging.getLogger(__name__)
 
-# fields every spec of one group shares (one exact pass, one warm-start source)
-GROUP_FIELDS = ("model", "text", "max_tokens", "window", "batch_windows", "initial_residency", "calib_text",
-                "calib_max_tokens", "dtype", "device", "host_store", "nll_out")
 
 
 @dataclass

@@ -32,6 +32,9 @@ from runtime.policy import PolicyConfig
 
 HELD_OUT = "held-out"
 HELD_OUT_FRACTION = 0.2  # the last 20% of the tokens calibrate a held-out warm start
+# the fields every spec of one evaluation group shares (one exact pass, one warm-start source)
+GROUP_FIELDS = ("model", "text", "max_tokens", "window", "batch_windows", "initial_residency", "calib_text",
+                "calib_max_tokens", "dtype", "device", "host_store", "nll_out")
 DTYPES = ("fp32", "bf16", "fp16")
 SUBSTITUTE_WEIGHTS = ("missed", "own")
 

@@ -103,6 +103,25 @@ class CpuSampler(threading.Thread):
         return sorted(((cpu, name[:90]) for cpu, name in self.seen.values()), reverse=True)[:n]
 
 
+def wall_gaps(rows: list[dict], t0: float, t1: float, slots: int) -> dict[str, float]:
+    """Where the trial slots' wall time outside the simulator went, from each worker's rows
+    (`finished_at`, `eval_seconds`), in slot-seconds: before a worker's first trial (process and
+    actor start, imports, trace load), between its trials (reporting to the driver, Tune trial
+    turnover), after its last trial (the tail: waiting for the other slots), and slots that never
+    ran a trial."""
+    by_pid: dict[int, list[tuple[float, float]]] = {}
+    for r in rows:
+        by_pid.setdefault(r["pid"], []).append((r["finished_at"] - r["eval_seconds"], r["finished_at"]))
+    out = {"start": 0.0, "between_trials": 0.0, "tail": 0.0, "idle_slots": max(0, slots - len(by_pid)) * (t1 - t0)}
+    for spans in by_pid.values():
+        spans.sort()
+        out["start"] += max(0.0, spans[0][0] - t0)
+        out["between_trials"] += sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:], strict=False))
+        out["tail"] += max(0.0, t1 - spans[-1][1])
+    out["total_slot_seconds"] = slots * (t1 - t0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "search_spaces" / "bench.yaml"))
@@ -141,6 +160,7 @@ def main() -> None:
     fit_cpu = sampler.window(*res["stats"]["fit_window"], trial_pids)
     fit_overhead = (sum(fit_cpu.values()) - sim_cpu) / max(sim_cpu, 1e-9)
     mlflow_cpu = st["mlflow_cpu_seconds"]
+    gaps = wall_gaps(sim, *res["stats"]["fit_window"], st["slots"])
     from runtime.trace import load_trace
 
     tr = load_trace(res["trace"])
@@ -153,6 +173,7 @@ def main() -> None:
         "overhead_wall_fraction": st["overhead_fraction"], "slots": st["slots"],
         "loadavg_start_end": [load0, load1], "trace": f"T={tr.T} L={tr.L} E={tr.E} k={tr.k}",
         "top_processes": sampler.top(),
+        "slot_seconds_not_simulating": gaps,
     }
     print(json.dumps(result, indent=2))
     if a.markdown:
@@ -165,6 +186,7 @@ def main() -> None:
         print(f"| {len(sim)} | {st['sweep_seconds']:.0f} | {st['trials_per_hour']:,.0f} | "
               f"{result['simulator_cpu_per_trial_ms']:.0f} ms | {st['overhead_fraction']:.1%} | {fit_overhead:.1%} | "
               f"{result['mlflow_fraction']:.1%} | {overhead:.1%} |")
+        print("\nslot-seconds not simulating: " + ", ".join(f"{k} {v:.1f}" for k, v in gaps.items()))
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,6 @@ budget scores 0.
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,8 +42,6 @@ import optuna
 from runtime.policy import PRESETS
 from sweep.report import pareto_mask, policy_key
 from sweep.space import policy_of
-
-log = logging.getLogger(__name__)
 
 FULL = "full"
 

@@ -105,9 +105,12 @@ def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = 
             return False, ctx.address_info.get("session_dir")
         except ConnectionError:
             pass
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # explicit: a private single-node cluster on 127.0.0.1
+    # explicit: a private single-node cluster, no dashboard. Its gRPC servers bind every interface
+    # whatever one asks (Ray's choice; ray.init's hidden `_node_ip_address` changes nothing there:
+    # measured, docs/sweep.md), so only public arguments are passed.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     ctx = ray.init(num_cpus=num_cpus or os.cpu_count(), resources=hosts.local_resources(host_specs),
-                   include_dashboard=False, object_store_memory=256 * 2**20, _node_ip_address="127.0.0.1", **quiet)
+                   include_dashboard=False, object_store_memory=256 * 2**20, **quiet)
     return True, ctx.address_info.get("session_dir")
 
 

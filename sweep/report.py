@@ -21,7 +21,6 @@ policies that always fetch the first choice.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,6 @@ import pandas as pd
 
 from runtime.errors import atomic_write
 from sweep.space import PARAMETERS, policy_of
-
-log = logging.getLogger(__name__)
 
 RATIO_COLUMNS = ("speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute", "speed_ratio_vs_all_resident")
 

@@ -22,7 +22,6 @@ Each host's finished trials are recorded in Optuna's own `JournalStorage` on `Jo
 from __future__ import annotations
 
 import json
-import logging
 import math
 import statistics
 import warnings
@@ -35,8 +34,6 @@ from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
 from sweep.space import Space
-
-log = logging.getLogger(__name__)
 
 DEFAULT_EVAL_S = 0.05  # assumed seconds per simulator trial until a host has reported some
 

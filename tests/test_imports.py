@@ -65,3 +65,15 @@ def test_no_import_cycles():
 def test_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_simulator_side_never_imports_torch():
+    """A simulator-only sweep worker (and the simulator CLI) starts without torch: importing it costs
+    ~1.3 s of CPU per worker process, charged to every sweep (docs/sweep.md, overhead)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sweep.worker, runtime.simulate, runtime.backends; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
