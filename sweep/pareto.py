@@ -239,7 +239,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
     import ray
     from ray import tune
 
-    from sweep.recorder import Ledger, Session, SweepRecorder
+    from sweep.ledger import Ledger, LedgerCallback, Session
     from sweep.search import HostSearch, HostStudy, journal_storage, make_sampler
     from sweep.worker import TraceStore, run_task, trial_name, trial_resources
 
@@ -299,7 +299,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
                                         trial_name_creator=trial_name, trial_dirname_creator=trial_name),
             run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
-                                      callbacks=[SweepRecorder(str(out))]))
+                                      callbacks=[LedgerCallback(str(out))]))
     status = "FAILED"
     try:
         results = tuner.fit()
@@ -365,7 +365,7 @@ def _ladder(cfg, inputs, session, ledger, enabled: bool) -> tuple[list[str], dic
                 "only the simulator's screening (mass view)."], {}
     cands = ladder.screening_candidates(ledger.rows, session.hosts)
     bases = ladder.baseline_params(list(cfg.baseline_policies), cfg.baseline_capacity())
-    measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.record)
+    measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.add_rows)
     stats = ladder.run_ladder(cands, bases, ledger.rows, session.hosts, list(cfg.emulation.rungs), cfg.emulation.eta,
                               cfg.emulation.max_full, cfg.max_tokens, list(cfg.ppl_budgets_pct), measure, cfg.seed)
     full_params = {report.policy_key(p): p for p in cands + bases}

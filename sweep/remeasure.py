@@ -52,10 +52,10 @@ def emulation_spec(params: dict[str, Any], model_dir: str, text: str, tokens: in
 class Measurer:
     """Emulation (and engine) measurements of policy configs, recorded in the ledger once each."""
 
-    def __init__(self, model_dir: str, text: str, calib_text: str | None, ledger, record,  # noqa: ANN001
+    def __init__(self, model_dir: str, text: str, calib_text: str | None, ledger, add_rows,  # noqa: ANN001
                  progress: bool = True):
         self.model_dir, self.text, self.calib_text = model_dir, text, calib_text
-        self.ledger, self.record = ledger, record
+        self.ledger, self.add_rows = ledger, add_rows
         self.progress = progress
         self.tasks_seconds = 0.0
 
@@ -99,7 +99,7 @@ class Measurer:
                 else:
                     row.update(status="ok", **{k: r.get(k) for k in ROW_FIELDS if k in r}, seconds=r.get("seconds"))
                 rows.append(row)
-            self.record(rows)
+            self.add_rows(rows)
         return self._rows(keys)
 
     def __call__(self, params_list: list[dict[str, Any]], tokens: int | None, budget: str) -> dict[str, dict[str, Any]]:

@@ -12,7 +12,7 @@ are reported), then Optuna batches, preferring the host whose task just ended (s
 actor) and else round-robin, until every host has asked its `trials`. With `batch: auto` a batch
 holds about `task_seconds` of simulation at the median seconds per trial measured lately on that
 host. Its state is saved as JSON with Tune's experiment state (the finished trials live in their
-record), so `Tuner.restore` resumes it: trials still pending in a restored Tune trial are asked
+journal), so `Tuner.restore` resumes it: trials still pending in a restored Tune trial are asked
 again with the values they were drawn with, trials asked after the last save are simply asked anew.
 
 Each host's finished trials are recorded in Optuna's own `JournalStorage` on `JournalFileBackend`
@@ -56,13 +56,13 @@ def make_sampler(kind: str, seed: int, population: int) -> optuna.samplers.BaseS
 
 class HostStudy:
     """One host's search: an in-memory Optuna study asked and told through its public ask-and-tell
-    interface, and its record in the journal (one `add_trial` per finished trial).
+    interface, and its journal (one `add_trial` per finished trial).
 
     Sampling runs on the in-memory study (`study`); each finished trial (and each baseline inside
-    the space) is then appended to the persistent study (`record`, Optuna's `JournalStorage`) with
+    the space) is then appended to the persistent study (`journal`, Optuna's `JournalStorage`) with
     its sweep key as a user attribute. One journal append (a lock and an fsync) per trial instead of
     one per `suggest_*` call keeps the driver off the disk's latency. A restored search rebuilds the
-    in-memory study from the record (`load`) and asks its still-pending trials again with their
+    in-memory study from the journal (`load`) and asks its still-pending trials again with their
     drawn values (`enqueue_trial`), so nothing recorded is lost and a trial never counts twice."""
 
     def __init__(self, space: Space, objectives: tuple[str, ...], sampler: optuna.samplers.BaseSampler,
@@ -72,15 +72,15 @@ class HostStudy:
         self.sampler = sampler
         self.host = host
         self.directions = ["minimize"] * len(self.objectives)
-        self.record = optuna.create_study(storage=storage, study_name=study_name, directions=self.directions,
+        self.journal = optuna.create_study(storage=storage, study_name=study_name, directions=self.directions,
                                           load_if_exists=True)
         self.pending: dict[str, dict[str, list]] = {}  # Tune trial id -> {key: [in-memory number, params]}
         self.load()
 
     def load(self) -> None:
-        """The in-memory study from the record (its finished trials, in order)."""
+        """The in-memory study from the journal (its finished trials, in order)."""
         self.study = optuna.create_study(directions=self.directions, sampler=self.sampler)
-        recorded = self.record.get_trials(deepcopy=False)
+        recorded = self.journal.get_trials(deepcopy=False)
         self.study.add_trials(recorded)
         self.keys = {t.user_attrs.get("key") for t in recorded}
         self.next_index = 1 + max((int(k.rsplit(":", 1)[1]) for k in self.keys
@@ -88,7 +88,7 @@ class HostStudy:
 
     def counted(self) -> int:
         """Recorded trials that count against the host's budget (not the baselines)."""
-        return sum(1 for t in self.record.get_trials(deepcopy=False) if "baseline" not in t.user_attrs)
+        return sum(1 for t in self.journal.get_trials(deepcopy=False) if "baseline" not in t.user_attrs)
 
     def _draw(self, params: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
         if params is not None:  # a trial drawn before a restore: the same values again
@@ -113,7 +113,7 @@ class HostStudy:
             ft = self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
         if key in self.keys:
             return
-        self.record.add_trial(optuna.trial.create_trial(
+        self.journal.add_trial(optuna.trial.create_trial(
             params=ft.params, distributions=ft.distributions, state=ft.state,
             values=ft.values if ft.state == TrialState.COMPLETE else None, user_attrs={**ft.user_attrs, "key": key}))
         self.keys.add(key)
@@ -140,12 +140,12 @@ class HostStudy:
         params, dists = self.space.optuna_params(row["params"])
         ft = optuna.trial.create_trial(params=params, distributions=dists, values=[row[o] for o in self.objectives],
                                        user_attrs={"baseline": row["baseline"], "key": row["key"]})
-        self.record.add_trial(ft)
+        self.journal.add_trial(ft)
         self.study.add_trial(ft)
         self.keys.add(row["key"])
 
     def restore_pending(self, pending: dict[str, dict[str, list]]) -> None:
-        """After a restore: the in-memory study anew from the record, and the Tune trials' pending
+        """After a restore: the in-memory study anew from the journal, and the Tune trials' pending
         Optuna trials (those not recorded meanwhile) asked again with the values they were drawn with."""
         self.load()
         self.pending = {}
@@ -178,7 +178,7 @@ class HostSearch(Searcher):
         self._last_done: str | None = None
 
     def sync_from_storage(self) -> None:
-        """Start from what the records already hold (a resumed sweep without Tune state)."""
+        """Start from what the journals already hold (a resumed sweep without Tune state)."""
         for host, s in self.searchers.items():
             self.asked[host] = s.counted()
 
@@ -265,8 +265,8 @@ class HostSearch(Searcher):
             setattr(self, k, state[k])
         self.baseline_trials = set(state["baseline_trials"])
         self.eval_seconds = {h: deque(state["eval_seconds"].get(h, []), maxlen=200) for h in self.hosts}
-        # the searcher and Tune's trials were saved together, so they agree; the records may hold more
-        # (trials asked and finished after the save): a host's budget is spent by what its record holds
+        # the searcher and Tune's trials were saved together, so they agree; the journals may hold more
+        # (trials asked and finished after the save): a host's budget is spent by what its journal holds
         # and what its restored Tune trials still carry; trials asked after the save and never
         # finished are asked anew
         for h, s in self.searchers.items():

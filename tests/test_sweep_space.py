@@ -16,7 +16,7 @@ from runtime.errors import InputError
 from runtime.policy import PRESETS
 from sweep import config as sweep_config
 from sweep.ladder import screening_candidates
-from sweep.recorder import Ledger
+from sweep.ledger import Ledger
 from sweep.report import pareto_mask, pearson, policy_key, trials_frame, write_report
 from sweep.search import HostSearch, HostStudy, journal_storage, make_sampler
 from sweep.space import complete, parse_space, policy_of
@@ -190,7 +190,7 @@ def test_host_search_baselines_first_then_batches(tmp_path):
     late = [{"key": it["key"], "number": it["number"], "baseline": None, "status": "ok", "time_per_token_s": 2.0,
              "mass_per_token": 0.2, "eval_seconds": 0.01} for it in held["items"]]
     fresh.on_trial_complete(held_tid, {"items": late})
-    assert len(again[host].record.trials) == len(rows) + len(late)
+    assert len(again[host].journal.trials) == len(rows) + len(late)
     assert again[host].next_index > max(int(it["key"].split(":")[1]) for it in held["items"])
 
 

@@ -1,12 +1,12 @@
-"""The driver's record of a sweep: the ledger file, MLflow children and tables, fed by a Tune callback.
+"""The sweep's ledger: every finished trial as a row in `trials.jsonl`, fed by a Tune callback.
 
 `Ledger` is `trials.jsonl` in the output folder: one JSON row per finished trial (simulator,
 emulation or engine; ok or failed), appended and flushed as results arrive, keyed by
 `key` (`HOST:NUMBER` for Optuna trials, `HOST:baseline:NAME` for baselines). A key is written
-once, so a task that is retried or resumed never records a trial twice. `Session` refreshes the
-Pareto tables and the MLflow parent's progress metrics at most every `refresh_s` seconds. `SweepRecorder` is
-the Tune callback; it is pickled with the experiment, so it holds only the output folder and finds
-the live `Session` of this driver in `SESSIONS`.
+once, so a task that is retried or resumed never records a trial twice. `Session` adds rows to it
+and refreshes the Pareto tables and the MLflow parent's progress metrics at most every
+`refresh_s` seconds. `LedgerCallback` is the Tune callback; it is pickled with the experiment, so
+it holds only the output folder and finds the live `Session` of this driver in `SESSIONS`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Session:
         self.eval_seconds = 0.0
         SESSIONS[str(out)] = self
 
-    def record(self, rows: list[dict[str, Any]]) -> None:
+    def add_rows(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             if self.ledger.add(row):
                 if row.get("fidelity") == "simulator":
@@ -144,7 +144,7 @@ class Session:
                  "finished_at": time.time()} for it in items if it["key"] not in self.ledger.keys]
 
 
-class SweepRecorder(Callback):
+class LedgerCallback(Callback):
     """Tune callback: hands each reported batch of trial rows to this driver's `Session`."""
 
     def __init__(self, out: str):
@@ -156,7 +156,7 @@ class SweepRecorder(Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:  # noqa: ANN001 - Tune's hook
         if self.session is not None:
-            self.session.record(result.get("items") or [])
+            self.session.add_rows(result.get("items") or [])
             # recorded (and told to Optuna before this hook): keep them out of Tune's saved trial state
             result["items"] = []
 
@@ -164,16 +164,16 @@ class SweepRecorder(Callback):
         s = self.session
         if s is None:
             return
-        s.record((trial.last_result or {}).get("items") or [])
-        s.record(s.missing(trial.config.get("items", []), trial.config.get("host", "?"),
+        s.add_rows((trial.last_result or {}).get("items") or [])
+        s.add_rows(s.missing(trial.config.get("items", []), trial.config.get("host", "?"),
                            "the task ended without reporting this trial"))
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:  # noqa: ANN001
         s = self.session
         if s is None:
             return
-        s.record((trial.last_result or {}).get("items") or [])
-        s.record(s.missing(trial.config.get("items", []), trial.config.get("host", "?"), _error_text(trial)))
+        s.add_rows((trial.last_result or {}).get("items") or [])
+        s.add_rows(s.missing(trial.config.get("items", []), trial.config.get("host", "?"), _error_text(trial)))
 
 
 def _error_text(trial) -> str:  # noqa: ANN001 - a Tune Trial
