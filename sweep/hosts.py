@@ -104,11 +104,6 @@ def resolve_profiles(hosts: tuple[HostSpec, ...], model_dir: str | None) -> dict
             continue
         if model_dir is None:
             raise InputError(f"host {h.name}: profile calibrate needs a model (set model: in the sweep config)")
-        try:
-            import runtime.calibrate  # noqa: F401
-        except ImportError:
-            raise InputError(f"host {h.name}: profile calibrate needs runtime.calibrate, which this "
-                             f"checkout lacks; give profile: preset:NAME or a host YAML") from None
         import ray
 
         task = ray.remote(_calibrate).options(num_gpus=gpus_of(h.name), num_cpus=1,
