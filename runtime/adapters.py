@@ -5,7 +5,10 @@ Every supported family (transformers 5.x) has a sparse block that calls
 `attach()` wraps both modules of every MoE layer: the router tap keeps the logits, the
 experts wrapper sorts the selection by score (the spec's rank order), asks the shared
 `PolicyCache` for the decisions of these tokens at this layer, and calls the original
-experts module with the served experts and weights. Shared experts and their gates are
+experts module with the served experts and weights. The rest of the candidate ranking (the other
+experts by descending score, ties lower id) goes to the kernel as the router scores themselves,
+which it orders only as far as a substitution needs (no sort of E candidates per token); a
+recording sorts it, to the trace's depth. Shared experts and their gates are
 untouched. With no cache attached the wrapper is the identity (exact model), and it can
 record the router's choices as a trace.
 
@@ -197,22 +200,35 @@ class PolicyExperts(nn.Module):
         ids = torch.gather(top_k_index, 1, perm)  # [N, k]
         w = torch.gather(top_k_weights, 1, perm)  # [N, k]
         N, k = ids.shape
-        self.num_experts = score.shape[1]
-        depth = ctx.recorder.depth if ctx.cache is None else score.shape[1]
-        # candidate ranking: the selection, then the others by descending score (stable: lower id first)
-        rest = score.scatter(1, ids, float("-inf"))
-        others = torch.sort(-rest, dim=1, stable=True).indices[:, : max(depth - k, 0)]
-        ranking = torch.cat([ids, others], dim=1)  # [N, M]
-        # ONE device -> host read per layer (the kernel runs on the host): ids, weights, ranking and a
-        # finiteness flag per token, packed as float64 (exact for these ids and float32/bf16 weights)
-        finite = torch.isfinite(logits).all(dim=1, keepdim=True)  # [N, 1]
-        packed = torch.cat([ids.double(), w.detach().double(), ranking.double(), finite.double()], 1).cpu().numpy()
-        if not packed[:, -1].all():
-            bad = int(np.flatnonzero(packed[:, -1] == 0)[0])
-            raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token {bad} of this batch")
+        E = self.num_experts = score.shape[1]
+        if ctx.recorder is not None:
+            # a trace stores the candidate ranking itself: the selection, then the others by descending
+            # score (stable: lower id first), to the recorder's depth (E under a cache)
+            depth = ctx.recorder.depth if ctx.cache is None else E
+            rest = score.scatter(1, ids, float("-inf"))
+            others = torch.sort(-rest, dim=1, stable=True).indices[:, : max(depth - k, 0)]
+            cand = torch.cat([ids, others], dim=1).double()  # [N, M]
+        else:
+            # the kernel orders the candidates itself from the scores (PolicyCache.step `scores`): the
+            # same decisions as that full ranking without sorting E candidates per token
+            cand = score.double()  # [N, E]
+        # ONE device -> host read per layer (the kernel runs on the host): ids, weights, the ranking or
+        # the scores and a finiteness flag per token, packed as float64 (exact for these ids and
+        # float32/bf16 weights and scores)
+        # a row's sum is finite only if every entry is (inf, -inf and nan all propagate); a non-finite
+        # sum of finite entries (overflow) is told apart below, on the rare rows concerned
+        rowsum = logits.float().sum(dim=1, keepdim=True)  # [N, 1]
+        packed = torch.cat([ids.double(), w.detach().double(), cand, rowsum.double()], 1).cpu().numpy()
+        if not np.isfinite(packed[:, -1]).all():
+            rows = np.flatnonzero(~np.isfinite(packed[:, -1]))
+            bad = rows[~torch.isfinite(logits[torch.from_numpy(rows).to(logits.device)]).all(dim=1).cpu().numpy()]
+            if len(bad):
+                raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token {int(bad[0])} "
+                                 f"of this batch")
         ids_np = packed[:, :k].astype(np.int32)
         w_np = packed[:, k : 2 * k].astype(np.float32)
-        rank_np = packed[:, 2 * k : -1].astype(np.int32)  # [N, M]
+        rank_np = packed[:, 2 * k : -1].astype(np.int32) if ctx.recorder is not None else None  # [N, M]
+        score_np = packed[:, 2 * k : -1] if ctx.recorder is None else None  # [N, E]
         pol = ctx.cache.policy if ctx.cache is not None else None
         P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
         P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
@@ -235,7 +251,7 @@ class PolicyExperts(nn.Module):
             ctx.pending[self.layer] = None
             if self.layer + 1 < ctx.num_layers:
                 ctx.pending[self.layer + 1] = look[:, :P_pol]
-        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted)
+        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted, scores=score_np)
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:
             ctx.decisions[self.layer].append((res.kind, res.served, res.slot))

@@ -102,6 +102,32 @@ def _ikey(evict, key, e, E):
 
 
 @njit(cache=True, inline="always")
+def _best_resident(score_row, sel_mark, i, slot_expert, cap, nneed, subs):
+    """The first `nneed` entries of the full ranking's tail (every expert outside token i's selection,
+    those with `sel_mark[e] == i`, by descending score, ties lower id) that are resident, found without
+    sorting: one pass over the resident slots keeping the best `nneed` by (score desc, id asc).
+    Returns how many were found."""
+    nfound = 0
+    for s in range(cap):
+        e = slot_expert[s]
+        if e < 0 or sel_mark[e] == i:
+            continue
+        v = score_row[e]
+        pos = nfound  # insertion point in subs[:nfound], kept in rank order
+        while pos > 0 and (score_row[subs[pos - 1]] < v or (score_row[subs[pos - 1]] == v and subs[pos - 1] > e)):
+            pos -= 1
+        if pos >= nneed:
+            continue
+        last = min(nfound, nneed - 1)
+        for q in range(last, pos, -1):
+            subs[q] = subs[q - 1]
+        subs[pos] = e
+        if nfound < nneed:
+            nfound += 1
+    return nfound
+
+
+@njit(cache=True, inline="always")
 def _free_slot(slot_expert, cap):
     for s in range(cap):
         if slot_expert[s] < 0:
@@ -112,6 +138,7 @@ def _free_slot(slot_expert, cap):
 @njit(cache=True, error_model="numpy")
 def run_layer(
     ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
+    score,  # [T, E] float64 router scores standing for the full ranking (adapters), or [0, 0]: use `rank`
     rule, tau, tau_high, fallback, beta, evict, gamma, decay, delay, cap,  # policy parameters
     nxt, pred,  # [T, k] float64 next use (belady) or [0, k]; [T, P] int32 predicted lists (-1 = none) or [0, 0]
     slot_expert, expert_slot, key, skey, acc, queued, pin, qstate, q_exp, q_due,  # layer state
@@ -128,6 +155,7 @@ def run_layer(
     fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU  # integer keys: skey mirrors them
     cand = np.empty(k + qcap + npw + k, np.int64)  # admission candidates: non-fetched misses, evicted experts
     subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
+    sel_mark = np.full(E if score.shape[0] == T else 0, -1, np.int64)  # score mode: e selected by token i
     bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
     tslots = np.empty(qcap, np.int64)  # slots admitted at the current token (all batches)
     pfe = np.empty(max(npw, 1), np.int64)  # experts prefetched at the current token
@@ -369,13 +397,20 @@ def run_layer(
             # holds distinct ids, so "resident and not used by this token" is just "resident" from position k
             # on, and the substitutes are the first nneed resident entries of ranking[k:], in rank order.
             # Collect them branch-free: store every entry, advance only on a resident one.
+            # With `score` (the full ranking, E entries, given as the scores it sorts) the same entries
+            # come from one pass over the resident slots instead (_best_resident).
             nfound = 0
-            m = k
-            while nfound < nneed and m < M:
-                c = rank[i, m]
-                subs[nfound] = c
-                nfound += expert_slot[c] >= 0
-                m += 1
+            if score.shape[0] == T:
+                for j in range(k):
+                    sel_mark[ids[i, j]] = i
+                nfound = _best_resident(score[i], sel_mark, i, slot_expert, cap, nneed, subs)
+            else:
+                m = k
+                while nfound < nneed and m < M:
+                    c = rank[i, m]
+                    subs[nfound] = c
+                    nfound += expert_slot[c] >= 0
+                    m += 1
             q_ = 0
             for j in range(k):
                 if out_kind[i, j] != SUB:
@@ -495,6 +530,8 @@ def warmup() -> None:
                      [np.array([0])])
     pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), nxt=np.zeros((2, 1)),
             predicted=np.array([[3], [-1]]))
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 4)))
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 6))[:, 1:5])  # strided
 
 
 def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, valid: np.ndarray,
@@ -639,6 +676,7 @@ class PolicyCache:
         events: np.ndarray | None = None,
         logs: bool = True,
         predicted: np.ndarray | None = None,
+        scores: np.ndarray | None = None,
     ) -> StepResult:
         """Decide tokens t0.. of one layer. ids [T, k], weights [T, k], ranking [T, M] (defaults to ids).
 
@@ -646,12 +684,23 @@ class PolicyCache:
         previous layer processed the token (lookahead: its router input through this layer's router;
         oracle: this layer's own selection); -1 entries end a row early (a row starting with -1: no
         prefetch for that token). Only its first `prefetch_n` (oracle: min(prefetch_n, k)) columns are
-        used; ignored when the policy's prefetch is off; None (e.g. layer 0) = no prefetch."""
+        used; ignored when the policy's prefetch is off; None (e.g. layer 0) = no prefetch.
+
+        `scores` [T, E]: the router scores whose order (descending, ties lower id) is the token's full
+        ranking; given instead of a full `ranking`, they decide the same substitutes without sorting
+        E candidates per token (the adapters pass them; `ranking` is then ignored)."""
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         T, k = ids.shape
         w = np.ascontiguousarray(weights, dtype=np.float64)
         rank = ids if ranking is None else np.ascontiguousarray(ranking, dtype=np.int32)
         valid = np.ones(T, np.bool_) if valid is None else np.ascontiguousarray(valid, dtype=np.bool_)
+        if scores is None:
+            sc = np.zeros((0, 0))
+        else:
+            sc = np.asarray(scores, dtype=np.float64)  # rows may be strided (a slice of the adapters' pack)
+            if sc.shape != (T, self.E):
+                raise InputError(f"router scores: shape {sc.shape}, expected [T={T}, E={self.E}] (layer {layer})")
+            rank = ids
         t0 = int(self.next_t[layer]) if t0 is None else int(t0)
         self.next_t[layer] = t0 + T
         nxt = np.zeros((0, k)) if nxt is None else nxt
@@ -674,7 +723,7 @@ class PolicyCache:
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
         run_layer(
-            ids, w, rank, valid, t0, *self._params, int(self.caps[l_]), nxt, pred,
+            ids, w, rank, valid, t0, sc, *self._params, int(self.caps[l_]), nxt, pred,
             self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_],
             self.pin[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
             self.counters[l_], self.mass[l_],

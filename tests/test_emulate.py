@@ -231,3 +231,25 @@ def test_non_finite_router_scores(ckpts, text):
         tap.router.weight[0, 0] = float("nan")
     with pytest.raises(InputError, match="non-finite"):
         emulate.emulate(m, text, {"rule-0.15": PRESETS["rule-0.15"]}, capacity=3, window=32, max_tokens=128)
+
+
+def test_huge_finite_router_scores_are_not_an_error(ckpts, text):
+    """The finiteness check sums each token's scores; a sum that overflows while every score is finite
+    (here four scores of 1e38) is told apart and accepted."""
+    m = emulate.load(ckpts["qwen3_moe"])
+    tap = next(mod for mod in m.model.modules() if isinstance(mod, adapters.RouterTap))
+
+    class Bump(torch.nn.Module):
+        def __init__(self, router):
+            super().__init__()
+            self.router = router
+
+        def forward(self, x):
+            out = self.router(x)
+            bump = torch.zeros(out[0].shape[-1])
+            bump[:4] = 1e38
+            return (out[0] + bump, *out[1:])
+
+    tap.router = Bump(tap.router)
+    res = emulate.emulate(m, text, {"rule-0.15": PRESETS["rule-0.15"]}, capacity=3, window=32, max_tokens=128)
+    assert res["rule-0.15"]["tokens"] > 0

@@ -234,3 +234,39 @@ def test_predicted_lists_errors():
     assert predicted_lists(PolicyConfig(prefetch="oracle"), 0, ids, valid) is None
     valid[2, 0] = False
     assert predicted_lists(PolicyConfig(prefetch="oracle", prefetch_n=1), 1, ids, valid)[:, 0].tolist() == [0, 0, -1, 0]
+
+
+@settings(max_examples=int(os.environ.get("ES_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 40), E=st.integers(3, 12), data=st.data(), policy=policies)
+def test_scores_decide_like_the_full_ranking(seed, T, E, data, policy):
+    """Router scores given instead of the full ranking (the adapters' path: no sort of E candidates per
+    token) decide exactly like the ranking they sort into: the selection, then every other expert by
+    descending score, ties lower id. Integer-valued scores make ties common."""
+    if policy.evict == "belady":
+        return
+    k = data.draw(st.integers(1, min(4, E - 1)))
+    cap = data.draw(st.integers(k, E - 1))
+    rng = np.random.default_rng(seed)
+    score = rng.integers(-3, 4, size=(T, E)).astype(np.float64)  # [T, E]
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)  # [T, k]
+    w = -np.sort(-rng.dirichlet(np.full(k + 2, 0.7), size=T)[:, :k], axis=1)
+    rest = score.copy()
+    np.put_along_axis(rest, ids.astype(np.int64), -np.inf, axis=1)
+    tail = np.lexsort((np.broadcast_to(np.arange(E), (T, E)), -rest), axis=1)[:, : E - k]  # [T, E-k]
+    ranking = np.concatenate([ids, tail.astype(np.int32)], axis=1)  # [T, E]
+    init = [rng.choice(E, size=int(rng.integers(0, cap + 1)), replace=False).astype(np.int32)]
+    pred = ids if policy.prefetch != "off" else None
+    out = []
+    for kw in ({"ranking": ranking}, {"scores": score}):
+        cache = PolicyCache(policy, E, k, np.array([cap]), init)
+        r = cache.step(0, ids, w, predicted=pred, **kw)
+        out.append((r.kind, r.served, r.slot, cache.counter_totals()))
+    for a, b in zip(out[0][:3], out[1][:3], strict=True):
+        assert np.array_equal(a, b)
+    assert out[0][3] == out[1][3]
+
+
+def test_scores_shape_is_checked():
+    cache = PolicyCache(PRESETS["rule-0.15"], 6, 2, np.array([3]))
+    with pytest.raises(InputError, match="router scores: shape"):
+        cache.step(0, np.array([[0, 1]]), np.array([[0.6, 0.4]]), scores=np.zeros((1, 5)))
