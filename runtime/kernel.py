@@ -18,7 +18,9 @@ Per token (docs/policies.md, "Per token, per layer, in this order" and "Addition
   6. queue admissions (a[e] >= beta, largest a first)
 
 Input contract (checked by runtime/trace.py for files, true by construction in the adapters):
-a ranking row starts with the token's selection and holds distinct expert ids.
+a ranking row starts with the token's selection and holds distinct expert ids. Instead of a full
+ranking the adapters pass the router scores it sorts (descending, ties lower id); the substitute
+search then scans the resident slots for the best ones (`_best_resident`): the same decisions.
 """
 
 from __future__ import annotations
