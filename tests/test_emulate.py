@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,20 +16,11 @@ from runtime.simulate import simulate
 from runtime.trace import load_trace
 from tests.tiny_hf import FAMILIES, build_tiny
 
-TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()
-
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     return {fam: build_tiny(fam, d / fam) for fam in FAMILIES}
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    p = tmp_path_factory.mktemp("text") / "t.txt"
-    p.write_text(TEXT)
-    return p
 
 
 def logits_under(m, ids, cache):

@@ -26,7 +26,6 @@ from runtime.spec import RunSpec
 from tests.tiny_hf import build_tiny
 
 DEVICE = os.environ.get("EXPERTSWEEP_ENGINE_DEVICE", "cpu")
-TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,13 +42,6 @@ def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("eng")
     return {"e8": build_tiny("qwen3_moe", d / "e8"), "e16": build_tiny("qwen3_moe", d / "e16", num_experts=16, top_k=4),
             "mixtral": build_tiny("mixtral", d / "mixtral")}
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    p = tmp_path_factory.mktemp("text") / "t.txt"
-    p.write_text(TEXT)
-    return p
 
 
 @pytest.fixture(scope="module")

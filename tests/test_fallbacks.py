@@ -21,7 +21,6 @@ from runtime.trace import load_trace
 from tests.test_emulate import logits_under
 from tests.tiny_hf import build_tiny
 
-TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()
 RUN = dict(capacity=3, window=32, max_tokens=512)
 
 
@@ -43,13 +42,6 @@ def loud_experts(path: Path) -> Path:
 def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     return {fam: loud_experts(build_tiny(fam, d / fam)) for fam in ("qwen3_moe", "gpt_oss")}
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    p = tmp_path_factory.mktemp("text") / "t.txt"
-    p.write_text(TEXT)
-    return p
 
 
 @pytest.fixture(scope="module")
