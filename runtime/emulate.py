@@ -52,7 +52,6 @@ from runtime.trace import load_trace, save_trace
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class Exact:
     """The exact model on one input: evaluated windows, NLL, and the warm-start calibration ids."""

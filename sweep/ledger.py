@@ -166,7 +166,7 @@ class LedgerCallback(Callback):
             return
         s.add_rows((trial.last_result or {}).get("items") or [])
         s.add_rows(s.missing(trial.config.get("items", []), trial.config.get("host", "?"),
-                           "the task ended without reporting this trial"))
+                             "the task ended without reporting this trial"))
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:  # noqa: ANN001
         s = self.session
