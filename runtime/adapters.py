@@ -227,8 +227,8 @@ class PolicyExperts(nn.Module):
                                  f"of this batch")
         ids_np = packed[:, :k].astype(np.int32)
         w_np = packed[:, k : 2 * k].astype(np.float32)
-        rank_np = packed[:, 2 * k : -1].astype(np.int32) if ctx.recorder is not None else None  # [N, M]
-        score_np = packed[:, 2 * k : -1] if ctx.recorder is None else None  # [N, E]
+        tail = packed[:, 2 * k : -1]
+        rank_np, score_np = (tail.astype(np.int32), None) if ctx.recorder is not None else (None, tail)  # [N, M] / [N, E]
         pol = ctx.cache.policy if ctx.cache is not None else None
         P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
         P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
