@@ -27,6 +27,7 @@ into a trace's lookahead column (`start_recording(depth, lookahead=P)`).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +93,13 @@ class Recorder:
     lookahead_depth: int = 0  # P: also record the lookahead lists (0: no)
     lookahead: list[list[np.ndarray]] = field(default_factory=list)  # [L] of list of [N, P]
 
+    @classmethod
+    def empty(cls, num_layers: int, depth: int, lookahead: int = 0) -> Recorder:
+        """Record ids, weights, the ranking to `depth` and, when `lookahead` P > 0, the lookahead lists."""
+        L = num_layers
+        return cls(depth, [[] for _ in range(L)], [[] for _ in range(L)], [[] for _ in range(L)], lookahead,
+                   [[] for _ in range(L)])
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids int32 [T, L, k], weights float32 [T, L, k], ranking int32 [T, L, M]."""
         cat = [np.stack([np.concatenate(x) for x in part], axis=1) for part in (self.ids, self.weights, self.ranking)]
@@ -119,20 +127,18 @@ class Context:
         # decisions: StepResult | None) computes the experts instead of the Hugging Face module
         self.executor = None
         self.experts: list[PolicyExperts] = []  # the wrappers, in layer order
-        self.pending: list[np.ndarray | None] = [None] * num_layers  # lookahead lists for each layer's next step
+        # lookahead lists waiting for each layer's next steps, oldest first
+        self.pending: list[deque[np.ndarray]] = [deque() for _ in range(num_layers)]
         self.lowbit_key: tuple[int, int] | None = None  # (bits, group) of the cached low-precision copies
         self.lowbit_modules: dict[int, nn.Module] = {}  # layer -> experts module holding dequantized copies
 
     def decision_arrays(self) -> dict[str, np.ndarray]:
         """The recorded decisions as {"kind", "served", "slot"}: int [T, L, k] each."""
-        return {name: np.stack([np.concatenate([step[i] for step in per_layer]) for per_layer in self.decisions], axis=1)
-                for i, name in enumerate(("kind", "served", "slot"))}
+        return decision_arrays(self.decisions)
 
     def start_recording(self, depth: int, lookahead: int = 0) -> Recorder:
         """Record ids, weights, the ranking to `depth` and, when `lookahead` P > 0, the lookahead lists."""
-        L = self.num_layers
-        self.recorder = Recorder(depth, [[] for _ in range(L)], [[] for _ in range(L)], [[] for _ in range(L)],
-                                 lookahead, [[] for _ in range(L)])
+        self.recorder = Recorder.empty(self.num_layers, depth, lookahead)
         return self.recorder
 
     def lowbit_experts(self, layer: int, bits: int, group: int) -> nn.Module:
@@ -146,6 +152,12 @@ class Context:
             self.lowbit_modules[layer] = lowbit.dequantized_experts(pe.experts, pe.num_experts, bits, group,
                                                                     pe.fam.experts_in_dim)
         return self.lowbit_modules[layer]
+
+
+def decision_arrays(decisions: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]) -> dict[str, np.ndarray]:
+    """Per-layer decision logs as {"kind", "served", "slot"}: int [T, L, k] each."""
+    return {name: np.stack([np.concatenate([step[i] for step in per_layer]) for per_layer in decisions], axis=1)
+            for i, name in enumerate(("kind", "served", "slot"))}
 
 
 class RouterTap(nn.Module):
@@ -246,11 +258,13 @@ class PolicyExperts(nn.Module):
         if pol.prefetch == "oracle" and self.layer > 0:
             predicted = ids_np  # this layer's own selection (the kernel keeps its first min(prefetch_n, k))
         elif pol.prefetch == "lookahead":
-            pend = ctx.pending[self.layer]
+            # a FIFO per layer: in a layer-major pass (runtime/hfmodel.py) layer l forms the lists of all
+            # batches before layer l + 1 takes them, in the same stream order
+            q = ctx.pending[self.layer]
+            pend = q.popleft() if q else None
             predicted = pend if pend is not None and pend.shape[0] == N else None
-            ctx.pending[self.layer] = None
             if self.layer + 1 < ctx.num_layers:
-                ctx.pending[self.layer + 1] = look[:, :P_pol]
+                ctx.pending[self.layer + 1].append(look[:, :P_pol])
         res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted, scores=score_np)
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:

@@ -30,8 +30,8 @@ from runtime.spec import FLAGS, GROUP_FIELDS, Result, RunSpec
 
 _COMMON = frozenset({"capacity", "capacity_fraction", "vram_budget_GiB", "max_tokens", "initial_residency",
                      "residency_out", "record_decisions"})
-_TEXT = frozenset({"model", "text", "window", "batch_windows", "calib_text", "calib_max_tokens", "dtype", "nll_out",
-                   "substitute_weight"})
+_TEXT = frozenset({"model", "text", "window", "batch_windows", "calib_text", "calib_max_tokens", "dtype",
+                   "max_memory_GiB", "nll_out", "substitute_weight"})
 
 
 class Backend:
@@ -110,7 +110,11 @@ class EngineBackend(Backend):
         first = specs[0]
         dev = engine.resolve_device(first.device)
         with engine.device_errors(), engine.cpu_threads(dev, 1):
-            m = hfmodel.load(first.model, hfmodel.parse_dtype(first.dtype))
+            m = hfmodel.load(first.model, first.dtype, first.max_memory_GiB)
+            if m.streamed:
+                raise InputError(f"backend engine: --model {first.model} does not fit --max-memory "
+                                 f"{m.max_memory_GiB:.2f} GiB; the engine holds the model's weights in host memory "
+                                 "(use the emulation, which streams layer by layer)")
             eng = engine.Engine(m, dev, host_store=first.host_store)
             try:
                 res = emulate.evaluate_group(m, specs, runner=eng.teacher_forced, backend=self.name, progress=progress)
@@ -129,10 +133,10 @@ def _loaded(spec: RunSpec):
     """The emulation's loaded checkpoint, kept between calls (one per model and dtype)."""
     from runtime import hfmodel
 
-    key = (spec.model, spec.dtype)
+    key = (spec.model, spec.dtype, spec.max_memory_GiB)
     if key not in _MODELS:
         _MODELS.clear()
-        _MODELS[key] = hfmodel.load(spec.model, hfmodel.parse_dtype(spec.dtype))
+        _MODELS[key] = hfmodel.load(spec.model, spec.dtype, spec.max_memory_GiB)
     return _MODELS[key]
 
 
@@ -173,7 +177,9 @@ def build_parser(backends: tuple[str, ...] = ("emulation", "engine")) -> argpars
     p.add_argument("--substitute-weight", default="missed", help="missed | own")
     p.add_argument("--backend", default="emulation", help=" | ".join(backends))
     p.add_argument("--device", default=None, help="engine: cpu | cuda")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's own) | fp32 | bf16 | fp16")
+    p.add_argument("--max-memory", default="auto", help="GiB of host RAM the model's weights may use (default auto: "
+                   "available memory less max(2 GiB, 10%%)); a model above it is streamed from its shards layer by layer")
     p.add_argument("--host-store", default="ram", help="engine: ram | mmap")
     p.add_argument("--nll-out", default=None, help="per-token NLLs (Parquet)")
     p.add_argument("--trace-out", default=None, help="router trace seen under the (single) policy")
@@ -196,7 +202,7 @@ def specs_from_args(a: argparse.Namespace) -> dict[str, RunSpec]:
                           vram_budget_GiB=a.vram_budget, model=a.model, text=a.text, max_tokens=a.max_tokens,
                           window=a.window, batch_windows=a.batch_windows, initial_residency=a.initial_residency,
                           calib_text=a.calib_text, calib_max_tokens=a.calib_max_tokens, device=a.device,
-                          dtype=a.dtype, host_store=a.host_store, substitute_weight=a.substitute_weight,
+                          dtype=a.dtype, max_memory_GiB=a.max_memory, host_store=a.host_store, substitute_weight=a.substitute_weight,
                           nll_out=a.nll_out, trace_out=a.trace_out, residency_out=a.residency_out)
             for name, pol in pols.items()}
 

@@ -35,15 +35,18 @@ from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime
     calib_windows_ids,
     calibration_ids,
     default_window,
+    Lane,
     load,
     make_trace,
     read_tokens,
     record,
     record_routing,
+    run_lanes,
     run_stream,
     to_windows,
     tokenize_file,
 )
+from runtime.adapters import Recorder, decision_arrays
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PolicyConfig, resolve_capacities
 from runtime.spec import GROUP_FIELDS, HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
@@ -58,7 +61,7 @@ class Exact:
 
     windows: np.ndarray  # [n, W] int64
     sha: str
-    nll: np.ndarray  # [n, W-1]
+    nll: np.ndarray | None  # [n, W-1] (None until a deferred exact pass ran)
     seconds: float
     calib_ids: np.ndarray | None  # [T_c, L, k] router ids of the calibration tokens, None = cold / file
     init_source: str
@@ -82,12 +85,17 @@ def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1
     return point, float(lo), float(hi)
 
 
-def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False) -> Exact:
-    """Tokenize, split off the warm-start tokens, run the exact model; cached per input."""
+def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False, defer_nll: bool = False) -> Exact:
+    """Tokenize, split off the warm-start tokens, run the exact model; cached per input. `defer_nll`:
+    leave `nll` None when it is not cached yet (the caller runs the exact model beside its policies,
+    one pass for all: `evaluate_group`)."""
     cached = _EXACT.setdefault(m.model, {})
     key = tuple(getattr(spec, f) for f in GROUP_FIELDS[1:-1])
     if key in cached:
-        return cached[key]
+        ex = cached[key]
+        if ex.nll is None and not defer_nll:
+            ex.nll = run_lanes(m, ex.windows, [Lane(desc="exact")], spec.batch_windows, progress)[0]
+        return ex
     W = spec.window or default_window(m)
     ids, sha = read_tokens(m, spec.text)
     ir = spec.initial_residency
@@ -116,9 +124,9 @@ def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False) -> Exact:
             raise InputError(f"--initial-residency {ir}: expected an existing .npy of int [L={m.num_layers}, C]")
         init_file, source = [arr[l_] for l_ in range(m.num_layers)], ir
     windows = to_windows(ids, spec.max_tokens, W, f"--text {spec.text}")
-    t0 = time.perf_counter()
-    _, _, _, nll = record(m, windows, m.k, spec.batch_windows, progress, desc="exact")
-    ex = Exact(windows, sha, nll, time.perf_counter() - t0, calib_ids, source, init_file)
+    lane = Lane(desc="exact")
+    nll = None if defer_nll else run_lanes(m, windows, [lane], spec.batch_windows, progress)[0]
+    ex = Exact(windows, sha, nll, lane.seconds, calib_ids, source, init_file)
     if len(cached) >= 4:
         cached.pop(next(iter(cached)))
     cached[key] = ex
@@ -146,40 +154,54 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
             if getattr(s, f) != getattr(first, f):
                 raise InputError(f"one evaluation group: {f} differs between policies ({getattr(first, f)!r} vs "
                                  f"{getattr(s, f)!r})")
-    ex = exact_pass(m, first, progress)
-    windows, nll_exact = ex.windows, ex.nll
-    exact_ppl = float(math.exp(nll_exact.mean()))
+    ex = exact_pass(m, first, progress, defer_nll=runner is None)
+    windows = ex.windows
     T = int(windows.size)
-    out, nll_cols = [], {"nll_exact": nll_exact.ravel()}
+    lanes, setups = [], []
     for spec in specs:
-        pol = spec.policy
         caps = capacities_of(m, spec)
         init = ex.init_file if ex.init_file is not None else (
             warm_residency(ex.calib_ids, None, m.E, caps) if ex.calib_ids is not None else None)
-        cache = PolicyCache(pol, m.E, m.k, caps, init)
-        m.ctx.substitute_weight = spec.substitute_weight
-        m.ctx.decisions = [[] for _ in range(m.num_layers)] if spec.record_decisions else None
-        t0 = time.perf_counter()
-        extra: dict = {}
-        try:
-            if runner is not None:
-                nll, extra = runner(m, windows, cache, spec.label)
-            elif spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
-                P = max(m.k, cache.prefetch_width)
-                pids, pw, prank, plook, nll = record_routing(m, windows, m.E, P, spec.batch_windows, progress, cache,
-                                                             spec.label)
-                save_trace(make_trace(m, pids, pw, prank, windows, ex.sha, f"runtime.emulate policy={pol.label()}", plook),
-                           spec.trace_out)
-            else:
-                m.ctx.cache = cache
-                nll = run_stream(m, windows, spec.batch_windows, progress, desc=spec.label)
-            decisions = m.ctx.decision_arrays() if spec.record_decisions else None
-        finally:
-            m.ctx.cache = None
-            m.ctx.decisions = None
-            m.ctx.substitute_weight = "missed"
+        cache = PolicyCache(spec.policy, m.E, m.k, caps, init)
+        lane = Lane(cache=cache, substitute_weight=spec.substitute_weight, desc=spec.label,
+                    decisions=[[] for _ in range(m.num_layers)] if spec.record_decisions else None)
+        if spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
+            lane.recorder = Recorder.empty(m.num_layers, m.E, max(m.k, cache.prefetch_width))
+        lanes.append(lane)
+        setups.append((caps, init))
+    extras: list[dict] = [{} for _ in specs]
+    if runner is None:  # one pass: the exact model (unless cached) beside every policy
+        exact = [Lane(desc="exact")] if ex.nll is None else []
+        nlls = run_lanes(m, windows, exact + lanes, first.batch_windows, progress)
+        if exact:
+            ex.nll, ex.seconds = nlls.pop(0), exact[0].seconds
+    else:  # the engine decodes token by token, one policy after the other
+        nlls = []
+        for spec, lane, extra in zip(specs, lanes, extras, strict=True):
+            m.ctx.substitute_weight = spec.substitute_weight
+            m.ctx.decisions = lane.decisions
+            t0 = time.perf_counter()
+            try:
+                nll, more = runner(m, windows, lane.cache, spec.label)
+            finally:
+                m.ctx.decisions = None
+                m.ctx.substitute_weight = "missed"
+            lane.seconds = time.perf_counter() - t0
+            extra.update(more)
+            nlls.append(nll)
+    nll_exact = ex.nll
+    exact_ppl = float(math.exp(nll_exact.mean()))
+    out, nll_cols = [], {"nll_exact": nll_exact.ravel()}
+    for spec, lane, (caps, init), nll, extra in zip(specs, lanes, setups, nlls, extras, strict=True):
+        pol, cache = spec.policy, lane.cache
+        if spec.trace_out is not None:
+            r = lane.recorder
+            pids, pw, prank = r.arrays()
+            save_trace(make_trace(m, pids, pw, prank, windows, ex.sha, f"runtime.emulate policy={pol.label()}",
+                                  r.lookahead_array()), spec.trace_out)
+        decisions = decision_arrays(lane.decisions) if spec.record_decisions else None
         point, lo, hi = bootstrap_change(nll_exact, nll)
-        extra.update({"seconds": time.perf_counter() - t0, "exact_seconds": ex.seconds, "substitute_weight":
+        extra.update({"seconds": lane.seconds, "exact_seconds": ex.seconds, "streamed": m.streamed, "substitute_weight":
                       spec.substitute_weight, "windows": int(windows.shape[0]), "window": int(windows.shape[1]),
                       "scored_tokens": int(nll.size)})
         out.append(Result(backend=backend, policy=pol.label(), policy_config=pol.to_dict(), capacity=caps.tolist(),

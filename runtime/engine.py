@@ -641,7 +641,8 @@ class Engine:
         says which of them the kernel loads, and into which slots."""
         nxt = layer + 1
         pend = getattr(self.m.ctx, "pending", None)
-        pred = pend[nxt] if pend is not None and nxt < self.L else None
+        q = pend[nxt] if pend is not None and nxt < self.L else None
+        pred = q[-1] if q else None  # the list this step just formed for the next layer
         if pred is None or len(pred) != 1:
             return
         q = self._prefetch[nxt]

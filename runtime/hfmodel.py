@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,18 +22,25 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from runtime import adapters
+from runtime import adapters, stream
 from runtime.errors import InputError
 from runtime.kernel import PolicyCache
 from runtime.trace import Trace, TraceMeta
 
+log = logging.getLogger(__name__)
 
-def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise InputError(f"{flag} = {name!r} must be one of fp32, bf16, fp16")
-    return table[name]
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype | None:
+    """A dtype name; `auto` is None: the checkpoint's own dtype (a bf16 checkpoint stays bf16)."""
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise InputError(f"{flag} = {name!r} must be one of auto, fp32, bf16, fp16")
+    return DTYPES[name]
 
 
 @dataclass
@@ -43,11 +53,22 @@ class Loaded:
     k: int
     layer_ids: tuple[int, ...]
     model_dir: Path
+    weights: stream.Weights | None = None  # where the tensors come from (None: loaded whole by transformers)
+    streamed: bool = False  # the weights do not fit max_memory: passes run layer-major (module doc)
+    max_memory_GiB: float | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
 
 
-def load(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Loaded:
-    """Load a checkpoint and its tokenizer offline and attach the policy wrappers."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
+         max_memory: float | str | None = "auto") -> Loaded:
+    """A checkpoint and its tokenizer, offline, with the policy wrappers attached. The model is built
+    on the meta device and its weights read from the safetensors shards (runtime/stream.py): all of
+    them when they fit `max_memory` GiB (`auto`: available memory less a margin), else one unit at a
+    time during each pass (`streamed`). `dtype`: `auto` (the checkpoint's own), a name or a torch dtype."""
+    from transformers import AutoConfig, AutoTokenizer
 
     d = Path(model_dir)
     if not (d / "config.json").is_file():
@@ -56,7 +77,7 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Lo
         cfg = AutoConfig.from_pretrained(d, local_files_only=True)
     except (ValueError, OSError, json.JSONDecodeError) as exc:
         raise InputError(f"--model {d}/config.json: cannot be read: {str(exc).splitlines()[0][:200]}") from None
-    adapters.family_of(cfg)
+    fam = adapters.family_of(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     except Exception as exc:  # noqa: BLE001
@@ -64,17 +85,28 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Lo
     if len(tok) > cfg.vocab_size:
         raise InputError(f"--model {d}: tokenizer has {len(tok)} tokens but the model's vocab_size is {cfg.vocab_size} "
                          "(tokenizer does not match the model)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - safetensors/torch raise many types for a corrupt file
-        raise InputError(f"--model {d}: the weights cannot be loaded ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
-    model.eval()
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    budget = stream.resolve_max_memory(max_memory)
+    shards = stream.Shards(d)
+    dt = dt or stream.checkpoint_dtype(d, cfg)
+    model = stream.skeleton(cfg, dt)
+    routers = [getattr(b, fam.router_attr) for b in adapters.moe_blocks(model, fam)]
+    w = stream.build_weights(model, shards, routers)
+    need = w.nbytes() / stream.GiB
+    streamed = need > budget
+    if streamed:
+        layer = max(w.nbytes(u) for u in stream.layer_units(w)) / stream.GiB
+        log.warning("--model %s: weights %.3g GiB (%s) > --max-memory %.3g GiB: streamed layer by layer (largest layer "
+                    "%.3g GiB%s)", d, need, str(dt).removeprefix("torch."), budget, layer,
+                    ", above the budget: one layer at a time is the least a pass holds" if layer > budget else "")
+        w.load("routers")
+    else:
+        w.load_all()
     ctx = adapters.attach(model)
     L, E, k = adapters.moe_geometry(model)
-    names = [n for n, m in model.named_modules() if isinstance(m, adapters.PolicyExperts)]
+    names = [n for n, mod in model.named_modules() if isinstance(mod, adapters.PolicyExperts)]
     layer_ids = tuple(_layer_index(n, i) for i, n in enumerate(names))
-    return Loaded(model, tok, ctx, L, E, k, layer_ids, d)
+    return Loaded(model, tok, ctx, L, E, k, layer_ids, d, w, streamed, budget)
 
 
 def _layer_index(name: str, default: int) -> int:
@@ -120,33 +152,169 @@ def default_window(m: Loaded) -> int:
     return int(min(getattr(m.model.config, "max_position_embeddings", 512) or 512, 512))
 
 
+@dataclass
+class Lane:
+    """One stream of the windows through the model: its cache (None = exact), recorder, decision log and
+    lookahead lists. A pass advances several lanes over the same windows (the exact model and every
+    policy of an evaluation group): one after the other when the model is in memory, layer by layer
+    together when it is streamed, so each layer is read once per pass."""
+
+    cache: PolicyCache | None = None
+    recorder: adapters.Recorder | None = None
+    decisions: list | None = None
+    substitute_weight: str = "missed"
+    desc: str = "forward"
+    pending: list = None  # type: ignore[assignment]  # per layer, FIFO of lookahead lists
+    seconds: float = 0.0  # wall time spent on this lane in the last pass
+
+    FIELDS = ("cache", "recorder", "decisions", "substitute_weight", "pending")
+
+    @classmethod
+    def current(cls, ctx: adapters.Context, desc: str = "forward") -> Lane:
+        """What is attached to `ctx` now, as a lane."""
+        return cls(ctx.cache, ctx.recorder, ctx.decisions, ctx.substitute_weight, desc)
+
+    def enter(self, ctx: adapters.Context) -> None:
+        if self.pending is None:
+            self.pending = [deque() for _ in range(ctx.num_layers)]
+        for f in self.FIELDS:
+            setattr(ctx, f, getattr(self, f))
+
+    def leave(self, ctx: adapters.Context) -> None:
+        for f in self.FIELDS:
+            setattr(self, f, getattr(ctx, f))
+        ctx.cache, ctx.recorder, ctx.decisions, ctx.substitute_weight = None, None, None, "missed"
+
+
+def _nll(logits: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, W-1, V]
+    return (-torch.gather(lp, 2, x[:, 1:, None])[..., 0]).double().numpy()  # [B, W-1]
+
+
 @torch.inference_mode()
+def run_lanes(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_windows: int = 8,
+              progress: bool = False) -> list[np.ndarray]:
+    """Forward all windows in stream order once per lane; the NLL per token [n, window-1] of each lane."""
+    if m.streamed:
+        return _layer_major(m, windows, lanes, batch_windows, progress)
+    n, W = windows.shape
+    outs = []
+    for lane in lanes:
+        out = np.empty((n, W - 1), np.float64)
+        lane.pending = None
+        t0 = time.perf_counter()
+        lane.enter(m.ctx)
+        try:
+            for a in tqdm(range(0, n, batch_windows), desc=lane.desc, disable=not progress, unit="batch"):
+                x = torch.from_numpy(windows[a : a + batch_windows])
+                out[a : a + batch_windows] = _nll(m.model(input_ids=x, use_cache=False).logits, x)
+        finally:
+            lane.leave(m.ctx)
+        lane.seconds = time.perf_counter() - t0
+        outs.append(out)
+    return outs
+
+
+class _Capture(torch.nn.Module):
+    """Stands in for a decoder layer while the model's own forward computes each layer's arguments
+    (masks, rotary embeddings): keeps them and passes the hidden states through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.args: tuple = ()
+        self.kwargs: dict = {}
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.hidden, self.args, self.kwargs = hidden_states, args, kwargs
+        return hidden_states
+
+
+def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_windows: int,
+                 progress: bool) -> list[np.ndarray]:
+    """The streamed pass: every window of every lane through decoder layer l before layer l + 1, each
+    layer read from the shards once. Each layer's policy cache still sees the tokens in stream order, so
+    every decision equals the in-memory pass (tests/test_stream.py)."""
+    w, model = m.weights, m.model
+    base = model.get_decoder()
+    layers = base.layers
+    n, W = windows.shape
+    spans = [(a, min(a + batch_windows, n)) for a in range(0, n, batch_windows)]
+    out_units = stream.output_units(model, w)
+    pre = [u for u in w.units if u not in stream.layer_units(w) and u not in out_units and u != "routers"]
+    # 1. embeddings and each layer's arguments from the model's own forward, layers replaced by captures
+    w.load(*pre, *[u for u in out_units if u == "embed"])
+    caps = [_Capture() for _ in layers]
+    real = list(layers)
+    kw: dict[int, list[tuple[tuple, dict]]] = {}  # batch size -> per layer (args, kwargs)
+    h0 = torch.empty((n, W, model.config.hidden_size), dtype=m.dtype)
+    try:
+        for i, c in enumerate(caps):
+            layers[i] = c
+        for a, b in spans:
+            base(input_ids=torch.from_numpy(windows[a:b]), use_cache=False)
+            h0[a:b] = caps[0].hidden
+            kw.setdefault(b - a, [(c.args, c.kwargs) for c in caps])
+    finally:
+        for i, lay in enumerate(real):
+            layers[i] = lay
+    w.release("embed")
+    hs = [h0] + [h0.clone() for _ in lanes[1:]]  # per lane [n, W, H]
+    for lane in lanes:
+        lane.pending, lane.seconds = None, 0.0
+    bar = tqdm(total=len(layers) * len(lanes), desc=" + ".join(la.desc for la in lanes)[:40], disable=not progress,
+               unit="layer")
+    try:
+        for i, lay in enumerate(layers):
+            unit = f"layer.{i}"
+            w.load(unit)
+            for lane, h in zip(lanes, hs, strict=True):
+                t0 = time.perf_counter()
+                lane.enter(m.ctx)
+                try:
+                    for a, b in spans:
+                        args, kwargs = kw[b - a][i]
+                        h[a:b] = lay(h[a:b], *args, **kwargs)
+                finally:
+                    lane.leave(m.ctx)
+                lane.seconds += time.perf_counter() - t0
+                bar.update(1)
+            w.release(unit)
+        # 2. the head: final norm and output embeddings, lane by lane, batch by batch
+        w.load(*out_units)
+        outs = []
+        for lane, h in zip(lanes, hs, strict=True):
+            t0 = time.perf_counter()
+            out = np.empty((n, W - 1), np.float64)
+            for a, b in spans:
+                logits = model.get_output_embeddings()(base.norm(h[a:b]))
+                out[a:b] = _nll(logits, torch.from_numpy(windows[a:b]))
+            outs.append(out)
+            lane.seconds += time.perf_counter() - t0
+    finally:
+        bar.close()
+        for u in out_units:
+            w.release(u)
+    return outs
+
+
 def run_stream(m: Loaded, windows: np.ndarray, batch_windows: int = 8, progress: bool = False,
                desc: str = "forward") -> np.ndarray:
     """Forward all windows in stream order under whatever is attached; NLL per token [n, window-1]."""
-    n, W = windows.shape
-    out = np.empty((n, W - 1), np.float64)
-    it = range(0, n, batch_windows)
-    for a in tqdm(it, desc=desc, disable=not progress, unit="batch"):
-        x = torch.from_numpy(windows[a : a + batch_windows])
-        logits = m.model(input_ids=x, use_cache=False).logits.float()  # [B, W, V]
-        lp = torch.log_softmax(logits[:, :-1], dim=-1)
-        nll = -torch.gather(lp, 2, x[:, 1:, None])[..., 0]
-        out[a : a + batch_windows] = nll.double().numpy()
-    return out
+    lane = Lane.current(m.ctx, desc)
+    try:
+        return run_lanes(m, windows, [lane], batch_windows, progress)[0]
+    finally:
+        lane.enter(m.ctx)  # leave the attachments as they were
+        m.ctx.pending = [deque() for _ in range(m.ctx.num_layers)]
 
 
 def record_routing(m: Loaded, windows: np.ndarray, depth: int, lookahead: int = 0, batch_windows: int = 8,
                    progress: bool = False, cache: PolicyCache | None = None, desc: str = "record"):
     """Run the stream under `cache` (None: the exact model) recording the routing. Returns ids [T, L, k],
     weights, ranking [T, L, depth], lookahead [T, L, P] (None when `lookahead` is 0) and the NLL [n, W-1]."""
-    m.ctx.cache = cache
-    rec = m.ctx.start_recording(depth, lookahead=lookahead)
-    try:
-        nll = run_stream(m, windows, batch_windows, progress, desc)
-    finally:
-        m.ctx.recorder = None
-        m.ctx.cache = None
+    rec = adapters.Recorder.empty(m.num_layers, depth, lookahead)
+    nll = run_lanes(m, windows, [Lane(cache=cache, recorder=rec, desc=desc)], batch_windows, progress)[0]
     ids, w, rank = rec.arrays()
     return ids, w, rank, rec.lookahead_array(), nll
 

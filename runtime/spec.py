@@ -34,8 +34,8 @@ HELD_OUT = "held-out"
 HELD_OUT_FRACTION = 0.2  # the last 20% of the tokens calibrate a held-out warm start
 # the fields every spec of one evaluation group shares (one exact pass, one warm-start source)
 GROUP_FIELDS = ("model", "text", "max_tokens", "window", "batch_windows", "initial_residency", "calib_text",
-                "calib_max_tokens", "dtype", "device", "host_store", "nll_out")
-DTYPES = ("fp32", "bf16", "fp16")
+                "calib_max_tokens", "dtype", "max_memory_GiB", "device", "host_store", "nll_out")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
 SUBSTITUTE_WEIGHTS = ("missed", "own")
 
 # RunSpec field -> its command-line flag (error messages name the flag the user typed)
@@ -44,7 +44,8 @@ FLAGS = {
     "trace": "--trace", "model": "--model", "text": "--text", "max_tokens": "--max-tokens", "window": "--window",
     "batch_windows": "--batch-windows", "initial_residency": "--initial-residency", "calib_text": "--calib-text",
     "calib_max_tokens": "--calib-max-tokens", "host": "--host", "model_shape": "--model-shape",
-    "weight_format": "--weight-format", "device": "--device", "dtype": "--dtype", "host_store": "--host-store",
+    "weight_format": "--weight-format", "device": "--device", "dtype": "--dtype", "max_memory_GiB": "--max-memory",
+    "host_store": "--host-store",
     "substitute_weight": "--substitute-weight", "nll_out": "--nll-out", "trace_out": "--trace-out",
     "residency_out": "--residency-out", "record_decisions": "(record_decisions)",
 }
@@ -72,7 +73,8 @@ class RunSpec:
     model_shape: str | None = None  # simulator: model shape preset or YAML (default: from the trace)
     weight_format: str | None = None  # simulator: bf16 | q8_0 | q4_k_m
     device: str | None = None  # engine: cpu | cuda (None: cuda when available)
-    dtype: str = "fp32"
+    dtype: str = "auto"  # the checkpoint's own dtype (a bf16 checkpoint stays bf16); fp32 only when asked
+    max_memory_GiB: float | str = "auto"  # host RAM the weights may use; above it passes stream layer by layer
     host_store: str = "ram"  # engine: ram | mmap
     substitute_weight: str = "missed"  # emulation: apply a substitute with the missed expert's weight, or its own
     nll_out: str | None = None
@@ -106,6 +108,10 @@ class RunSpec:
             raise InputError(f"--text {self.text}: --model is required with a text")
         if self.dtype not in DTYPES:
             raise InputError(f"--dtype = {self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if self.max_memory_GiB != "auto":
+            from runtime.stream import resolve_max_memory
+
+            object.__setattr__(self, "max_memory_GiB", resolve_max_memory(self.max_memory_GiB))
         if self.substitute_weight not in SUBSTITUTE_WEIGHTS:
             raise InputError(f"--substitute-weight = {self.substitute_weight!r} must be 'missed' or 'own'")
         if self.host_store not in ("ram", "mmap"):

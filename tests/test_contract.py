@@ -6,6 +6,9 @@ the warm start it used (so it hands the kernel the sorted candidate ranking); th
 - the simulator replays that trace from that warm start,
 - the emulation runs again without writing a trace (the kernel then orders the candidates from
   the router scores itself),
+- the emulation runs with every layer streamed from the shards (`--max-memory` far below the
+  model: a layer-major pass), and also agrees with the reference on the per-token NLL (1e-5),
+  the trace it records and the warm start,
 - the engine (CPU device mode) decodes the same text token by token,
 and each must give the identical decision kind, served expert and slot at every token, layer and
 top-k slot, for the presets and LRU, LFU aging, admission delays, every fallback (substitute,
@@ -15,15 +18,18 @@ one-line InputError, a field it cannot honour.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from runtime.backends import BACKENDS, get_backend
 from runtime.errors import InputError
 from runtime.policy import PRESETS, PolicyConfig
 from runtime.spec import RunSpec
+from runtime.trace import load_trace
 from tests.tiny_hf import FAMILIES, build_tiny
 
 TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()[:6000]
@@ -63,17 +69,22 @@ def reference(inputs, family: str, name: str):
         tr, res = d / f"{family}-{name}.parquet", d / f"{family}-{name}.npy"
         spec = RunSpec(policy=POLICIES[name], model=str(ckpts[family]), text=str(text), capacity=CAPACITY,
                        window=WINDOW, max_tokens=TOKENS, trace_out=str(tr), residency_out=str(res),
-                       record_decisions=True)
+                       record_decisions=True, nll_out=str(d / f"{family}-{name}-nll.parquet"))
         _REF[family, name] = (spec, get_backend("emulation").evaluate(spec), tr, res)
     return _REF[family, name]
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("backend", ["simulator", "emulation", "engine"])
+@pytest.mark.parametrize("backend", ["simulator", "emulation", "streamed", "engine"])
 def test_same_decisions_as_emulation(inputs, backend, family, name):
     spec, emu, tr, res = reference(inputs, family, name)
-    if backend == "simulator":
+    if backend == "streamed":  # the emulation with every layer streamed from the shards, layer-major
+        tr2, res2, nll2 = (tr.with_name(f"{tr.stem}-streamed{suffix}") for suffix in (".parquet", ".npy", "-nll.parquet"))
+        other = dataclasses.replace(spec, max_memory_GiB=1e-6, trace_out=str(tr2), residency_out=str(res2),
+                                    nll_out=str(nll2))
+        backend = "emulation"
+    elif backend == "simulator":
         other = RunSpec(policy=spec.policy, trace=str(tr), capacity=CAPACITY, initial_residency=str(res),
                         record_decisions=True)
     elif backend == "emulation":  # without --trace-out: the kernel orders candidates from the scores
@@ -99,6 +110,17 @@ def test_same_decisions_as_emulation(inputs, backend, family, name):
                 "prefetches", "prefetch_used"):
         assert got.counters[key] == emu.counters[key], key
     assert got.initial_residency and emu.initial_residency.startswith("held-out")
+    if other.max_memory_GiB != "auto":  # streamed: per-token NLL, the recorded trace and the warm start agree
+        assert got.extra["streamed"] and not emu.extra["streamed"]
+        a, b = pq.read_table(spec.nll_out).to_pandas(), pq.read_table(other.nll_out).to_pandas()
+        assert list(a.columns) == list(b.columns)
+        for c in a.columns:
+            assert np.abs(a[c].to_numpy() - b[c].to_numpy()).max() <= 1e-5, c
+        ta, tb = load_trace(spec.trace_out), load_trace(other.trace_out)
+        for f in ("topk_ids", "topk_weights", "ranking", "lookahead"):
+            if getattr(ta, f) is not None:
+                np.testing.assert_array_equal(getattr(ta, f), getattr(tb, f), err_msg=f)
+        np.testing.assert_array_equal(np.load(spec.residency_out), np.load(other.residency_out))
 
 
 def test_policies_exercise_every_decision(inputs):

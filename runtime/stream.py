@@ -1,0 +1,295 @@
+"""Checkpoints larger than RAM: the model built on the meta device, its weights read from the
+safetensors shards one unit at a time (the embeddings, a decoder layer, the head), within a
+host-memory budget.
+
+`open_checkpoint(dir, dtype)` builds the model skeleton with accelerate's `init_empty_weights`
+(parameters on the meta device, buffers real) and a `Weights` object that knows, for every
+parameter and persistent buffer, where its values are in the shards (`safetensors.safe_open`;
+names, shapes and dtypes from the library, no header parsing). Every supported family's
+checkpoint layout maps onto transformers 5.x modules the way transformers' own conversion table
+does (`transformers/conversion_mapping.py`): a name as it is, Mixtral's `block_sparse_moe` as
+`mlp`, and the per-expert `experts.E.{gate,up,down}_proj` (`w1, w3, w2`) stacked into the fused
+`experts.gate_up_proj` [E, 2I, H] (gate then up) and `experts.down_proj` [E, H, I].
+tests/test_stream.py checks every family's weights against `from_pretrained`, bit for bit.
+
+Units: `embed` (the input embeddings), `layer.<i>` (decoder layer i without its router),
+`routers` (every MoE layer's router, kept resident: a prefetch lookahead at layer l needs layer
+l + 1's router), and one unit per other module (the final norm, `lm_head`). `load(unit)` reads
+a unit into memory, `release(unit)` puts its tensors back on the meta device (the shard files are
+opened per read and closed after it, so nothing stays mapped).
+
+`resolve_max_memory("auto")`: the machine's available memory less a margin, the budget the
+model's weights may use (runtime/hfmodel.py decides from it whether the model is loaded whole or
+streamed layer by layer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.errors import InputError
+
+log = logging.getLogger(__name__)
+
+GiB = float(1 << 30)
+AUTO_MARGIN_GiB = 2.0  # left to the runtime (Python, torch, the policy caches, hidden states) under "auto"
+AUTO_MARGIN_FRACTION = 0.1
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def available_memory_GiB() -> float:
+    """MemAvailable of /proc/meminfo (the memory the kernel can give without swapping), in GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / GiB
+
+
+def resolve_max_memory(value: float | str | None, flag: str = "--max-memory") -> float:
+    """GiB the model's weights may use: a positive number, or `auto` (None): available memory less
+    max(2 GiB, 10%), logged."""
+    if value is None or value == "auto":
+        avail = available_memory_GiB()
+        budget = max(avail - max(AUTO_MARGIN_GiB, AUTO_MARGIN_FRACTION * avail), 0.5)
+        log.info("%s auto = %.1f GiB (%.1f GiB available less the margin)", flag, budget, avail)
+        return budget
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{flag} = {value!r} must be a number of GiB or 'auto'") from None
+    if not (v > 0 and v < float("inf")):
+        raise InputError(f"{flag} = {value!r} must be a positive number of GiB or 'auto'")
+    return v
+
+
+def checkpoint_dtype(model_dir: Path, cfg) -> torch.dtype:
+    """The checkpoint's own floating dtype: config.json's `dtype` / `torch_dtype`, else the first
+    floating tensor of the shards."""
+    d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(d, torch.dtype) and d.is_floating_point:
+        return d
+    if isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype):
+        return getattr(torch, d)
+    shards = Shards(model_dir)
+    for _, (_, dt) in shards.meta.items():
+        if dt in _ST_DTYPES:
+            return _ST_DTYPES[dt]
+    return torch.float32
+
+
+class Shards:
+    """Where each checkpoint tensor is: name -> shard file, shape and safetensors dtype."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        self.dir = model_dir
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise InputError(f"--model {model_dir}: no .safetensors files there (only safetensors checkpoints are read)")
+        self.where: dict[str, Path] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as s:
+                    for k in s.keys():  # noqa: SIM118 - safe_open is not a dict
+                        sl = s.get_slice(k)
+                        self.where[k] = f
+                        self.meta[k] = (tuple(sl.get_shape()), sl.get_dtype())
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                raise InputError(f"--model {f}: not a readable safetensors file ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors `keys`, each shard opened once and closed after."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for k in keys:
+            by_file[self.where[k]].append(k)
+        out = {}
+        for f, ks in by_file.items():
+            with safe_open(str(f), framework="pt") as s:
+                for k in ks:
+                    out[k] = s.get_tensor(k)
+        return out
+
+
+@dataclass
+class Entry:
+    """One parameter or persistent buffer of the model, where it lives and where its values come from."""
+
+    name: str  # the model's name for it (the first alias)
+    aliases: list[tuple[nn.Module, str]]  # (owner module, attribute): tied weights have several
+    is_param: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: list[list[str]]  # direct: [[key]]; stacked experts: one list of keys per expert, concatenated on dim 0
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class Weights:
+    """The model's tensors by unit, read from the shards on demand (module doc)."""
+
+    shards: Shards
+    units: dict[str, list[Entry]]
+    loaded: set[str] = field(default_factory=set)
+    bytes_read: int = 0
+    reads: Counter = field(default_factory=Counter)  # unit -> times read from the shards
+
+    def nbytes(self, unit: str | None = None) -> int:
+        units = [unit] if unit is not None else list(self.units)
+        return sum(e.nbytes for u in units for e in self.units[u])
+
+    def load(self, *units: str) -> None:
+        for unit in units:
+            if unit in self.loaded:
+                continue
+            entries = self.units[unit]
+            got = self.shards.read([k for e in entries for keys in e.sources for k in keys])
+            for e in entries:
+                if len(e.sources) == 1 and len(e.sources[0]) == 1:
+                    t = got.pop(e.sources[0][0]).to(e.dtype)
+                else:  # stacked experts: [E, ...] with each expert's parts concatenated on dim 0
+                    t = torch.empty(e.shape, dtype=e.dtype)
+                    for i, keys in enumerate(e.sources):
+                        t[i].copy_(torch.cat([got.pop(k) for k in keys], dim=0) if len(keys) > 1 else got.pop(keys[0]))
+                if tuple(t.shape) != e.shape:
+                    raise InputError(f"--model {self.shards.dir}: {e.name} has shape {tuple(t.shape)} in the safetensors "
+                                     f"files, the model expects {e.shape}")
+                self._set(e, t)
+                self.bytes_read += e.nbytes
+            self.loaded.add(unit)
+            self.reads[unit] += 1
+
+    def release(self, *units: str) -> None:
+        for unit in units:
+            if unit not in self.loaded:
+                continue
+            for e in self.units[unit]:
+                self._set(e, torch.empty(e.shape, dtype=e.dtype, device="meta"))
+            self.loaded.discard(unit)
+
+    def load_all(self) -> None:
+        self.load(*self.units)
+
+    @staticmethod
+    def _set(e: Entry, t: torch.Tensor) -> None:
+        v = nn.Parameter(t, requires_grad=False) if e.is_param else t
+        for owner, attr in e.aliases:
+            setattr(owner, attr, v)
+
+
+def skeleton(cfg, dtype: torch.dtype) -> nn.Module:
+    """The model of `cfg` with its parameters on the meta device (no memory) and its buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def _candidates(name: str) -> list[list[list[str]]]:
+    """The checkpoint layouts that may hold `name`, as source lists (module doc), most direct first.
+    Per-expert lists hold the literal `{e}` where the expert index goes."""
+    alts = [name]
+    if ".mlp." in name:  # Mixtral's checkpoints call the sparse block block_sparse_moe
+        alts.append(name.replace(".mlp.", ".block_sparse_moe."))
+    out: list[list[list[str]]] = [[[a]] for a in alts]
+    for a in alts:
+        if a.endswith("experts.gate_up_proj"):
+            p = a[: -len("gate_up_proj")]
+            out += [[[f"{p}{{e}}.gate_proj.weight", f"{p}{{e}}.up_proj.weight"]], [[f"{p}{{e}}.w1.weight", f"{p}{{e}}.w3.weight"]]]
+        elif a.endswith("experts.down_proj"):
+            p = a[: -len("down_proj")]
+            out += [[[f"{p}{{e}}.down_proj.weight"]], [[f"{p}{{e}}.w2.weight"]]]
+    return out
+
+
+def _sources(name: str, shape: tuple[int, ...], shards: Shards, tied_to: str | None) -> list[list[str]]:
+    for cand in _candidates(name):
+        keys = cand[0]
+        if "{e}" not in keys[0]:
+            if keys[0] in shards.where:
+                return [keys]
+            continue
+        E = shape[0] if shape else 0
+        per = [[k.format(e=e) for k in keys] for e in range(E)]
+        if E and all(k in shards.where for ks in per for k in ks):
+            return per
+    if tied_to is not None:  # a tied output embedding saved only once
+        return _sources(tied_to, shape, shards, None)
+    raise InputError(f"--model {shards.dir}: weight {name} {list(shape)} is not in the safetensors files "
+                     "(a checkpoint layout this loader does not know)")
+
+
+def build_weights(model: nn.Module, shards: Shards, router_modules: list[nn.Module]) -> Weights:
+    """Map every parameter and persistent buffer of `model` to its unit and its checkpoint keys."""
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    layers_mod = model.get_decoder().layers
+    layer_of = {id(mod): i for i, lay in enumerate(layers_mod) for mod in lay.modules()}
+    routers = {id(mod) for r in router_modules for mod in r.modules()}
+    emb = model.get_input_embeddings()
+    by_tensor: dict[int, Entry] = {}
+    units: dict[str, list[Entry]] = defaultdict(list)
+    tied = "model.embed_tokens.weight" if getattr(model.config, "tie_word_embeddings", False) else None
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        own = [(n, p, True) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
+        own += [(n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False)]
+        for attr, t, is_param in own:
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            if not is_param and full not in persistent:
+                continue  # a computed buffer (rotary frequencies): real from the skeleton
+            if id(t) in by_tensor:
+                by_tensor[id(t)].aliases.append((mod, attr))
+                continue
+            shape = tuple(t.shape)
+            e = Entry(full, [(mod, attr)], is_param, shape, t.dtype,
+                      _sources(full, shape, shards, tied if full.endswith("lm_head.weight") else None))
+            by_tensor[id(t)] = e
+            if id(mod) in routers:
+                unit = "routers"
+            elif id(mod) in layer_of:
+                unit = f"layer.{layer_of[id(mod)]}"
+            elif mod is emb:
+                unit = "embed"
+            else:
+                unit = mod_name or "model"
+            units[unit].append(e)
+    return Weights(shards, dict(units))
+
+
+def output_units(model: nn.Module, w: Weights) -> list[str]:
+    """The units holding the output embeddings (lm_head, or the tied input embeddings)."""
+    out = model.get_output_embeddings()
+    ids = {id(t) for t in out.parameters()}
+    return [u for u, es in w.units.items() if any(id(getattr(o, a)) in ids for e in es for o, a in e.aliases)]
+
+
+_LAYER = re.compile(r"^layer\.(\d+)$")
+
+
+def layer_units(w: Weights) -> list[str]:
+    """The decoder-layer units in layer order."""
+    return sorted((u for u in w.units if _LAYER.match(u)), key=lambda u: int(u.split(".")[1]))
