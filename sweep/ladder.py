@@ -4,7 +4,7 @@
    (the Tune + Optuna search, sweep/search.py).
 2. **Short rungs** (`emulation.rungs`, token budgets): the screened candidates are emulated
    (`runtime.backends` "emulation": exact teacher-forced perplexity) on a short prefix of the text;
-   Optuna's `SuccessiveHalvingPruner` keeps about 1/`eta` of each rung for the next one.
+   each rung keeps the best 1/`eta` of its candidates (rounded up) for the next one.
 3. **Full budget** (`max_tokens` of the sweep): the survivors (at most `emulation.max_full`) and
    the named baselines are emulated on the whole budget. Only these rows are placed on a front.
 4. **Engine** (hosts with `profile: calibrate`): the full-budget set decoded by the offloading
@@ -15,13 +15,12 @@ shared by all hosts (ledger rows with host `all`). The candidates are each host'
 in (time, mass), computed separately for the policies that always fetch the first choice and for
 those that can substitute it (mass ranks only within a family), plus the baselines.
 
-The ladder is an Optuna study (in memory: every measurement is in the ledger, so a resumed sweep
-replays it without emulating anything twice) with one trial per candidate. At rung k each candidate
-reports its score at step `eta**k` and asks `Trial.should_prune()`: Optuna's pruner is asynchronous
-successive halving (a candidate goes on when it is in the best 1/eta of those that have finished
-the rung so far), so the candidates are taken in a seeded random order; about 1/eta of a rung,
-and always its first candidate, go on. The score (lower is better) asks "how much faster is this
-policy, on the sweep's hosts, for the perplexity budgets it meets?":
+Promotion is synchronous successive halving: a rung's candidates are all measured before any is
+promoted, so each rung keeps the best `ceil(n / eta)` of its `n` candidates by score, ties broken by
+policy key (`promote`): the same inputs always promote the same policies, whatever their order. At
+most `max_full` survivors go on to the full budget. Every measurement is in the ledger, so a
+resumed sweep replays the ladder without emulating anything twice. The score (lower is better)
+asks "how much faster is this policy, on the sweep's hosts, for the perplexity budgets it meets?":
 
     score = -mean over hosts h and budgets B of  speed_ratio_vs_fetch_all[h] * [ppl_change_pct <= B]
 
@@ -32,12 +31,12 @@ budget scores 0.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import optuna
 
 from runtime.policy import PRESETS
 from sweep.report import pareto_mask, policy_key
@@ -92,52 +91,44 @@ def score(ppl_change_pct: float | None, ratios: dict[str, float], hosts: list[st
 Measure = Callable[[list[dict[str, Any]], int | None, str], dict[str, dict[str, Any]]]
 
 
+def promote(scores: dict[str, float], eta: int) -> list[str]:
+    """The best `ceil(n / eta)` of a rung's `n` scored candidates (lower is better), ties by key, best first."""
+    order = sorted(scores, key=lambda pk: (scores[pk], pk))
+    return order[:math.ceil(len(order) / eta)]
+
+
 def run_ladder(cands: list[dict[str, Any]], baselines: list[dict[str, Any]], rows: list[dict[str, Any]],
                hosts: list[str], rungs: list[int], eta: int, max_full: int, full_tokens: int | None,
-               budgets: list[float], measure: Measure, seed: int = 0) -> dict[str, Any]:
+               budgets: list[float], measure: Measure) -> dict[str, Any]:
     """Screened candidates up the rungs to the full budget.
 
     `measure(params_list, tokens, budget_name)` emulates (or takes from the ledger) and returns
     {policy key: ledger row}. Returns per-rung statistics and the policy keys measured at full budget."""
     ratios = speed_ratios(rows, hosts)
-    rng = np.random.default_rng(seed)
-    study = optuna.create_study(direction="minimize", pruner=optuna.pruners.SuccessiveHalvingPruner(
-        min_resource=1, reduction_factor=eta, min_early_stopping_rate=0))
+
+    def scored(res: dict[str, dict[str, Any]], pk: str) -> float:
+        r = res.get(pk)
+        return score(r.get("ppl_change_pct") if r and r.get("status") == "ok" else None, ratios.get(pk, {}),
+                     hosts, budgets)
+
     base_keys = {policy_key(b) for b in baselines}
     alive = {policy_key(c): c for c in cands if policy_key(c) not in base_keys}
-    trials = {pk: study.ask() for pk in alive}
+    order = sorted(alive)
     stats: list[dict[str, Any]] = []
-    last: dict[str, float] = {pk: 0.0 for pk in alive}
     for k, tokens in enumerate(rungs):
         if not alive:
             break
         t0 = time.time()
         res = measure(list(alive.values()), tokens, str(tokens))
-        pruned = []
-        for pk in rng.permutation(sorted(alive)).tolist():
-            r = res.get(pk)
-            last[pk] = score(r.get("ppl_change_pct") if r and r.get("status") == "ok" else None, ratios.get(pk, {}),
-                             hosts, budgets)
-            trials[pk].report(last[pk], step=eta**k)
-            if trials[pk].should_prune():
-                pruned.append(pk)
-        for pk in pruned:
-            study.tell(trials[pk], state=optuna.trial.TrialState.PRUNED)
-            del alive[pk]
+        order = promote({pk: scored(res, pk) for pk in alive}, eta)
+        alive = {pk: alive[pk] for pk in order}
         stats.append({"rung": k, "tokens": tokens, "candidates": len(res), "promoted": len(alive),
                       "seconds": time.time() - t0})
-    # the survivors with the best last scores go on to the full budget, at most max_full of them
-    order = sorted(alive, key=lambda pk: last[pk])
+    # the survivors, best last score first, go on to the full budget, at most max_full of them
     full = order[:max_full]
-    for pk in order[max_full:]:
-        study.tell(trials[pk], state=optuna.trial.TrialState.PRUNED)
     t0 = time.time()
     todo = [alive[pk] for pk in full] + list(baselines)
     res = measure(todo, full_tokens, FULL)
-    for pk in full:
-        r = res.get(pk)
-        study.tell(trials[pk], score(r.get("ppl_change_pct") if r and r.get("status") == "ok" else None,
-                                     ratios.get(pk, {}), hosts, budgets))
     stats.append({"rung": FULL, "tokens": full_tokens, "candidates": len(todo), "promoted": len(full),
                   "seconds": time.time() - t0, "baselines": len(baselines)})
     return {"rungs": stats, "full": [policy_key(p) for p in todo], "screened": len(cands)}

@@ -367,7 +367,7 @@ def _ladder(cfg, inputs, session, ledger, enabled: bool) -> tuple[list[str], dic
     bases = ladder.baseline_params(list(cfg.baseline_policies), cfg.baseline_capacity())
     measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.add_rows)
     stats = ladder.run_ladder(cands, bases, ledger.rows, session.hosts, list(cfg.emulation.rungs), cfg.emulation.eta,
-                              cfg.emulation.max_full, cfg.max_tokens, list(cfg.ppl_budgets_pct), measure, cfg.seed)
+                              cfg.emulation.max_full, cfg.max_tokens, list(cfg.ppl_budgets_pct), measure)
     full_params = {report.policy_key(p): p for p in cands + bases}
     full = [full_params[pk] for pk in stats["full"] if pk in full_params]
     notes = [f"Ladder: {stats['screened']} screened candidates -> " + " -> ".join(

@@ -17,6 +17,9 @@ again with the values they were drawn with, trials asked after the last save are
 
 Each host's finished trials are recorded in Optuna's own `JournalStorage` on `JournalFileBackend`
 (`<out>/optuna.journal`: a file lock and an fsync per append), one append per trial (`HostStudy`).
+The journal copy of a trial keeps its system attributes (`create_trial(system_attrs=...)`): they
+hold the sampler's own state, such as NSGA-II's generation number, so a resumed NSGA-II search
+continues its generations instead of starting generation 0 again.
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ class HostStudy:
             return
         self.journal.add_trial(optuna.trial.create_trial(
             params=ft.params, distributions=ft.distributions, state=ft.state,
-            values=ft.values if ft.state == TrialState.COMPLETE else None, user_attrs={**ft.user_attrs, "key": key}))
+            values=ft.values if ft.state == TrialState.COMPLETE else None, user_attrs={**ft.user_attrs, "key": key},
+            system_attrs=ft.system_attrs))  # the sampler's own state (NSGA-II: the trial's generation)
         self.keys.add(key)
 
     def tell_row(self, trial_id: str, row: dict[str, Any]) -> None:

@@ -307,3 +307,75 @@ capacity_fraction: 0.25
     assert len(seen) == 8
     with pytest.raises(InputError, match="space.fallback.choices\\[0\\] = 'cpu' is unknown"):
         parse_space({"fallback": {"choices": ["cpu"]}, "capacity_fraction": 0.25, "rule": "threshold", "tau": 0.2})
+
+
+def test_resumed_nsga2_search_continues_its_generations(tmp_path):
+    """The journal keeps each trial's sampler state: a study rebuilt from it (what --resume does) has the
+    same generation numbers and asks its next trial in the generation an uninterrupted study would."""
+    space = parse_space(SPACE)
+    objectives = ("time_per_token_s", "mass_per_token")
+
+    def host_study() -> HostStudy:
+        return HostStudy(space, objectives, make_sampler("nsga2", 0, 4), journal_storage(tmp_path / "o.journal"),
+                         "t:a", "a")
+
+    first = host_study()
+    for i in range(10):
+        [(key, _, params)] = first.ask_batch(f"t{i}", 1)
+        first.tell_row(f"t{i}", {"key": key, "status": "ok", "time_per_token_s": params["capacity_fraction"],
+                                 "mass_per_token": 1.0 - params["capacity_fraction"]})
+    sampler = first.sampler
+
+    def generations(study: optuna.Study) -> list[int]:
+        return [sampler.get_trial_generation(study, t) for t in study.get_trials(deepcopy=False)]
+
+    before = generations(first.study)
+    assert before == [0] * 4 + [1] * 4 + [2] * 2
+    resumed = host_study()
+    assert [t.user_attrs["key"] for t in resumed.study.trials] == [f"a:{i}" for i in range(10)]
+    assert [t.system_attrs for t in resumed.study.trials] == [t.system_attrs for t in first.study.trials]
+    assert generations(resumed.study) == before
+    resumed.ask_batch("next", 1)
+    first.ask_batch("next", 1)
+    assert generations(resumed.study)[-1] == generations(first.study)[-1] == 2
+
+
+def test_ladder_promotes_the_best_third_of_each_rung_ties_by_key():
+    """Synchronous halving: every rung keeps the best ceil(n / eta) by score, ties by policy key, and the
+    result does not depend on the order the candidates come in."""
+    from sweep import ladder
+
+    cands = [complete({**PRESETS["rule-0.15"].to_dict(), "tau": 0.05 + 0.01 * i, "capacity_fraction": 0.25})
+             for i in range(10)]
+    keys = {policy_key(c): i for i, c in enumerate(cands)}
+    # the speed ratio is the same for every policy; the rung's perplexity decides: policies 3, 7 and 5 (and
+    # the tie 2 ~ 8) meet the budget at rung 0, the others do not
+    rows = [{"fidelity": "simulator", "status": "ok", "host": "a", "params": c, "speed_ratio_vs_fetch_all": 2.0}
+            for c in cands]
+    ppl = {3: 0.1, 7: 0.2, 5: 0.3, 2: 0.4, 8: 0.4}
+    seen: list[tuple[int, list[int]]] = []
+
+    def measure(params: list[dict], tokens: int | None, name: str) -> dict[str, dict]:
+        idx = sorted(keys[policy_key(p)] for p in params if policy_key(p) in keys)
+        seen.append((tokens, idx))
+        # rung 1 (200 tokens): only policy 5 meets the budget
+        pct = {i: (ppl.get(i, 5.0) if tokens == 100 else (0.1 if i == 5 else 5.0)) for i in idx}
+        return {policy_key(cands[i]): {"status": "ok", "ppl_change_pct": pct[i]} for i in idx}
+
+    def run(order: list[dict]) -> dict:
+        seen.clear()
+        return ladder.run_ladder(order, [], rows, ["a"], [100, 200], eta=3, max_full=8, full_tokens=None,
+                                 budgets=[0.3], measure=measure)
+
+    out = run(cands)
+    assert [s["promoted"] for s in out["rungs"][:2]] == [4, 2]  # ceil(10 / 3), ceil(4 / 3)
+    assert seen[0] == (100, list(range(10)))
+    # rung 0: 3, 7, 5 meet 0.3 (score -2), then the ties at score 0 by policy key: the smallest key goes on
+    rest = sorted((k for k, i in keys.items() if i not in (3, 7, 5)))
+    assert seen[1] == (200, sorted([3, 7, 5, keys[rest[0]]]))
+    # rung 1: 5 alone scores -2; the second of ceil(4 / 3) = 2 is the smallest key of the rest
+    second = min((k for k, i in keys.items() if i in (3, 7, keys[rest[0]])))
+    assert out["full"] == [policy_key(cands[5]), second]
+    shuffled = [cands[i] for i in np.random.default_rng(1).permutation(10)]
+    assert run(shuffled)["full"] == out["full"]
+    assert ladder.promote({"b": 1.0, "a": 1.0, "c": 0.5}, 2) == ["c", "a"]
