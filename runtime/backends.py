@@ -111,10 +111,6 @@ class EngineBackend(Backend):
         dev = engine.resolve_device(first.device)
         with engine.device_errors(), engine.cpu_threads(dev, 1):
             m = hfmodel.load(first.model, first.dtype, first.max_memory_GiB)
-            if m.streamed:
-                raise InputError(f"backend engine: --model {first.model} does not fit --max-memory "
-                                 f"{m.max_memory_GiB:.2f} GiB; the engine holds the model's weights in host memory "
-                                 "(use the emulation, which streams layer by layer)")
             eng = engine.Engine(m, dev, host_store=first.host_store)
             try:
                 res = emulate.evaluate_group(m, specs, runner=eng.teacher_forced, backend=self.name, progress=progress)
@@ -157,7 +153,7 @@ def evaluate(spec: RunSpec, backend: str = "simulator", progress: bool = False) 
 # ---------------------------------------------------------------- python -m runtime.emulate
 
 def build_parser(backends: tuple[str, ...] = ("emulation", "engine")) -> argparse.ArgumentParser:
-    from runtime import emulate
+    from runtime import emulate, hfmodel
 
     p = ArgumentParser(prog="python -m runtime.emulate", description=emulate.__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -177,9 +173,7 @@ def build_parser(backends: tuple[str, ...] = ("emulation", "engine")) -> argpars
     p.add_argument("--substitute-weight", default="missed", help="missed | own")
     p.add_argument("--backend", default="emulation", help=" | ".join(backends))
     p.add_argument("--device", default=None, help="engine: cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's own) | fp32 | bf16 | fp16")
-    p.add_argument("--max-memory", default="auto", help="GiB of host RAM the model's weights may use (default auto: "
-                   "available memory less max(2 GiB, 10%%)); a model above it is streamed from its shards layer by layer")
+    hfmodel.add_model_flags(p)
     p.add_argument("--host-store", default="ram", help="engine: ram | mmap")
     p.add_argument("--nll-out", default=None, help="per-token NLLs (Parquet)")
     p.add_argument("--trace-out", default=None, help="router trace seen under the (single) policy")

@@ -1,6 +1,6 @@
 """Calibrate the cost model on this host: measure the engine's primitives and write a HostProfile YAML.
 
-`python -m runtime.calibrate --model DIR --out host.yaml [--device cpu|cuda] [--dtype bf16|fp32]`
+`python -m runtime.calibrate --model DIR --out host.yaml [--device cpu|cuda] [--dtype auto|bf16|fp32] [--max-memory GIB]`
 
 Measured with the engine itself (runtime/engine.py), at the model's shape and dtype, means of
 `--repeats` runs (means, like the engine's time per token, so both see a shared host's average load):
@@ -49,6 +49,7 @@ import torch
 from runtime import costmodel
 from runtime.engine import Engine, cpu_threads, engine_cli, expert_forward, load_engine
 from runtime.errors import ArgumentParser, InputError
+from runtime.hfmodel import add_model_flags
 from runtime.kernel import PolicyCache
 from runtime.policy import PRESETS
 
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True, help="HostProfile YAML to write (atomically)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16: the dtype the engine will run in")
+    add_model_flags(p, "the dtype the engine will run in")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--tokens", type=int, default=48, help="decoded tokens per dense-time window")
     p.add_argument("--link-mib", type=int, default=64)
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag, v in (("--repeats", a.repeats), ("--tokens", a.tokens), ("--link-mib", a.link_mib)):
         if v < 1:
             raise InputError(f"{flag} = {v} must be >= 1")
-    eng = load_engine(a.model, a.device, a.dtype, pinned=not a.pageable)
+    eng = load_engine(a.model, a.device, a.dtype, pinned=not a.pageable, max_memory=a.max_memory)
     if a.clock == "thread":
         if eng.cuda:
             raise InputError("--clock thread is for CPU device mode only (--device cpu)")

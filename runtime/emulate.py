@@ -29,13 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime import costmodel
+from runtime.adapters import Recorder, decision_arrays
 from runtime.errors import InputError, atomic_write
 from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime.emulate
+    Lane,
     Loaded,
     calib_windows_ids,
     calibration_ids,
     default_window,
-    Lane,
     load,
     make_trace,
     read_tokens,
@@ -46,7 +47,6 @@ from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime
     to_windows,
     tokenize_file,
 )
-from runtime.adapters import Recorder, decision_arrays
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PolicyConfig, resolve_capacities
 from runtime.spec import GROUP_FIELDS, HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec

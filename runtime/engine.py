@@ -48,7 +48,6 @@ from torch import nn
 
 from runtime import adapters, costmodel, hfmodel
 from runtime.errors import InputError, cli_main
-from runtime.hfmodel import parse_dtype
 from runtime.kernel import DROP, FETCH, HOST, LOWBIT, PolicyCache, StepResult, warmup
 from runtime.policy import PolicyConfig
 
@@ -160,11 +159,17 @@ class HostStore:
         self.pinned = pinned
 
     @classmethod
-    def from_experts(cls, experts: list[nn.Module], dtype: torch.dtype, pin: bool) -> HostStore:
+    def from_experts(cls, experts: list[nn.Module], dtype: torch.dtype, pin: bool, weights=None,
+                     units: list[str] | None = None) -> HostStore:
         """Move every layer's fused expert tensors into one flat host buffer per layer, layer by layer,
-        freeing the model's originals as it goes (peak: the experts once plus one layer)."""
+        freeing the model's originals as it goes (peak: the experts once plus one layer). With `weights`
+        (runtime/stream.py: a model above --max-memory), each layer's experts unit is read from the
+        shards just before its copy: the model's experts are never all in memory besides the store."""
         fused, flat, ptrs = [], [], []
         for l_, ex in enumerate(experts):
+            if weights is not None:
+                weights.load(units[l_])
+                weights.loaded.discard(units[l_])  # its tensors now live in the store
             gu, d = ex.gate_up_proj.data, ex.down_proj.data
             if pin:
                 buf, nbytes = page_aligned_empty(gu.numel() + d.numel(), dtype)
@@ -282,17 +287,26 @@ class Engine:
             torch.cuda.init()
             free, total = torch.cuda.mem_get_info(self.device)
             self.context_bytes = int(total - free - torch.cuda.memory_reserved(self.device))
+        w = m.weights if m.streamed else None
+        if w is not None:  # above --max-memory: the non-expert part is read whole, the experts layer by layer
+            w.load(*[u for u in w.units if not u.startswith("experts.")])
+        # the decoder-layer index of each MoE layer's experts unit (streamed models only)
+        units = [f"experts.{i}" for i in m.layer_ids] if w is not None else None
         if host_store == "ram":
-            self.store = HostStore.from_experts(experts, self.dtype, pin=self.cuda and pinned)
+            self.store = HostStore.from_experts(experts, self.dtype, pin=self.cuda and pinned, weights=w, units=units)
         elif host_store == "mmap":
             parts = _mmap_parts(m.model_dir, m.layer_ids, self.E)
             for l_, ex in enumerate(experts):  # the checkpoint's tensors must be the model's experts
+                if w is not None:
+                    w.load(units[l_])
                 for e in {0, self.E - 1}:
                     g, u, d = parts[l_][e]
                     if not (torch.equal(torch.cat([g, u]).to(self.dtype), ex.gate_up_proj.data[e])
                             and torch.equal(d.to(self.dtype), ex.down_proj.data[e])):
                         raise InputError(f"--host-store mmap: {m.model_dir}: the safetensors experts of MoE layer {l_} "
                                          f"do not match the loaded model's (expert {e})")
+                if w is not None:
+                    w.release(units[l_])
             for ex in experts:
                 ex.gate_up_proj = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
                 ex.down_proj = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
@@ -830,7 +844,6 @@ class Engine:
         return rep
 
 
-@functools.cache
 def stream_layer(eng: Engine, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Exact experts' output for x [N, H], selection ids [N, k] and gate weights w [N, k] -> [N, H]: the
     engine's exact mode (prefill, the exact reference). Resident experts read their slots; the others
@@ -889,6 +902,7 @@ def stream_layer(eng: Engine, layer: int, x: torch.Tensor, ids: torch.Tensor, w:
 
 
 
+@functools.cache
 def _takes_cache(cls: type) -> bool:
     return "cache" in inspect.signature(cls.forward).parameters
 
@@ -941,9 +955,10 @@ def cpu_threads(device: torch.device, threads: int | None):
         torch.set_num_threads(old)
 
 
-def load_engine(model_dir: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype = "fp32",
-                host_store: str = "ram", pinned: bool = True, debug: bool = False) -> Engine:
-    """Load a checkpoint and offload its experts (the commands' common start)."""
-    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+def load_engine(model_dir: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype = "auto",
+                host_store: str = "ram", pinned: bool = True, debug: bool = False,
+                max_memory: float | str = "auto") -> Engine:
+    """Load a checkpoint and offload its experts (the commands' common start). Above `max_memory` the
+    experts go from the shards into the host store one layer at a time (never the model twice)."""
     dev = resolve_device(device)
-    return Engine(hfmodel.load(model_dir, dt), dev, host_store=host_store, pinned=pinned, debug=debug)
+    return Engine(hfmodel.load(model_dir, dtype, max_memory), dev, host_store=host_store, pinned=pinned, debug=debug)

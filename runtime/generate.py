@@ -29,6 +29,7 @@ import torch
 from runtime import hfmodel
 from runtime.engine import Engine, cpu_threads, engine_cli, load_engine
 from runtime.errors import ArgumentParser, InputError, atomic_write
+from runtime.hfmodel import add_model_flags
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PRESETS, preset, resolve_capacities
 from runtime.prefill import prefill
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--vram-budget", type=float, default=None, help="GiB of device memory for the engine")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16")
+    add_model_flags(p)
     p.add_argument("--host-store", default="ram", choices=["ram", "mmap"])
     p.add_argument("--pageable", action="store_true", help="CUDA: keep the host store in pageable memory")
     p.add_argument("--prefill-chunk", type=int, default=256)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         a.capacity_fraction = 0.25
     if a.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk = {a.prefill_chunk} must be >= 1")
-    eng = load_engine(a.model, a.device, a.dtype, a.host_store, pinned=not a.pageable)
+    eng = load_engine(a.model, a.device, a.dtype, a.host_store, pinned=not a.pageable, max_memory=a.max_memory)
     try:
         with cpu_threads(eng.device, a.threads):
             res = run_generate(eng, prompts, a.policy, a.max_new_tokens, a.capacity, a.capacity_fraction,

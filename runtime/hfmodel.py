@@ -43,6 +43,15 @@ def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype | None:
     return DTYPES[name]
 
 
+def add_model_flags(p, dtype_help: str = "the dtype the model runs in") -> None:
+    """`--dtype` and `--max-memory`, the same on every command that loads a checkpoint."""
+    p.add_argument("--dtype", default="auto", help=f"auto (the checkpoint's own: bf16 stays bf16) | fp32 | bf16 | fp16: "
+                   f"{dtype_help}")
+    p.add_argument("--max-memory", default="auto", metavar="GIB",
+                   help="host RAM the model's weights may use (default auto: available memory less max(2 GiB, 10%%)); "
+                        "a model above it is read from its safetensors shards layer by layer (docs/emulation.md)")
+
+
 @dataclass
 class Loaded:
     model: torch.nn.Module
@@ -90,12 +99,14 @@ def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     shards = stream.Shards(d)
     dt = dt or stream.checkpoint_dtype(d, cfg)
     model = stream.skeleton(cfg, dt)
-    routers = [getattr(b, fam.router_attr) for b in adapters.moe_blocks(model, fam)]
-    w = stream.build_weights(model, shards, routers)
+    blocks = adapters.moe_blocks(model, fam)
+    w = stream.build_weights(model, shards, [getattr(b, fam.router_attr) for b in blocks],
+                             [getattr(b, fam.experts_attr) for b in blocks])
     need = w.nbytes() / stream.GiB
     streamed = need > budget
     if streamed:
-        layer = max(w.nbytes(u) for u in stream.layer_units(w)) / stream.GiB
+        n_layers = len(model.get_decoder().layers)
+        layer = max(sum(w.nbytes(u) for u in stream.units_of_layer(w, i)) for i in range(n_layers)) / stream.GiB
         log.warning("--model %s: weights %.3g GiB (%s) > --max-memory %.3g GiB: streamed layer by layer (largest layer "
                     "%.3g GiB%s)", d, need, str(dt).removeprefix("torch."), budget, layer,
                     ", above the budget: one layer at a time is the least a pass holds" if layer > budget else "")
@@ -241,7 +252,7 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
     n, W = windows.shape
     spans = [(a, min(a + batch_windows, n)) for a in range(0, n, batch_windows)]
     out_units = stream.output_units(model, w)
-    pre = [u for u in w.units if u not in stream.layer_units(w) and u not in out_units and u != "routers"]
+    pre = [u for u in w.units if not u.startswith(("layer.", "experts.")) and u not in out_units and u != "routers"]
     # 1. embeddings and each layer's arguments from the model's own forward, layers replaced by captures
     w.load(*pre, *[u for u in out_units if u == "embed"])
     caps = [_Capture() for _ in layers]
@@ -266,8 +277,8 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
                unit="layer")
     try:
         for i, lay in enumerate(layers):
-            unit = f"layer.{i}"
-            w.load(unit)
+            units = stream.units_of_layer(w, i)
+            w.load(*units)
             for lane, h in zip(lanes, hs, strict=True):
                 t0 = time.perf_counter()
                 lane.enter(m.ctx)
@@ -279,7 +290,7 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
                     lane.leave(m.ctx)
                 lane.seconds += time.perf_counter() - t0
                 bar.update(1)
-            w.release(unit)
+            w.release(*units)
         # 2. the head: final norm and output embeddings, lane by lane, batch by batch
         w.load(*out_units)
         outs = []

@@ -12,7 +12,8 @@ does (`transformers/conversion_mapping.py`): a name as it is, Mixtral's `block_s
 `experts.gate_up_proj` [E, 2I, H] (gate then up) and `experts.down_proj` [E, H, I].
 tests/test_stream.py checks every family's weights against `from_pretrained`, bit for bit.
 
-Units: `embed` (the input embeddings), `layer.<i>` (decoder layer i without its router),
+Units: `embed` (the input embeddings), `layer.<i>` (decoder layer i without its router and routed
+experts), `experts.<i>` (its routed experts: the engine's host store is filled from them),
 `routers` (every MoE layer's router, kept resident: a prefetch lookahead at layer l needs layer
 l + 1's router), and one unit per other module (the final norm, `lm_head`). `load(unit)` reads
 a unit into memory, `release(unit)` puts its tensors back on the meta device (the shard files are
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,12 +244,14 @@ def _sources(name: str, shape: tuple[int, ...], shards: Shards, tied_to: str | N
                      "(a checkpoint layout this loader does not know)")
 
 
-def build_weights(model: nn.Module, shards: Shards, router_modules: list[nn.Module]) -> Weights:
+def build_weights(model: nn.Module, shards: Shards, router_modules: list[nn.Module],
+                  expert_modules: list[nn.Module]) -> Weights:
     """Map every parameter and persistent buffer of `model` to its unit and its checkpoint keys."""
     persistent = set(model.state_dict(keep_vars=True).keys())
     layers_mod = model.get_decoder().layers
     layer_of = {id(mod): i for i, lay in enumerate(layers_mod) for mod in lay.modules()}
     routers = {id(mod) for r in router_modules for mod in r.modules()}
+    experts = {id(mod) for x in expert_modules for mod in x.modules()}
     emb = model.get_input_embeddings()
     by_tensor: dict[int, Entry] = {}
     units: dict[str, list[Entry]] = defaultdict(list)
@@ -270,6 +272,8 @@ def build_weights(model: nn.Module, shards: Shards, router_modules: list[nn.Modu
             by_tensor[id(t)] = e
             if id(mod) in routers:
                 unit = "routers"
+            elif id(mod) in experts:
+                unit = f"experts.{layer_of[id(mod)]}"
             elif id(mod) in layer_of:
                 unit = f"layer.{layer_of[id(mod)]}"
             elif mod is emb:
@@ -287,9 +291,6 @@ def output_units(model: nn.Module, w: Weights) -> list[str]:
     return [u for u, es in w.units.items() if any(id(getattr(o, a)) in ids for e in es for o, a in e.aliases)]
 
 
-_LAYER = re.compile(r"^layer\.(\d+)$")
-
-
-def layer_units(w: Weights) -> list[str]:
-    """The decoder-layer units in layer order."""
-    return sorted((u for u in w.units if _LAYER.match(u)), key=lambda u: int(u.split(".")[1]))
+def units_of_layer(w: Weights, i: int) -> list[str]:
+    """Decoder layer i's units: its attention, norms, dense or shared MLP, and its routed experts."""
+    return [u for u in (f"layer.{i}", f"experts.{i}") if u in w.units]

@@ -239,6 +239,27 @@ def test_prefill_and_exact_generation_equal_the_model(ckpts):
         eng.close()
 
 
+def test_exact_path_keeps_nothing_alive(ckpts):
+    """Regression: `functools.cache` sat on `stream_layer` (its tensors and the Engine were kept for the
+    process, and a reused tensor id could return a stale output); it belongs to `_takes_cache`."""
+    import gc
+    import weakref
+
+    from runtime import engine as engine_mod
+
+    eng = Engine(emulate.load(ckpts["e8"]), DEVICE, debug=True)
+    prompt = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(5))
+    prefill(eng, prompt, chunk=3)  # the exact path: stream_layer on every MoE layer of every chunk
+    assert not hasattr(engine_mod.stream_layer, "cache_info")
+    info = engine_mod._takes_cache.cache_info()
+    assert info.currsize >= 1
+    eng.close()
+    ref = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert ref() is None
+
+
 def run_cli(main, argv, capsys) -> tuple[int, str]:
     """Exit status and the error line (stderr may also hold transformers' loading progress bars)."""
     with pytest.raises(SystemExit) as ex:
