@@ -41,8 +41,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ray's start-up waits, through its documented environment variables, long enough for a machine whose
+# cores another job keeps busy (the defaults are 30-60 s per GCS call; a loaded 2-core machine exceeded
+# them: "Failed to get node info: Deadline Exceeded"). Overridable from the environment.
+RAY_PATIENCE = {"RAY_gcs_server_request_timeout_seconds": "180", "RAY_py_gcs_connect_timeout_s": "180",
+                "RAY_gcs_rpc_server_reconnect_timeout_s": "180", "RAY_raylet_client_connect_timeout_milliseconds": "60000",
+                "RAY_worker_register_timeout_seconds": "180"}
+START_WAIT_S = float(os.environ.get("EXPERTSWEEP_TEST_RAY_START_S", "300"))  # per node, all its attempts
+
+
 def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ)
+    e = {**RAY_PATIENCE, **os.environ}
     e.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", MLFLOW_DISABLE_TELEMETRY="true",
              PYTHONUNBUFFERED="1")
     e.pop("RAY_ADDRESS", None)
@@ -125,22 +134,35 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def _start(self, args: list[str], resources: dict, num_cpus: int) -> subprocess.Popen:
-        cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
-               f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
-               f"--temp-dir={self.root / f'n{len(self.nodes)}'}", "--disable-usage-stats",
-               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-               f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
-        path = self.root / f"node{len(self.nodes)}.log"
-        proc = subprocess.Popen(cmd, stdout=open(path, "w"), stderr=subprocess.STDOUT, env=env(),
-                                start_new_session=True)
-        self.nodes.append((proc, resources))
-        # one node at a time: nodes started together in one session folder race for socket names
-        deadline = time.time() + 90
-        while "Ray runtime started" not in path.read_text():
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"ray start failed: {path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        return proc
+        """`ray start --block` one node and wait until it says it started. Ray's own wait for its raylet
+        to register is a fixed 30 s that a loaded machine can exceed ("The current node timed out during
+        startup"): then the node's processes are stopped and it is started again, in a fresh temp dir,
+        until START_WAIT_S has passed."""
+        index = len(self.nodes)
+        deadline = time.time() + START_WAIT_S
+        for attempt in range(1, 100):
+            cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+                   f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
+                   f"--temp-dir={self.root / f'n{index}.{attempt}'}", "--disable-usage-stats",
+                   f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                   f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
+            path = self.root / f"node{index}.{attempt}.log"
+            proc = subprocess.Popen(cmd, stdout=open(path, "w"), stderr=subprocess.STDOUT, env=env(),
+                                    start_new_session=True)
+            # one node at a time: nodes started together in one session folder race for socket names
+            while "Ray runtime started" not in path.read_text():
+                if proc.poll() is not None or time.time() > deadline:
+                    break
+                time.sleep(0.5)
+            else:
+                self.nodes.append((proc, resources))
+                return proc
+            stop_group(proc)
+            if time.time() > deadline:
+                raise RuntimeError(f"ray start failed {attempt} time(s) in {START_WAIT_S:.0f} s: "
+                                   f"{path.read_text()[-3000:]}")
+            time.sleep(2)
+        raise AssertionError("unreachable")
 
     def start_head(self, resources: dict, num_cpus: int = 1) -> None:
         self._start(["--head", f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
@@ -150,14 +172,14 @@ class LocalCluster:
     def add_worker(self, resources: dict, num_cpus: int = 1) -> subprocess.Popen:
         return self._start([f"--address={self.address}"], resources, num_cpus)
 
-    def node_ids(self, timeout: float = 90) -> list[dict]:
+    def node_ids(self, timeout: float = START_WAIT_S) -> list[dict]:
         """Alive nodes (waits until every started node has joined)."""
         code = (f"import ray, json; ray.init(address={self.address!r}, logging_level='ERROR'); "
                 "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() "
                 "if n['Alive']]))")
         deadline = time.time() + timeout
         while True:
-            r = subprocess.run([PY, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+            r = subprocess.run([PY, "-c", code], env=env(), capture_output=True, text=True, timeout=timeout + 60)
             alive = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else []
             if len(alive) >= sum(p.poll() is None for p, _ in self.nodes) or time.time() > deadline:
                 return alive
