@@ -1,10 +1,12 @@
-"""Tests for runtime.findings: the statistics, the topic stream, and every finding on the test model."""
+"""Tests for runtime.findings: the verdict rule, the block bootstrap, the statistics, the topic stream,
+and every finding on the test model."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +14,141 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from runtime import findings  # noqa: E402
-from runtime.errors import InputError  # noqa: E402
-from runtime.policy import PRESETS  # noqa: E402
+from runtime import findings
+from runtime.errors import InputError
+from runtime.policy import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
-VERDICTS = {"holds", "differs", "not testable here"}
-IDS = ["1", "2a", "2b", "3", "4", "5", "6"]
+IDS = ["1", "2a", "2b", "2c", "3", "4a", "4b", "5", "6"]
+H, D, INC, U = findings.HOLDS, findings.DIFFERS, findings.INCONCLUSIVE, findings.UNTESTABLE
+
+
+# --------------------------------------------------------------------------- the verdict rule
+
+
+@pytest.mark.parametrize(("ci", "direction", "null", "value", "expected"), [
+    ((0.4, 0.9), 1, 0.0, None, H),  # paper's direction, excludes no-effect
+    ((-0.9, -0.4), -1, 0.0, None, H),
+    ((-0.9, -0.4), 1, 0.0, None, D),  # excludes the paper's direction
+    ((0.4, 0.9), -1, 0.0, None, D),
+    ((-0.34, 0.62), -1, 0.0, None, INC),  # contains no effect (issue 18's finding 4)
+    ((-0.34, 0.62), 1, 0.0, None, INC),
+    ((0.0, 0.5), 1, 0.0, None, INC),  # touching no effect is containing it
+    ((2.6, 2.8), 1, 1.0, (2.5, 3.0), H),  # inside the paper's range
+    ((1.8, 2.0), 1, 1.0, (2.5, 3.0), D),  # faster, but excludes the paper's value
+    ((2.4, 2.6), 1, 1.0, (2.5, 3.0), H),  # overlaps it
+    ((0.8, 2.0), 1, 1.0, (2.5, 3.0), INC),  # contains no effect: never differs
+    ((math.nan, 1.0), 1, 0.0, None, U),
+])
+def test_verdict_rule(ci, direction, null, value, expected) -> None:
+    assert findings.verdict(ci, direction, null, value) == expected
+
+
+def test_interval_containing_no_effect_is_never_differs() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        null = float(rng.normal())
+        lo = null - abs(float(rng.normal()))
+        hi = null + abs(float(rng.normal()))
+        value = tuple(sorted(rng.normal(size=2) * 5)) if rng.random() < 0.5 else None
+        assert findings.verdict((lo, hi), int(rng.choice([-1, 1])), null, value) == INC
+
+
+def test_verdict_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="direction"):
+        findings.verdict((0.1, 0.2), 0)
+    with pytest.raises(ValueError, match="reversed"):
+        findings.verdict((0.3, 0.2), 1)
+
+
+def test_combine_and_rule_text() -> None:
+    assert findings.combine([H, H]) == H
+    assert findings.combine([H, INC]) == INC
+    assert findings.combine([H, D, INC]) == D
+    assert findings.combine([U, H]) == H
+    assert findings.combine([U, U]) == U and findings.combine([]) == U
+    t = findings.rule_text("x", 1, 1.0, (2.5, 3.0), "x")
+    assert "wholly > 1x" in t and "2.5-3x" in t and "inconclusive here if it contains 1x" in t
+
+
+# --------------------------------------------------------------------------- synthetic rows, one per verdict
+
+
+def _windows(effect: float, n: int = 60, noise: float = 0.05, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-window NLL-difference sums of two policies whose true gap is `effect` nats per token."""
+    rng = np.random.default_rng(seed)
+    cnt = 127
+    base = rng.normal(0.02, noise, n) * cnt
+    return base + effect * cnt + rng.normal(0, noise, n) * cnt, base
+
+
+@pytest.mark.parametrize(("effect", "expected"), [(0.2, H), (-0.2, D), (0.0, INC)])
+def test_block_bootstrap_verdicts_on_synthetic_rows(effect: float, expected: str) -> None:
+    """A large paired effect holds, a large opposite one differs, none is inconclusive (by construction: the
+    effect is 4 x the per-window noise, or exactly 0 with identical policies)."""
+    a, b = _windows(effect)
+    if effect == 0.0:
+        a = b + np.random.default_rng(1).normal(0, 0.02, len(b)) * 127 * np.where(np.arange(len(b)) % 2, 1, -1)
+    st = findings.block_starts(len(a), 3)
+    cnt = findings.to_blocks(np.full(len(a), 127), st)
+    lo, hi, method = findings.block_ci((findings.to_blocks(a, st), findings.to_blocks(b, st), cnt),
+                                       findings.diff_stat, 0)
+    assert method == "BCa" and lo < float(findings.diff_stat(a, b, np.full(len(a), 127))) < hi
+    assert findings.verdict((lo, hi), 1) == expected
+
+
+def test_block_ci_degenerate_and_single_block() -> None:
+    z = np.zeros(10)
+    lo, hi, method = findings.block_ci((z, z + 1.0), findings.change_stat, 0)
+    assert (lo, hi) == (0.0, 0.0) and method == "percentile"
+    lo, hi, method = findings.block_ci((np.ones(1), np.ones(1)), findings.change_stat, 0)
+    assert math.isnan(lo) and method.startswith("none")
+
+
+def test_blocks_cover_every_window() -> None:
+    for n in (1, 7, 32, 33, 64):
+        for b in (1, 2, 3, 5, 8):
+            st = findings.block_starts(n, b)
+            assert st[0] == 0 and np.all(np.diff(st) == b)
+            assert findings.to_blocks(np.ones(n), st).sum() == n
+            sizes = np.diff(np.append(st, n))
+            assert sizes.min() >= min(b, n) // 2
+    with pytest.raises(ValueError):
+        findings.block_starts(0, 1)
+
+
+def test_block_bootstrap_widens_with_correlated_windows() -> None:
+    """Windows that share a slowly varying effect (a cache's memory of 16 windows, by construction): the interval
+    from 1-window blocks is narrower than from blocks longer than the memory."""
+    rng = np.random.default_rng(3)
+    n, mem = 256, 16
+    level = np.repeat(rng.normal(0, 1.0, n // mem), mem)
+    dn = (level + rng.normal(0, 0.1, n)) * 10
+    cnt = np.full(n, 100)
+    width = {}
+    for b in (1, 32):
+        st = findings.block_starts(n, b)
+        lo, hi, _ = findings.block_ci((findings.to_blocks(dn, st), findings.to_blocks(cnt, st)),
+                                      findings.change_stat, 0)
+        width[b] = hi - lo
+    assert width[32] > 2 * width[1]
+
+
+def test_circular_block_idx() -> None:
+    idx = findings.circular_block_idx(10, 4, 0, n_boot=50)
+    assert idx.shape == (50, 10) and idx.min() >= 0 and idx.max() < 10
+    d = np.diff(idx[:, :4], axis=1) % 10
+    assert np.all(d == 1)  # each block is a run of consecutive windows (wrapping round)
+
+
+def test_dedupe_and_pairs() -> None:
+    a, b = np.arange(3.0), np.arange(3.0) + 1
+    kept = findings.dedupe({"x": (a, b), "y": (a.copy(), b.copy()), "z": (b, a)})
+    assert kept == {"x": "x", "y": "x", "z": "z"}
+    pols = findings.mass_policies()
+    pairs = findings.admission_pairs(pols)
+    assert len(pairs) == len(pols) // 2
+    assert all(pols[w].beta is None and pols[a_].beta == 0.5 for w, a_ in pairs)
 
 
 def test_pearson_and_change() -> None:
@@ -52,6 +179,39 @@ def test_band_policy() -> None:
         findings.band_policy(0.2, 0.1)
 
 
+def test_capacity_fraction_values() -> None:
+    assert findings.parse_capacity_fraction("paper") == "paper"
+    assert findings.parse_capacity_fraction("0.25") == 0.25
+    for bad in ("0", "1", "x", "-0.1"):
+        with pytest.raises(InputError, match=re.escape(f"--capacity-fraction = {bad!r}")):
+            findings.parse_capacity_fraction(bad)
+
+
+def test_scrub_and_commit(tmp_path: Path) -> None:
+    m = tmp_path / "mix-abc"
+    assert findings.scrub(f"calib text {m}/calib.txt", m) == "calib text <model>/calib.txt"
+    assert findings.scrub(f"{Path.home()}/x", m) == "~/x"
+    c = findings.git_commit(REPO)
+    assert c["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", c["commit"])
+
+
+class _Trace:
+    """The fields of a Trace that the regime helpers read."""
+
+    def __init__(self, ids: np.ndarray, E: int) -> None:
+        self.topk_ids = ids
+        self.T, self.L, self.k = ids.shape
+        self.E = E
+        self.valid = np.ones((self.T, self.L), bool)
+
+
+def test_warm_miss_rate() -> None:
+    ids = np.array([[[0, 1]], [[1, 2]], [[3, 0]]], np.int32)  # [T=3, L=1, k=2]
+    tr = _Trace(ids, 8)
+    assert findings.warm_miss_rate(tr, [np.array([0, 1])]) == pytest.approx(2 / 6)
+    assert findings.warm_miss_rate(tr, None) == 1.0
+
+
 class _CharTok:
     """A character-level tokenizer with offsets (the topic stream only needs these calls)."""
 
@@ -76,32 +236,56 @@ def test_topic_stream_switches(tmp_path: Path) -> None:
     assert 900 <= len(stream) < 900 + 50
 
 
-def test_markdown_row_per_finding() -> None:
-    res = {"setup": {"model": "m", "eval_text": "/x/eval.txt", "num_layers": 2, "num_experts": 64, "top_k": 8,
-                     "capacity": 16, "capacity_fraction": 0.25, "tokens": 4096, "exact_perplexity": 50.0,
-                     "initial_residency": "calib", "bootstrap_resamples": 1000, "seed": 0},
-           "rows": [{"id": i, "finding": f"f{i}", "paper": "p|q", "ours": "o", "ci95": "[1, 2]",
-                     "verdict": "holds", "basis": "b"} for i in IDS],
-           "seconds": 60.0}
-    md = findings.to_markdown(res, "python -m runtime.findings --model m")
+def test_choose_blocks_document_sized(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text(("x" * 999 + findings.EOS) * 8)  # 8 documents of 1000 characters (+ the separator's)
+    s = findings.Setup(tmp_path, text, {}, 0.25, None, 50, 10, 1, 1, 0, tmp_path, type("M", (), {"tokenizer": _CharTok()}))
+    starts, info = findings.choose_blocks(s, text, 200, 100)
+    assert info["documents"] == 8 and info["document_windows"] == 11 and info["block_windows"] == 11
+    assert not info["capped"] and len(starts) == info["blocks"]
+    starts, info = findings.choose_blocks(s, text, 40, 100)  # 40 windows: capped at 40 // MIN_BLOCKS
+    assert info["capped"] and info["block_windows"] == 40 // findings.MIN_BLOCKS
+
+
+def _res(rows: list[dict]) -> dict:
+    cols = [{"label": "C=16 (25.0%)", "slots": 16, "experts": 64, "slots_per_top_k": 2.0, "warm_set_miss_rate": 0.3,
+             "substitute_all_share": 0.3, "paper_regime": False,
+             "blocks": {"block_windows": 2, "block_tokens": 256, "document_tokens": 2900.0, "capped": True,
+                        "check": [{"block_windows": 1, "blocks": 32, "width": 0.5},
+                                                                        {"block_windows": 2, "blocks": 16, "width": 0.7}]}}]
+    return {"setup": {"model": "m", "eval_text": "eval.txt", "num_layers": 2, "num_experts": 64, "top_k": 8,
+                      "tokens": 4096, "exact_perplexity": 50.0, "initial_residency": "calib", "min_blocks": 10,
+                      "bootstrap_resamples": 1000, "seed": 0},
+            "commit": {"commit": "a" * 40, "dirty": False}, "columns": cols,
+            "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": 128, "experts": 512, "top_k": 10,
+                             "slots_per_top_k": 12.8, "substitute_all_share": 0.085, "layers": 48},
+            "sweep": {"target_share": 0.085, "found": 0.5,
+                      "points": [{"slots": 8, "substitute_all_share": 0.5}, {"slots": 63, "substitute_all_share": 0.01}]},
+            "rows": rows, "seconds": 60.0}
+
+
+def test_markdown_row_per_finding_and_column() -> None:
+    rows = [{"id": i, "column": c, "finding": f"f{i}", "paper": "p|q", "ours": f"o{c}", "ci95": "[1, 2]",
+             "verdict": H, "rule": "r", "sample": "s", "data": {}} for c in ("A", "B") for i in IDS]
+    md = findings.to_markdown(_res(rows), "python -m runtime.findings --model m")
     assert md.startswith("`python -m runtime.findings --model m` (1.0 min")
-    assert sum(line.startswith("| 2a |") for line in md.splitlines()) == 1
-    assert "p\\|q" in md
+    lines = md.splitlines()
+    i2a = [n for n, line in enumerate(lines) if line.startswith("| 2a |")]
+    assert len(i2a) == 2 and i2a[1] == i2a[0] + 1  # the two columns side by side
+    assert "p\\|q" in md and "Commit `aaaaaaaaaaaa`" in md and "## Reading the table" in md
+    assert "12.8" in md and "8.5%" in md
+
+
+# --------------------------------------------------------------------------- the command on the test model
 
 
 @pytest.fixture(scope="module")
 def test_model() -> Path:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from runtime.tinymodel import ensure_model
 
     return ensure_model("test", progress=False)
-
-
-def _check_rows(rows: list[dict]) -> None:
-    assert [r["id"] for r in rows] == IDS
-    for r in rows:
-        for key in ("paper", "ours", "ci95", "verdict"):
-            assert isinstance(r[key], str) and r[key], (r["id"], key)
-        assert r["verdict"] in VERDICTS
 
 
 def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
@@ -109,24 +293,53 @@ def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     out_md, out_json = tmp_path / "f.md", tmp_path / "f.json"
     proc = subprocess.run(
         [sys.executable, "-m", "runtime.findings", "--model", str(test_model), "--max-tokens", "4096", "--json",
-         "--prompts", "3", "--new-tokens", "8", "--out-md", str(out_md), "--out-json", str(out_json)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+         "--prompts", "2", "--new-tokens", "4", "--out-md", str(out_md), "--out-json", str(out_json)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout)
-    _check_rows(res["rows"])
     assert json.loads(out_json.read_text()) == res
-    assert out_md.read_text().count("\n| ") == len(IDS) + 1  # header and one row per finding
-    by_id = {r["id"]: r for r in res["rows"]}
-    assert by_id["4"]["verdict"] == "not testable here"  # the test model has one domain
-    assert res["setup"]["tokens"] == 4096 - 4096 % 128 and res["setup"]["num_experts"] == 64
-    heavy = by_id["1"]["data"]
+    assert res["commit"]["commit"] and re.fullmatch(r"[0-9a-f]{40}", res["commit"]["commit"])
+    text = out_json.read_text() + out_md.read_text()
+    assert str(test_model) not in text and str(Path.home()) not in text  # no machine paths
+    cols = [c["label"] for c in res["columns"]]
+    assert len(cols) in (1, 2) and any(c["paper_regime"] for c in res["columns"])
+    assert [r["id"] for r in res["rows"]] == IDS * len(cols)
+    for r in res["rows"]:
+        for key in ("paper", "ours", "ci95", "verdict", "rule", "sample"):
+            assert isinstance(r[key], str) and r[key], (r["id"], key)
+        assert r["verdict"] in findings.VERDICTS
+    by = {(r["id"], r["column"]): r for r in res["rows"]}
+    first = cols[0]
+    for rid in ("1", "3", "4a"):  # difference rows: the verdict follows the interval
+        d = by[(rid, first)]["data"]
+        lo, hi = d.get("difference_ci95") or d["ci95"]
+        assert lo <= d["difference"] <= hi
+        if by[(rid, first)]["verdict"] == D:
+            assert not lo <= 0 <= hi
+    assert by[("4b", first)]["verdict"] == U  # the test model has one domain
+    heavy = by[("1", first)]["data"]
     assert heavy["fetch-every-miss"]["ppl_change_pct"] == pytest.approx(0.0, abs=1e-9)
     assert heavy["substitute-all"]["substituted_call_fraction"] > heavy["rule-0.15"]["substituted_call_fraction"]
-    mass = by_id["2a"]["data"]
-    assert len(mass["policies"]) >= 20 and -1 <= mass["r"] <= 1
-    assert mass["ci95"][0] <= mass["ci95"][1]
-    band = by_id["3"]["data"]
+    mass = by[("2a", first)]["data"]
+    assert len(mass["policies"]) + len(mass["duplicates"]) == len(findings.mass_policies())
+    assert len(mass["policies"]) < len(findings.mass_policies())  # tau 0.05 with/without admission coincide
+    assert mass["ci95"][0] <= mass["r"] <= mass["ci95"][1]
+    band = by[("3", first)]["data"]
     assert band["heavy"]["substitutions"] < band["light"]["substitutions"]  # few heavy vs many light
+    # the regime sweep: substitute-all's share falls as the cache grows, and the paper column is nearest 8.5%
+    pts = res["sweep"]["points"]
+    shares = [p["substitute_all_share"] for p in pts]
+    assert all(a >= b - 1e-12 for a, b in zip(shares, shares[1:], strict=False))
+    paper_col = next(c for c in res["columns"] if c["paper_regime"])
+    assert abs(paper_col["substitute_all_share"] - 0.085) == pytest.approx(min(abs(x - 0.085) for x in shares))
+    speed = by[("5", first)]["data"]
+    assert speed["head_scale"] == pytest.approx(2 / 48)
+    h = speed["rtx4090"]
+    assert h["head_share_all_resident"] < h["head_share_all_resident_uncharged"]
+    # the block check: one-window blocks first
+    blocks = res["columns"][0]["blocks"]
+    assert blocks["check"][0]["block_windows"] == 1 and blocks["blocks"] >= 2
+    assert out_md.read_text().count("\n| ") >= len(res["rows"]) + 1
 
 
 def test_topic_finding_on_two_domains(test_model: Path, tmp_path: Path) -> None:
@@ -145,10 +358,12 @@ def test_topic_finding_on_two_domains(test_model: Path, tmp_path: Path) -> None:
                                                      "prose": folder / "eval_prose.txt"},
                        0.25, 2048, 160, 32, 1, 1, 0, tmp_path, hfmodel.load(folder))
     row = findings.finding_topic(s)
-    assert row.verdict in ("holds", "differs")
+    assert row.verdict in (H, D, INC)
     assert row.data["switches"] >= 8 and row.data["domains"] == ["code", "prose"]
     lo, hi = row.data["dd_ci95"]
     assert lo <= row.data["dd"] <= hi
+    if row.verdict == D:
+        assert not lo <= 0 <= hi
 
 
 def test_bad_inputs(tmp_path: Path) -> None:
@@ -156,7 +371,33 @@ def test_bad_inputs(tmp_path: Path) -> None:
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("expertsweep: error: --model") and proc.stdout == ""
+    out = tmp_path / "o.json"
+    proc = subprocess.run([sys.executable, "-m", "runtime.findings", "--model", str(tmp_path),
+                           "--capacity-fraction", "1.5", "--out-json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip() == "expertsweep: error: --capacity-fraction = '1.5' must be a number in (0, 1) or 'paper'"
     with pytest.raises(InputError, match="--max-tokens"):
         (tmp_path / "config.json").write_text("{}")
         (tmp_path / "eval.txt").write_text("x")
         findings.run(tmp_path, max_tokens=100)
+
+
+def test_script_page_is_whole_and_checks_flags_first() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    rows = [{"id": i, "column": "A", "finding": f"f{i}", "paper": "p", "ours": "o", "ci95": "[1, 2]",
+             "verdict": H, "rule": "r", "sample": "s", "data": {}} for i in IDS]
+    md = script.page(_res(rows), "python scripts/findings.py")
+    assert md.startswith(script.INTRO) and md.count("## Reading the table") == 1
+    before = (REPO / "docs" / "findings.md").stat().st_mtime_ns
+    proc = subprocess.run([sys.executable, "scripts/findings.py", "--capacity-fraction", "2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
+    assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
