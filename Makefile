@@ -47,6 +47,7 @@ clean:
 pareto: $(STAMP)
 	$(BIN)/python sweep/pareto.py --config search_spaces/demo.yaml --ray-address local $(PARETO_ARGS)
 
-# MLflow UI over the sweeps' default store, on 127.0.0.1:5000 (MLFLOW_PORT=... to change).
+# MLflow UI over the sweeps' default store, on 127.0.0.1:5000 (MLFLOW_PORT=... to change); prints the
+# runs page (#/experiments/<id>/runs: MLflow 3.17's UI opens an experiment on its overview).
 mlflow-ui: $(STAMP)
 	bash mlflow/start.sh ui

@@ -342,7 +342,10 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
                                     "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],
                                     **({"mass_ppl_pearson_r": hyp["r"]} if hyp["r"] == hyp["r"] else {})})
         status = "FINISHED"
-        _print(rep, host_names, gpus, out, stats)
+        served = uri.startswith("http")
+        page = tracking.runs_page(uri if served else "http://127.0.0.1:5000", tracker.experiment_id)
+        _print(rep, host_names, gpus, out, stats,
+               f"MLflow: {uri}; runs: {page}" + ("" if served else " (after make mlflow-ui)"))
         return {"out": out, "stats": stats, "report": rep, "parent_run_id": parent, "trace": inputs.trace}
     finally:
         tracker.close(status)
@@ -409,7 +412,8 @@ def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataF
     return out
 
 
-def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out: Path, stats: dict) -> None:
+def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out: Path, stats: dict,
+           mlflow_line: str = "") -> None:
     """The results on stdout: the fronts, then the answer last (what the user asked)."""
     for h in host_names:
         fr = rep["fronts"].get(h)
@@ -424,6 +428,8 @@ def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out
     for k, p in rep["paths"].items():
         if k.startswith("plot") or k == "summary":
             print(f"{k}: {p}")
+    if mlflow_line:
+        print(mlflow_line)
     print(f"outputs: {out}\n")
     if not rep["answer"].empty:
         print("The answer: per host and perplexity budget, the fastest policy within it (upper 95% bound)\n")

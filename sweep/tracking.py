@@ -1,12 +1,15 @@
 """MLflow tracking of a sweep through MLflow's public client: a parent run, fewer and richer child runs.
 
-The default store is SQLite under the repository's `mlflow/` folder (artifacts in
-`mlflow/mlruns/`); `--mlflow-uri http://HOST:PORT` logs to a tracking server (checked with its
-`/health` endpoint before any trial starts). The experiment is created as a traditional-ML
-experiment (tag `mlflow.experimentKind = custom_model_development`), so the UI opens on its runs.
+The store is `--mlflow-uri`, else `MLFLOW_TRACKING_URI` (MLflow's own variable), else SQLite under
+the repository's `mlflow/` folder (artifacts in `mlflow/mlruns/`); an `http://HOST:PORT` server is
+checked with its `/health` endpoint before any trial starts. The experiment is created as a
+traditional-ML experiment (tag `mlflow.experimentKind = custom_model_development`); MLflow 3.17's UI
+still opens an experiment on its overview, so `runs_page` gives the runs page's address
+(`#/experiments/<id>/runs`) that `make mlflow-ui` and the sweep print.
 
-What is written (all through `MlflowClient`, by one background thread, so the sweep never waits
-on the store; `close` drains it):
+What is written (all through `MlflowClient`; metrics and params through MLflow's own asynchronous
+logging, `log_batch(..., synchronous=False)`, so the sweep does not wait on the store while it
+screens; `flush` waits for every queued operation):
 
 - the parent run (one per sweep): the config as params; while the sweep runs, progress metrics
   (trials recorded per host) at most every few seconds; at the end the summary metrics, each
@@ -14,7 +17,12 @@ on the store; `close` drains it):
 - one child run per policy that matters on a host (a baseline, a front member or a policy measured
   beyond the simulator), named by its policy label, tagged `host`, `gpu`, `policy`, `fidelity`
   (the highest it reached), `key`; the policy's fields as params, its simulated and measured
-  figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`.
+  figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`, written
+  when the report is (not per trial);
+- every run carries MLflow's source tags: `mlflow.source.name` (sweep/pareto.py),
+  `mlflow.source.type` (LOCAL), `mlflow.user`, and where the code is a git checkout
+  `mlflow.source.git.commit`, `mlflow.source.git.branch`, `mlflow.source.git.repoURL` and
+  `mlflow.source.git.dirty`.
 
 Every screened trial is a row of the parent's `trials` table rather than a run of its own: a child
 run costs ~16 ms of CPU, a third of a simulator trial, and would break the 20% overhead target.
@@ -22,11 +30,11 @@ run costs ~16 ms of CPU, a third of a simulator trial, and would break the 20% o
 
 from __future__ import annotations
 
+import getpass
 import logging
 import math
 import os
-import queue
-import threading
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -42,11 +50,18 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DB = REPO / "mlflow" / "mlflow.db"
 EXPERIMENT = "expertsweep"
-EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the UI opens on the runs
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+ENV_URI = "MLFLOW_TRACKING_URI"
 
 
 def resolve_uri(uri: str | None) -> str:
-    """A usable tracking URI or a one-line InputError (unreachable server, unwritable folder)."""
+    """A usable tracking URI or a one-line InputError (unreachable server, unwritable folder).
+
+    `uri` is `--mlflow-uri` (or the one a resumed sweep used); without it `MLFLOW_TRACKING_URI`,
+    else the repository's SQLite store. The error names where the URI came from."""
+    flag = "--mlflow-uri"
+    if uri is None and os.environ.get(ENV_URI):
+        uri, flag = os.environ[ENV_URI], ENV_URI
     if uri is None:
         uri = f"sqlite:///{DEFAULT_DB}"
     if uri.startswith(("http://", "https://")):
@@ -54,10 +69,10 @@ def resolve_uri(uri: str | None) -> str:
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 if resp.status != 200:
-                    raise InputError(f"--mlflow-uri {uri}: {url} answered HTTP {resp.status}")
+                    raise InputError(f"{flag} {uri}: {url} answered HTTP {resp.status}")
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise InputError(f"--mlflow-uri {uri}: unreachable ({reason})") from None
+            raise InputError(f"{flag} {uri}: unreachable ({reason})") from None
         return uri.rstrip("/")
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
@@ -66,11 +81,56 @@ def resolve_uri(uri: str | None) -> str:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise InputError(f"--mlflow-uri {uri}: cannot create {path.parent} ({exc.strerror})") from None
+            raise InputError(f"{flag} {uri}: cannot create {path.parent} ({exc.strerror})") from None
         if not os.access(path.parent, os.W_OK):
-            raise InputError(f"--mlflow-uri {uri}: {path.parent} is not writable")
+            raise InputError(f"{flag} {uri}: {path.parent} is not writable")
         return f"sqlite:///{path}"
-    raise InputError(f"--mlflow-uri {uri!r}: expected http(s)://HOST:PORT or sqlite:///PATH")
+    raise InputError(f"{flag} {uri!r}: expected http(s)://HOST:PORT or sqlite:///PATH")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        p = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def source_tags(source: str = "sweep/pareto.py") -> dict[str, str]:
+    """MLflow's source tags for a run of this code: the script, LOCAL, the user and, in a git
+    checkout, its commit, branch, remote and whether the working tree had changes."""
+    from mlflow.entities import SourceType
+    from mlflow.utils import mlflow_tags as mt
+
+    tags = {mt.MLFLOW_SOURCE_NAME: source, mt.MLFLOW_SOURCE_TYPE: SourceType.to_string(SourceType.LOCAL)}
+    try:
+        tags[mt.MLFLOW_USER] = getpass.getuser()
+    except (KeyError, OSError):
+        pass
+    commit = _git("rev-parse", "HEAD")
+    if commit:  # a `ray job submit --working-dir` package has no .git: no git tags then
+        tags[mt.MLFLOW_GIT_COMMIT] = commit
+        tags[mt.MLFLOW_GIT_DIRTY] = str(bool(_git("status", "--porcelain", "--untracked-files=no"))).lower()
+        branch = _git("rev-parse", "--abbrev-ref", "HEAD")
+        if branch and branch != "HEAD":
+            tags[mt.MLFLOW_GIT_BRANCH] = branch
+        remote = _git("remote", "get-url", "origin")
+        if remote:
+            tags[mt.MLFLOW_GIT_REPO_URL] = remote
+    return tags
+
+
+def runs_page(ui: str, experiment_id: str) -> str:
+    """The address of an experiment's runs list in the MLflow UI at `ui` (http://HOST:PORT)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs"
+
+
+def experiment_id_of(uri: str, experiment: str = EXPERIMENT) -> str | None:
+    """The id of `experiment` in the store at `uri`, None when it has none yet."""
+    from mlflow.tracking import MlflowClient
+
+    exp = MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
+    return exp.experiment_id if exp is not None else None
 
 
 def _param(v: Any) -> str:
@@ -110,7 +170,7 @@ def child_payload(rec: dict[str, Any], gpu: str) -> tuple[str, dict[str, str], d
 
 
 class Tracker:
-    """A sweep's MLflow parent run and the background writer of its metrics, tables and child runs."""
+    """A sweep's MLflow parent run, its metrics, tables and child runs (MLflow's async logging)."""
 
     def __init__(self, uri: str, experiment: str = EXPERIMENT):
         from mlflow.tracking import MlflowClient
@@ -130,10 +190,10 @@ class Tracker:
                 if exp.tags.get(k) != v:
                     self.client.set_experiment_tag(self.experiment_id, k, v)
         self.parent_id: str | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self.source = source_tags()
+        self._ops: list[Any] = []  # MLflow's RunOperations of the queued async log_batch calls
         self._step = 0
-        self.cpu_seconds = 0.0  # CPU time spent by the writer thread
+        self.cpu_seconds = 0.0  # CPU time of the driver's own MLflow calls (the async writes run in MLflow's pool)
         self.written = 0  # child runs written
         self.errors = 0
 
@@ -146,11 +206,9 @@ class Tracker:
             self.client.update_run(run_id, status="RUNNING")
             self.parent_id = run_id
         else:
-            run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+            run = self.client.create_run(self.experiment_id, run_name=name, tags={**self.source, **tags})
             self.parent_id = run.info.run_id
             self.client.log_batch(self.parent_id, params=[Param(k, _param(v)[:6000]) for k, v in params.items()])
-        self._thread = threading.Thread(target=self._drain, name="mlflow-writer", daemon=True)
-        self._thread.start()
         return self.parent_id
 
     def logged_keys(self) -> set[str]:
@@ -164,66 +222,64 @@ class Tracker:
             if not token:
                 return keys
 
+    def _guard(self, kind: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kw)
+        except Exception as exc:  # noqa: BLE001 - tracking must not stop the sweep
+            self.errors += 1
+            log.warning("MLflow write failed (%s): %s", kind, exc)
+            return None
+        finally:
+            self.cpu_seconds += time.thread_time() - t0
+
     def log_children(self, recs: list[dict[str, Any]], gpus: dict[str, str]) -> None:
-        """Queue child runs (one per record) not yet in the store."""
+        """Write child runs (one per record) not yet in the store."""
         done = self.logged_keys()
         for rec in recs:
             if rec["key"] not in done:
-                self._queue.put(("child", rec, gpus.get(rec["host"], "-")))
+                self._guard("child", self._write_child, rec, gpus.get(rec["host"], "-"))
 
     def log_parent_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Queue metrics of the parent run (MLflow's async logging: returns at once)."""
+        from mlflow.entities import Metric
+
         if step is None:
             self._step += 1
             step = self._step
-        self._queue.put(("parent_metrics", metrics, step))
+        ts = int(time.time() * 1000)
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()
+                 if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
+        if batch:
+            self._queue_batch("parent_metrics", self.parent_id, metrics=batch)
+
+    def _queue_batch(self, kind: str, run_id: str, **batch: Any) -> None:
+        op = self._guard(kind, self.client.log_batch, run_id, synchronous=False, **batch)
+        if op is not None:
+            self._ops.append((kind, op))
 
     def log_table(self, df: Any, artifact_file: str) -> None:
         """A pandas DataFrame as an MLflow table of the parent run (shown in the UI's artifacts)."""
-        self._queue.put(("table", df, artifact_file))
+        self._guard("table", self.client.log_table, self.parent_id, data=df, artifact_file=artifact_file)
 
     def _write_child(self, rec: dict[str, Any], gpu: str) -> None:
         from mlflow.entities import Metric, Param
 
         name, tags, params, metrics = child_payload(rec, gpu)
-        tags["mlflow.parentRunId"] = self.parent_id
+        tags = {**self.source, **tags, "mlflow.parentRunId": self.parent_id}
         ts = int(rec.get("finished_at", time.time()) * 1000)
         run = self.client.create_run(self.experiment_id, start_time=ts, tags=tags, run_name=name)
-        self.client.log_batch(run.info.run_id, metrics=[Metric(k, v, ts, 0) for k, v in metrics.items()],
-                              params=[Param(k, v) for k, v in params.items()])
+        self._queue_batch("child", run.info.run_id, metrics=[Metric(k, v, ts, 0) for k, v in metrics.items()],
+                          params=[Param(k, v) for k, v in params.items()])
         self.client.set_terminated(run.info.run_id, "FINISHED" if rec.get("status", "ok") == "ok" else "FAILED",
                                    end_time=ts)
         self.written += 1
 
-    def _write(self, kind: str, payload: Any, extra: Any) -> None:
-        from mlflow.entities import Metric
-
-        if kind == "child":
-            self._write_child(payload, extra)
-        elif kind == "parent_metrics":
-            ts = int(time.time() * 1000)
-            self.client.log_batch(self.parent_id, metrics=[Metric(k, float(v), ts, extra)
-                                                           for k, v in payload.items()
-                                                           if isinstance(v, int | float) and math.isfinite(v)])
-        elif kind == "table":
-            self.client.log_table(self.parent_id, data=payload, artifact_file=extra)
-
-    def _drain(self) -> None:
-        while True:
-            kind, payload, extra = self._queue.get()
-            t0 = time.thread_time()
-            try:
-                if kind == "stop":
-                    return
-                self._write(kind, payload, extra)
-            except Exception as exc:  # noqa: BLE001 - tracking must not stop the sweep
-                self.errors += 1
-                log.warning("MLflow write failed (%s): %s", kind, exc)
-            finally:
-                self.cpu_seconds += time.thread_time() - t0
-                self._queue.task_done()
-
     def flush(self) -> None:
-        self._queue.join()
+        """Wait until every queued write is in the store (a failed one is counted and logged)."""
+        ops, self._ops = self._ops, []
+        for kind, op in ops:
+            self._guard(kind, op.wait)
 
     def log_artifacts(self, files: list[Path]) -> None:
         self.flush()
@@ -234,9 +290,8 @@ class Tracker:
                 log.warning("MLflow artifact %s not logged: %s", f, exc)
 
     def close(self, status: str = "FINISHED") -> None:
-        if self._thread is None:
+        if self.parent_id is None:
             return
-        self._queue.put(("stop", None, None))
-        self._thread.join()
-        self._thread = None
+        self.flush()
         self.client.set_terminated(self.parent_id, status)
+        self.parent_id = None

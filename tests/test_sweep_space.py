@@ -379,3 +379,46 @@ def test_ladder_promotes_the_best_third_of_each_rung_ties_by_key():
     shuffled = [cands[i] for i in np.random.default_rng(1).permutation(10)]
     assert run(shuffled)["full"] == out["full"]
     assert ladder.promote({"b": 1.0, "a": 1.0, "c": 0.5}, 2) == ["c", "a"]
+
+
+def test_mlflow_tracking_uri_is_honoured_and_runs_carry_their_source(tmp_path, monkeypatch):
+    """Without --mlflow-uri the store is MLFLOW_TRACKING_URI; a bad one is a one-line error naming the
+    variable; the parent and child runs carry MLflow's source and git tags; metrics queued through MLflow's
+    async logging are in the store after flush; the runs page is the experiment's #/runs."""
+    from mlflow.tracking import MlflowClient
+
+    from sweep import tracking
+
+    db = f"sqlite:///{tmp_path / 'env.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db)
+    assert tracking.resolve_uri(None) == db
+    assert tracking.resolve_uri(f"sqlite:///{tmp_path / 'flag.db'}") == f"sqlite:///{tmp_path / 'flag.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:/nowhere")
+    with pytest.raises(InputError, match=r"^MLFLOW_TRACKING_URI 'file:/nowhere': expected"):
+        tracking.resolve_uri(None)
+
+    tr = tracking.Tracker(db)
+    parent = tr.start_parent("t", params={"trials": 3}, tags={"sweep": "t"})
+    for step in range(1, 4):
+        tr.log_parent_metrics({"trials_ok_a": float(step)}, step=step)
+    rec = {"key": "a:0", "host": "a", "policy": "threshold(0.15) + lfu", "fidelity": "simulator", "status": "ok",
+           "params": {"rule": "threshold", "tau": 0.15}, "time_per_token_s": 0.01, "finished_at": 1.0}
+    tr.log_children([rec], {"a": "RTX 4090"})
+    tr.close()
+    client = MlflowClient(db)
+    assert [m.value for m in client.get_metric_history(parent, "trials_ok_a")] == [1.0, 2.0, 3.0]
+    [child] = client.search_runs([tr.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
+    assert child.data.metrics["time_per_token_s"] == 0.01 and child.data.params["tau"] == "0.15"
+    import subprocess
+
+    commit = subprocess.run(["git", "-C", str(tracking.REPO), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    for run in (client.get_run(parent), child):
+        tags = run.data.tags
+        assert tags["mlflow.source.name"] == "sweep/pareto.py" and tags["mlflow.source.type"] == "LOCAL"
+        assert tags["mlflow.source.git.commit"] == commit and tags["mlflow.source.git.dirty"] in ("true", "false")
+    assert client.get_run(parent).info.status == "FINISHED" and tr.errors == 0
+    assert tracking.runs_page("http://127.0.0.1:5000/", tr.experiment_id) == \
+        f"http://127.0.0.1:5000/#/experiments/{tr.experiment_id}/runs"
+    assert tracking.experiment_id_of(db) == tr.experiment_id
+    assert tracking.experiment_id_of(f"sqlite:///{tmp_path / 'empty.db'}") is None
