@@ -1,8 +1,11 @@
 """Emulation overhead benchmark: emulation under a policy and trace recording versus the plain forward.
 
 On N tokens of the demo model (default 16,384): the plain transformers forward (a separately
-loaded, unwrapped model), the emulation under `quality-first` (the policy pass alone), and
-trace recording at full ranking depth, all over the same windows, best of --repeats.
+loaded, unwrapped model), the emulation under `quality-first` (the policy pass alone), the same
+emulation with every layer streamed from the shards (`--max-memory` far below the model: the
+layer-major pass of a checkpoint larger than RAM, on a model that fits, so against the in-memory
+emulation it prices streaming alone), and trace recording at full ranking depth, all over the same
+windows, best of --repeats.
     python scripts/bench_emulation.py [--model DIR] [--tokens 16384] [--repeats 3]
 """
 
@@ -48,7 +51,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, local_files_only=True).eval()
-    m = emulate.load(a.model)
+    m = emulate.load(a.model, "fp32")
+    ms = emulate.load(a.model, "fp32", max_memory=1e-6)  # every layer streamed
     W = emulate.default_window(m)
     windows, _ = emulate.tokenize_file(m, text, a.tokens, W)
     caps = resolve_capacities(None, m.num_layers, m.E, m.k, 0.25)
@@ -61,12 +65,15 @@ def main() -> None:
         for s in range(0, len(windows), a.batch_windows):
             plain(input_ids=torch.from_numpy(windows[s : s + a.batch_windows]), use_cache=False)
 
-    def run_policy():
-        m.ctx.cache = PolicyCache(PRESETS[a.policy], m.E, m.k, caps, init)
+    def run_policy(mm=m):
+        mm.ctx.cache = PolicyCache(PRESETS[a.policy], mm.E, mm.k, caps, init)
         try:
-            emulate.run_stream(m, windows, a.batch_windows)
+            emulate.run_stream(mm, windows, a.batch_windows)
         finally:
-            m.ctx.cache = None
+            mm.ctx.cache = None
+
+    def run_streamed():
+        run_policy(ms)
 
     def run_record():
         emulate.record(m, windows, m.E, a.batch_windows)
@@ -74,6 +81,7 @@ def main() -> None:
     run_plain()  # warm-up
     t_plain = best_of(run_plain, a.repeats)
     t_pol = best_of(run_policy, a.repeats)
+    t_str = best_of(run_streamed, a.repeats)
     t_rec = best_of(run_record, a.repeats)
     n = windows.size
     print(f"machine: {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, "
@@ -83,11 +91,14 @@ def main() -> None:
     print("| pass | seconds | tokens/s | vs plain forward |")
     print("|---|---|---|---|")
     for name, t in (("plain transformers forward", t_plain), (f"emulation ({a.policy}, 25% resident)", t_pol),
+                    ("the same, every layer streamed from the shards", t_str),
                     (f"trace recording (M = E = {m.E})", t_rec)):
         print(f"| {name} | {t:.2f} | {n / t:,.0f} | {t / t_plain:.3f}x |")
     print()
     print(f"targets: emulation <= 1.25x ({'met' if t_pol <= 1.25 * t_plain else 'NOT met'}), "
-          f"recording <= 1.1x ({'met' if t_rec <= 1.1 * t_plain else 'NOT met'})")
+          f"recording <= 1.1x ({'met' if t_rec <= 1.1 * t_plain else 'NOT met'}), "
+          f"streamed <= 1.3x the in-memory emulation: {t_str / t_pol:.3f}x "
+          f"({'met' if t_str <= 1.3 * t_pol else 'NOT met'})")
     np.set_printoptions(precision=3)
 
 
