@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start or stop this machine's Ray node for ExpertSweep sweeps.
 #
-#   bash infra/start_host.sh head   [--name NAME] [--gpus N] [--cpus N] [--port 6379]
+#   bash infra/start_host.sh head   [--name NAME] [--gpus N] [--cpus N] [--port 6379] [--dashboard-host 127.0.0.1]
 #   bash infra/start_host.sh worker --address HEAD_IP:6379 [--name NAME] [--gpus N] [--cpus N]
 #   bash infra/start_host.sh stop
 #
@@ -11,15 +11,19 @@
 # else the host name and what Ray detects. The node runs as `ray start --block` in the
 # background; its pid is kept in ~/.expertsweep/ray.pid and `stop` ends it by that pid.
 # Run from the repository's virtual environment (the workers import the project from it).
+# Safe by default on a network: Ray's token authentication on (RAY_AUTH_MODE=token; a head without a
+# token generates ~/.ray/auth_token) and the dashboard / job API on 127.0.0.1 (--dashboard-host or
+# EXPERTSWEEP_DASHBOARD_HOST to open it, e.g. to the cluster network's own address).
 set -euo pipefail
 state="${EXPERTSWEEP_STATE:-$HOME/.expertsweep}"
 mkdir -p "$state"
 [ -f "$state/host.env" ] && . "$state/host.env"
 role="${1:-}"; shift || true
 name="${EXPERTSWEEP_HOST:-$(hostname -s)}"; gpus="${EXPERTSWEEP_GPUS:-}"; cpus="${EXPERTSWEEP_CPUS:-}"
-port=6379; address=""
+port=6379; address=""; dashboard_host="${EXPERTSWEEP_DASHBOARD_HOST:-127.0.0.1}"
 while [ $# -gt 0 ]; do
   case "$1" in
+    --dashboard-host) dashboard_host="$2"; shift 2 ;;
     --name) name="$2"; shift 2 ;;
     --gpus) gpus="$2"; shift 2 ;;
     --cpus) cpus="$2"; shift 2 ;;
@@ -32,17 +36,29 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 ray="$here/.venv/bin/ray"; [ -x "$ray" ] || ray="$(command -v ray)"
 # jobs run `python ...` with the node's PATH: make it the environment the node runs in
 export PATH="$(dirname "$ray"):$PATH"
-# Token authentication: set RAY_AUTH_MODE=token (and distribute ~/.ray/auth_token) on clusters
-# reachable by others; the default here is explicit so that the first `ray start` does not decide.
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+# Token authentication is on by default (RAY_AUTH_MODE=token): the head needs a token (RAY_AUTH_TOKEN,
+# RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; `head` creates ~/.ray/auth_token with
+# `ray get-auth-token --generate` when there is none), every worker and every client (ray job submit,
+# the driver) the same one. RAY_AUTH_MODE=disabled turns it off, for a network nobody else reaches.
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+has_token() { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; }
 common=(--block --resources "{\"host:$name\": 1}" --disable-usage-stats)
 [ -n "$gpus" ] && common+=(--num-gpus "$gpus")
 [ -n "$cpus" ] && common+=(--num-cpus "$cpus")
 case "$role" in
   head)
-    args=(--head --port "$port" --dashboard-host "${EXPERTSWEEP_DASHBOARD_HOST:-0.0.0.0}" "${common[@]}") ;;
+    if [ "$RAY_AUTH_MODE" = token ] && ! has_token; then
+      "$ray" get-auth-token --generate > /dev/null
+      chmod 600 "$HOME/.ray/auth_token"
+      echo "generated a Ray auth token in ~/.ray/auth_token: copy it to every worker and client (mode 600)"
+    fi
+    # the dashboard and job API (8265) on this machine only, unless --dashboard-host says otherwise
+    args=(--head --port "$port" --dashboard-host "$dashboard_host" "${common[@]}") ;;
   worker)
     [ -n "$address" ] || { echo "start_host.sh worker: --address HEAD_IP:PORT is required" >&2; exit 2; }
+    if [ "$RAY_AUTH_MODE" = token ] && ! has_token; then
+      echo "start_host.sh worker: RAY_AUTH_MODE=token and no token: copy the head's ~/.ray/auth_token here (or set RAY_AUTH_TOKEN)" >&2; exit 2
+    fi
     args=(--address "$address" "${common[@]}") ;;
   stop)
     if [ -f "$state/ray.pid" ] && kill -0 "$(cat "$state/ray.pid")" 2>/dev/null; then
@@ -54,7 +70,7 @@ case "$role" in
       echo "no Ray node started by start_host.sh is running"
     fi
     rm -f "$state/ray.pid" "$state/head.port"; exit 0 ;;
-  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,16p' "$0" >&2; exit 2 ;;
 esac
 if [ -f "$state/ray.pid" ] && kill -0 "$(cat "$state/ray.pid")" 2>/dev/null; then
   echo "a Ray node is already running here (pid $(cat "$state/ray.pid")); stop it first" >&2; exit 1

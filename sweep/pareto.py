@@ -26,6 +26,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import secrets  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -80,6 +81,26 @@ def load(args: argparse.Namespace) -> sweep_config.SweepConfig:
     return cfg
 
 
+def prepare_ray_auth(address: str) -> None:
+    """Token authentication for a Ray cluster this driver may start itself (`--ray-address local`, or
+    `auto` without RAY_ADDRESS), set in the environment before Ray is imported (Ray reads it once).
+
+    An embedded cluster's gRPC servers bind every interface whatever one asks (Ray's choice;
+    ray.init's hidden `_node_ip_address` changes nothing there: measured, docs/sweep.md), so unless
+    RAY_AUTH_MODE is set, the driver sets it to `token` and, when no token exists (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), gives the run a random one in RAY_AUTH_TOKEN, which the
+    cluster's processes inherit (no file written): nobody else on the network can join the cluster
+    or submit work to it. A cluster joined with `auto` that uses ~/.ray/auth_token still matches."""
+    if address != "local" and not (address == "auto" and not os.environ.get("RAY_ADDRESS")):
+        return
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").is_file()):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
 def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = False  # noqa: ANN001
                 ) -> tuple[bool, str | None]:
     """Join or start Ray: (True when this driver started and owns an embedded cluster, the session folder).
@@ -105,11 +126,13 @@ def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = 
             return False, ctx.address_info.get("session_dir")
         except ConnectionError:
             pass
-    # explicit: a private single-node cluster, no dashboard. Its gRPC servers bind every interface
-    # whatever one asks (Ray's choice; ray.init's hidden `_node_ip_address` changes nothing there:
-    # measured, docs/sweep.md), so only public arguments are passed.
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ctx = ray.init(num_cpus=num_cpus or os.cpu_count(), resources=hosts.local_resources(host_specs),
+    # explicit: a private single-node cluster, no dashboard, with token authentication unless
+    # RAY_AUTH_MODE=disabled was asked for (prepare_ray_auth, before Ray was imported)
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        log.warning("embedded Ray without token authentication (RAY_AUTH_MODE=disabled): anyone who reaches "
+                    "this machine's Ray ports can run code on it")
+    # address="local": always a new cluster, never one another user left running on this machine
+    ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), resources=hosts.local_resources(host_specs),
                    include_dashboard=False, object_store_memory=256 * 2**20, **quiet)
     return True, ctx.address_info.get("session_dir")
 
@@ -183,6 +206,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                 setattr(saved, k, getattr(args, k))
         saved.resume = True
         args = saved
+    prepare_ray_auth(args.ray_address)
     cfg = load(args)
     out = _out_dir(args)
     args.out = str(out)
