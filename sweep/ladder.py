@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from runtime.policy import PRESETS
-from sweep.report import pareto_mask, policy_key
+from sweep.report import is_bound, pareto_mask, policy_key
 from sweep.space import policy_of
 
 FULL = "full"
@@ -56,11 +56,12 @@ def emulation_key(params: dict[str, Any], budget: int | str, host: str | None = 
 
 def screening_candidates(rows: list[dict[str, Any]], hosts: list[str]) -> list[dict[str, Any]]:
     """Each host's (time, mass) front among its ok simulator trials, per family (policies that always
-    fetch the first choice / that can substitute it); distinct policies over hosts, baselines excluded."""
+    fetch the first choice / that can substitute it); distinct policies over hosts, baselines and
+    offline bounds (oracle prefetch, Belady eviction) excluded."""
     chosen: dict[str, dict[str, Any]] = {}
     for host in hosts:
         sims = [r for r in rows if r.get("fidelity") == "simulator" and r["host"] == host and r["status"] == "ok"
-                and not r.get("baseline")]
+                and not r.get("baseline") and not is_bound(r["params"])]  # offline bounds are never answers
         for first in (True, False):
             group = [r for r in sims if policy_of(r["params"]).fetches_first_choice == first]
             if not group:

@@ -14,6 +14,11 @@ Written under the sweep's `--out` folder (atomically, so a reader never sees hal
 - `speed_ratios.csv`, `trials.csv`, `pareto_<host>.png` (perplexity panel and mass panel),
   `pareto.png` (the hosts together) and `summary.md` (the answer first).
 
+Offline bounds are not answers: a policy that needs the future (prefetch `oracle`, eviction
+`belady`; `is_bound`) is never in the answer, a front, the ladder's candidates or the speed-ratio
+table. The fastest screened bound of each kind per host is drawn as a horizontal line on the
+plots ("bound: ...", its ms/token) and listed under "Offline bounds" in summary.md and `bounds.csv`.
+
 The mass hypothesis check is `pearson` with a percentile bootstrap interval over the full-budget
 policies that always fetch the first choice.
 """
@@ -55,6 +60,20 @@ def pareto_mask(points: np.ndarray) -> np.ndarray:
 _KIND: dict[str, tuple[str, bool]] = {}
 
 
+BOUND_KINDS = {"oracle prefetch": lambda p: p.prefetch == "oracle", "Belady eviction": lambda p: p.evict == "belady"}
+
+
+def bound_kind(params: dict[str, Any]) -> str | None:
+    """The kind of offline bound the policy is (it needs the future), or None for a real policy."""
+    p = policy_of(params)
+    return next((k for k, test in BOUND_KINDS.items() if test(p)), None)
+
+
+def is_bound(params: dict[str, Any]) -> bool:
+    """True for an offline bound (prefetch oracle, eviction belady): never an answer or on a front."""
+    return bound_kind(params) is not None
+
+
 def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """Simulator rows -> one flat table (params as columns)."""
     recs = []
@@ -65,8 +84,8 @@ def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         rec.update({k: r["params"].get(k) for k in PARAMETERS if k in r["params"]})
         rec["policy_key"] = pk = policy_key(r["params"])
         if pk not in _KIND:  # a policy's family, computed once per policy (the tables are rebuilt often)
-            _KIND[pk] = (family(r["params"]), policy_of(r["params"]).fetches_first_choice)
-        rec["family"], rec["fetches_first_choice"] = _KIND[pk]
+            _KIND[pk] = (family(r["params"]), policy_of(r["params"]).fetches_first_choice, bound_kind(r["params"]))
+        rec["family"], rec["fetches_first_choice"], rec["bound"] = _KIND[pk]
         recs.append(rec)
     df = pd.DataFrame(recs)
     if not df.empty:
@@ -92,7 +111,7 @@ def family(params: dict[str, Any]) -> str:
 def screening_front(df: pd.DataFrame, host: str, objectives: tuple[str, ...]) -> pd.DataFrame:
     """The host's (time, mass) front over its ok simulator trials, computed within each family group
     (always fetches the first choice / can substitute it), fastest first; one row per policy."""
-    d = df[(df["host"] == host) & (df["status"] == "ok")]
+    d = df[(df["host"] == host) & (df["status"] == "ok") & df["bound"].isna()]
     if d.empty:
         return d
     d = d.drop_duplicates("policy_key")
@@ -165,7 +184,7 @@ def _engine(rows: list[dict[str, Any]], host: str) -> pd.DataFrame | None:
 def measured(df: pd.DataFrame, quality: pd.DataFrame, rows: list[dict[str, Any]], host: str) -> pd.DataFrame:
     """The host's simulator rows of the policies emulated at the full budget, with their quality
     (and the engine's time on a calibrated host)."""
-    d = df[(df["host"] == host) & (df["status"] == "ok")] if not df.empty else df
+    d = df[(df["host"] == host) & (df["status"] == "ok") & df["bound"].isna()] if not df.empty else df
     if d.empty or quality.empty:
         return d.iloc[:0]
     d = d.drop_duplicates("policy_key").merge(quality, on="policy_key", how="inner")
@@ -182,6 +201,21 @@ def ppl_front(m: pd.DataFrame, objectives: tuple[str, ...]) -> pd.DataFrame:
     cols = ["time_per_token_s", "ppl_change_pct"] + [o for o in objectives if o == "device_memory_GiB"]
     return m[pareto_mask(m[cols].to_numpy(dtype=float))].sort_values(
         ["time_per_token_s", "ppl_change_pct"]).reset_index(drop=True)
+
+
+def bounds(df: pd.DataFrame, hosts: list[str]) -> pd.DataFrame:
+    """Per host and kind of offline bound, the fastest screened one: its ms/token and speed ratio."""
+    if df.empty:
+        return pd.DataFrame()
+    recs = []
+    for host in hosts:
+        d = df[(df["host"] == host) & (df["status"] == "ok") & df["bound"].notna()]
+        for kind, g in d.groupby("bound"):
+            r = g.sort_values("time_per_token_s").iloc[0]
+            recs.append({"host": host, "bound": kind, "policy": _label(r), "capacity": _capacity_text(r),
+                         "time_per_token_ms": r["time_per_token_ms"],
+                         "speed_ratio_vs_fetch_all": r["speed_ratio_vs_fetch_all"], "screened": len(g)})
+    return pd.DataFrame(recs)
 
 
 def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFrame:
@@ -232,6 +266,14 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
     for i, (host, p) in enumerate(panels.items()):
         c = colors[i % len(colors)]
         m, fr, trials, scr = p["measured"], p["front"], p["trials"], p["screening"]
+        trials = trials[trials["bound"].isna()] if "bound" in trials else trials
+        for j, (_, b) in enumerate(p.get("bounds", pd.DataFrame()).iterrows()):
+            for a in (ax, bx):  # an offline bound: a line at its time, not a point among the policies
+                a.axhline(b["time_per_token_ms"], color=c, ls=(0, (4, 2 + 2 * j)), lw=0.9)
+                a.annotate(f"bound: {b['bound']}" + (f" ({host})" if not one else "") +
+                           f" {b['time_per_token_ms']:.3f} ms", (0.01 + 0.33 * (j % 3), b["time_per_token_ms"]),
+                           xycoords=("axes fraction", "data"), fontsize=7, color=c, xytext=(0, 2),
+                           textcoords="offset points")
         if not m.empty:
             err = np.vstack([m["ppl_change_pct"] - m["ppl_ci_low"], m["ppl_ci_high"] - m["ppl_change_pct"]])
             ax.errorbar(m["ppl_change_pct"], m["time_per_token_ms"], xerr=np.clip(err, 0, None), fmt="o", ms=4,
@@ -404,12 +446,17 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
     sr = speed_ratios(fronts)
     _write_csv(sr, out / "speed_ratios.csv")
     paths["speed_ratios"] = out / "speed_ratios.csv"
+    bd = bounds(df, hosts)
+    if not bd.empty:
+        _write_csv(bd, out / "bounds.csv")
+        paths["bounds"] = out / "bounds.csv"
     panels = {}
     for h in hosts:
         paths[f"pareto_{h}"] = out / f"pareto_{h}.csv"
         panels[h] = {"measured": tables[h], "front": fronts[h] if not quality.empty else df.iloc[:0],
                      "trials": df[(df["host"] == h) & (df["status"] == "ok")] if not df.empty else df,
-                     "screening": screening.get(h, df.iloc[:0])}
+                     "screening": screening.get(h, df.iloc[:0]),
+                     "bounds": bd[bd["host"] == h] if not bd.empty else bd}
         if not df.empty:
             _plot({h: panels[h]}, out / f"pareto_{h}.png", h, budgets)
             paths[f"plot_{h}"] = out / f"pareto_{h}.png"
@@ -417,15 +464,16 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
         _plot(panels, out / "pareto.png", "all hosts", budgets)
         paths["plot"] = out / "pareto.png"
     hyp = mass_hypothesis(rows)
-    summary = _summary(df, fronts, screening, ans, hyp, meta, paths)
+    summary = _summary(df, fronts, screening, ans, hyp, meta, paths, bd)
     atomic_write(out / "summary.md", lambda tmp: Path(tmp).write_text(summary))
     paths["summary"] = out / "summary.md"
     return {"paths": paths, "fronts": fronts, "screening": screening, "answer": ans, "hypothesis": hyp,
-            "trials": df, "measured": tables}
+            "trials": df, "measured": tables, "bounds": bd}
 
 
 def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[str, pd.DataFrame],
-             ans: pd.DataFrame, hyp: dict[str, float], meta: dict[str, Any], paths: dict[str, Any]) -> str:
+             ans: pd.DataFrame, hyp: dict[str, float], meta: dict[str, Any], paths: dict[str, Any],
+             bd: pd.DataFrame | None = None) -> str:
     lines = [f"# Sweep {meta.get('name', '')}", ""]
     if not ans.empty:
         lines += ["## The answer", "",
@@ -463,6 +511,16 @@ def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[
               "and with the all-resident bound, on the same host at the same capacity (>1 = faster).", ""]
     for host, fr in fronts.items():
         lines += [host_table_text(host, fr, meta.get("gpus", {}).get(host, "")), ""]
+    if bd is not None and not bd.empty:
+        lines += ["## Offline bounds", "",
+                  "Policies that need the future (oracle prefetch, Belady eviction): how fast a cache could be, "
+                  "not policies to run; never in the answer or a front. The fastest screened one per host and kind:",
+                  "", "| host | bound | policy | capacity | ms/token | x fetch-every-miss | screened |",
+                  "|---|---|---|---|---|---|---|"]
+        for _, r in bd.iterrows():
+            lines.append(f"| {r['host']} | {r['bound']} | {r['policy']} | {r['capacity']} | "
+                         f"{r['time_per_token_ms']:.3f} | {r['speed_ratio_vs_fetch_all']:.2f} | {r['screened']} |")
+        lines.append("")
     lines += ["## Mass hypothesis", ""]
     if math.isnan(hyp["r"]):
         lines.append(f"Not enough full-budget policies that fetch the first choice ({hyp['n']} with distinct "

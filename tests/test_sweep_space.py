@@ -422,3 +422,35 @@ def test_mlflow_tracking_uri_is_honoured_and_runs_carry_their_source(tmp_path, m
         f"http://127.0.0.1:5000/#/experiments/{tr.experiment_id}/runs"
     assert tracking.experiment_id_of(db) == tr.experiment_id
     assert tracking.experiment_id_of(f"sqlite:///{tmp_path / 'empty.db'}") is None
+
+
+def test_offline_bounds_are_drawn_never_answered(tmp_path):
+    """Oracle prefetch and Belady eviction, the fastest and exact here, are neither in the answer, a front,
+    the speed-ratio table nor the ladder's candidates; they are listed (and drawn) as bounds."""
+    rows = _rows("a", 9)
+    real = rows[4]
+    oracle = complete({"rule": "fetch_all", "prefetch": "oracle", "capacity_fraction": 0.25})
+    belady = complete({"rule": "fetch_all", "evict": "belady", "capacity_fraction": 0.25})
+    for i, params in enumerate((oracle, belady)):
+        rows.append({**real, "key": f"a:bound{i}", "params": params, "baseline": None, "mass_per_token": 0.0,
+                     "time_per_token_s": 1e-5 * (1 + i), "policy": policy_of(params).label()})
+    for r in (real, rows[-2], rows[-1]):  # all three measured exact at the full budget
+        rows.append({"key": f"emulation:full:{r['key']}", "params": r["params"], "host": "all",
+                     "fidelity": "emulation", "budget": "full", "status": "ok", "ppl_change_pct": 0.0,
+                     "ppl_ci_low": 0.0, "ppl_ci_high": 0.0, "mass_per_token": r["mass_per_token"]})
+    rep = write_report(tmp_path, rows, ["a"], ("time_per_token_s", "mass_per_token"),
+                       {"name": "t", "objectives": ("time_per_token_s", "mass_per_token"), "budgets": [1.0]})
+    bound_keys = {policy_key(oracle), policy_key(belady)}
+    ans = pd.read_csv(tmp_path / "answer.csv")
+    assert list(ans["policy_key"]) == [policy_key(real["params"])]
+    for f in ("pareto_a.csv", "screening_a.csv"):
+        assert not set(pd.read_csv(tmp_path / f)["policy_key"]) & bound_keys, f
+    assert not set(pd.read_csv(tmp_path / "speed_ratios.csv")["policy"]) & {policy_of(oracle).label(),
+                                                                            policy_of(belady).label()}
+    assert not {policy_key(c) for c in screening_candidates(rows, ["a"])} & bound_keys
+    bd = pd.read_csv(tmp_path / "bounds.csv")
+    assert sorted(bd["bound"]) == ["Belady eviction", "oracle prefetch"]
+    assert bd.set_index("bound").loc["oracle prefetch", "time_per_token_ms"] == pytest.approx(1e-2)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Offline bounds" in summary and summary.index("## The answer") < summary.index("## Offline bounds")
+    assert not rep["bounds"].empty and (tmp_path / "pareto_a.png").stat().st_size > 0
