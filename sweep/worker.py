@@ -128,7 +128,9 @@ class Evaluator:
         d.update(fetch_all_time_per_token_s=t_fetch, host_compute_time_per_token_s=t_host,
                  speed_ratio_vs_fetch_all=t_fetch / t, speed_ratio_vs_host_compute=t_host / t,
                  speed_ratio_vs_all_resident=d["all_resident_time_per_token_s"] / t,
-                 device_memory_GiB=float(caps.sum()) * self.expert_bytes / GiB)
+                 # the device memory these slots need under this policy: experts, non-expert weights,
+                 # CUDA context, staging and low-bit copies, as a VRAM budget is counted (costmodel)
+                 device_memory_GiB=costmodel.budget_for_capacities(self.shape, caps, spec.policy))
         out = {k: float(d[k]) for k in METRICS}
         out["capacity_slots"] = res.capacity
         out["policy"] = res.policy
