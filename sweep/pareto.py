@@ -425,6 +425,10 @@ def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[
             "mlflow_children_written": tracker.written, "mlflow_errors": tracker.errors}
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and v == v
+
+
 def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFrame
     """MLflow parent metrics of the answer: per host and budget, the speed ratio and the upper bound."""
     out = {}
@@ -433,6 +437,8 @@ def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataF
             tag = f"{r['host']}_within_{r['ppl_budget_pct']:g}pct"
             out[f"answer_{tag}_speed_ratio_vs_fetch_all"] = float(r["speed_ratio_vs_fetch_all"])
             out[f"answer_{tag}_ppl_ci_high"] = float(r["ppl_ci_high"])
+            if _is_number(r.get("device_memory_GiB")):
+                out[f"answer_{tag}_device_memory_GiB"] = float(r["device_memory_GiB"])
     return out
 
 

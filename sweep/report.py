@@ -230,6 +230,7 @@ def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFram
             else:
                 r = ok.sort_values(["time_per_token_s", "ppl_ci_high"]).iloc[0]
                 rec.update(policy=_label(r), family=r["family"], capacity=_capacity_text(r),
+                           device_memory_GiB=r.get("device_memory_GiB", np.nan),
                            time_per_token_ms=r["time_per_token_ms"], speed_ratio_vs_fetch_all=r["speed_ratio_vs_fetch_all"],
                            ppl_change_pct=r["ppl_change_pct"], ppl_ci_low=r["ppl_ci_low"], ppl_ci_high=r["ppl_ci_high"],
                            policy_key=r["policy_key"])
@@ -239,15 +240,20 @@ def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFram
     return pd.DataFrame(recs)
 
 
+def _gib(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, int | float) and math.isfinite(v) else ""
+
+
 def answer_text(ans: pd.DataFrame) -> str:
-    lines = ["| host | perplexity budget | fastest policy within it (upper 95% bound) | family | ms/token | "
-             "x fetch-every-miss | ppl change % [95% CI] |", "|---|---|---|---|---|---|---|"]
+    lines = ["| host | perplexity budget | fastest policy within it (upper 95% bound) | family | device GiB | "
+             "ms/token | x fetch-every-miss | ppl change % [95% CI] |", "|---|---|---|---|---|---|---|---|"]
     for _, r in ans.iterrows():
         if r["policy"] is None or (isinstance(r["policy"], float) and math.isnan(r["policy"])):
-            lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | none measured within it | | | | |")
+            lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | none measured within it | | | | | |")
             continue
         lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | {r['policy']} | {r['family']} | "
-                     f"{r['time_per_token_ms']:.3f} | {r['speed_ratio_vs_fetch_all']:.2f} | "
+                     f"{_gib(r.get('device_memory_GiB'))} | {r['time_per_token_ms']:.3f} | "
+                     f"{r['speed_ratio_vs_fetch_all']:.2f} | "
                      f"{r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] |")
     return "\n".join(lines)
 
@@ -383,6 +389,7 @@ def speed_ratios(fronts: dict[str, pd.DataFrame]) -> pd.DataFrame:
     for host, fr in fronts.items():
         for _, r in fr.iterrows():
             recs.append({"host": host, "policy": _label(r), "family": r["family"], "capacity": _capacity_text(r),
+                         "device_memory_GiB": r.get("device_memory_GiB", np.nan),
                          "time_per_token_ms": r["time_per_token_ms"], "mass_per_token": r["mass_per_token"],
                          **{c: r[c] for c in RATIO_COLUMNS},
                          **({"ppl_change_pct": r["ppl_change_pct"]} if "ppl_change_pct" in r else {})})
@@ -393,8 +400,8 @@ def host_table_text(host: str, fr: pd.DataFrame, gpu: str = "") -> str:
     """A Markdown table of a host's front."""
     has_ppl = "ppl_change_pct" in fr and fr["ppl_change_pct"].notna().any()
     has_engine = "engine_time_per_token_ms" in fr and fr["engine_time_per_token_ms"].notna().any()
-    head = "| policy | family | capacity | ms/token |"
-    sep = "|---|---|---|---|"
+    head = "| policy | family | capacity | device GiB | ms/token |"
+    sep = "|---|---|---|---|---|"
     if has_engine:
         head += " engine ms/token |"
         sep += "---|"
@@ -407,7 +414,8 @@ def host_table_text(host: str, fr: pd.DataFrame, gpu: str = "") -> str:
     sep += "---|"
     lines = [f"### {host}" + (f" ({gpu})" if gpu else ""), "", head, sep]
     for _, r in fr.iterrows():
-        line = f"| {_label(r)} | {r['family']} | {_capacity_text(r)} | {r['time_per_token_ms']:.3f} |"
+        line = (f"| {_label(r)} | {r['family']} | {_capacity_text(r)} | {_gib(r.get('device_memory_GiB'))} | "
+                f"{r['time_per_token_ms']:.3f} |")
         if has_engine:
             v = r.get("engine_time_per_token_ms")
             line += f" {v:.3f} |" if pd.notna(v) else " |"

@@ -220,7 +220,8 @@ def _rows(host: str, n: int) -> list[dict]:
                      "params": params, "host": host, "fidelity": "simulator", "status": "ok",
                      "time_per_token_s": 1e-3 * (1 + t), "mass_per_token": 1 - t + 0.01 * i,
                      "speed_ratio_vs_fetch_all": 1.5, "speed_ratio_vs_host_compute": 1.2,
-                     "speed_ratio_vs_all_resident": 0.5, "policy": policy_of(params).label()})
+                     "speed_ratio_vs_all_resident": 0.5, "policy": policy_of(params).label(),
+                     "device_memory_GiB": 2.0 + cf})
     rows.append({**rows[1], "key": f"{host}:x", "status": "failed", "error": "boom"})
     return rows
 
@@ -443,6 +444,13 @@ def test_offline_bounds_are_drawn_never_answered(tmp_path):
     bound_keys = {policy_key(oracle), policy_key(belady)}
     ans = pd.read_csv(tmp_path / "answer.csv")
     assert list(ans["policy_key"]) == [policy_key(real["params"])]
+    # the answer gives the device memory the policy uses beside its time
+    assert ans["device_memory_GiB"].tolist() == [pytest.approx(real["device_memory_GiB"])]
+    assert "| device GiB |" in (tmp_path / "summary.md").read_text().split("## Offline bounds")[0]
+    from sweep.pareto import _answer_metrics
+
+    assert _answer_metrics(rep["answer"])["answer_a_within_1pct_device_memory_GiB"] == pytest.approx(
+        real["device_memory_GiB"])
     for f in ("pareto_a.csv", "screening_a.csv"):
         assert not set(pd.read_csv(tmp_path / f)["policy_key"]) & bound_keys, f
     assert not set(pd.read_csv(tmp_path / "speed_ratios.csv")["policy"]) & {policy_of(oracle).label(),
