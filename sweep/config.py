@@ -23,7 +23,9 @@ Top-level keys (all optional except `space`):
     baselines: {policies: [fetch-every-miss, ...], capacity_fraction: 0.25}
     emulation: {rungs: [2048], eta: 3, max_full: 8, engine: true}   # the ladder (sweep/ladder.py); false: off
     ppl_budgets_pct: [0.5, 1, 2]  # the answer: per host and budget, the fastest policy within it
-    space: {...}              # sweep/space.py
+    space: {...}              # sweep/space.py; `vram_budget_GiB: auto` compares every policy at one
+                              #   device-memory budget: what fetch-every-miss needs at 25% residency
+                              #   (`resolve_vram_budget`, once the model's shape is known)
 
 Unknown keys, bad types and values are one-line `InputError`s naming the file and the key.
 """
@@ -94,6 +96,8 @@ class SweepConfig:
     emulation: Emulation = field(default_factory=Emulation)
     ppl_budgets_pct: tuple[float, ...] = (0.5, 1.0, 2.0)
     source: str = "<config>"
+    vram_budget_auto: bool = False  # space.vram_budget_GiB: auto, resolved by resolve_vram_budget
+    space_spec: Any = field(default=None, compare=False, repr=False)  # the space mapping as given
 
     def baseline_capacity(self) -> dict[str, float]:
         """The capacity the named baselines run at: the space's fixed one, else the configured one."""
@@ -167,7 +171,13 @@ def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
         raise InputError(f"{source}: unknown key {sorted(unknown)[0]!r} (choose from {', '.join(sorted(_KEYS))})")
     if "space" not in data:
         raise InputError(f"{source}: space is required")
-    kw: dict[str, Any] = {"source": source, "space": parse_space(data["space"], f"{source}: space")}
+    spec = data["space"]
+    kw: dict[str, Any] = {"source": source}
+    if isinstance(spec, dict) and spec.get("vram_budget_GiB") == "auto":
+        kw["vram_budget_auto"] = True
+        spec = {**spec, "vram_budget_GiB": 1.0}  # a placeholder until the model's shape is known
+    kw["space"] = parse_space(spec, f"{source}: space")
+    kw["space_spec"] = spec
     for key in ("name", "model", "text", "calib_text", "calib_trace", "model_shape"):
         if data.get(key) is not None:
             if not isinstance(data[key], str) or not data[key]:
@@ -226,6 +236,30 @@ def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
             raise InputError(f"{source}: ppl_budgets_pct = {b!r} must be a non-empty list of positive numbers")
         kw["ppl_budgets_pct"] = tuple(sorted(float(x) for x in b))
     return SweepConfig(**kw)
+
+
+AUTO_RESIDENCY = 0.25  # `vram_budget_GiB: auto`: what fetch-every-miss needs at this residency
+
+
+def resolve_vram_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
+    """`vram_budget_GiB: auto` -> the device memory fetch-every-miss needs with 25% of each layer's
+    experts resident on `shape` (`costmodel.budget_for_capacities`, rounded up to 1e-4 GiB), fixed in
+    the space, so every policy, low-bit copies, staging and admission buffers included, gets the
+    slots that budget holds (`costmodel.capacities_for_budget`). Unchanged when not `auto`. A budget
+    that leaves a named baseline fewer than k slots is a one-line InputError."""
+    from runtime import costmodel
+
+    if not cfg.vram_budget_auto:
+        return cfg
+    E, k = shape.num_experts, shape.top_k
+    slots = min(max(k, round(AUTO_RESIDENCY * E)), E - 1)
+    gib = math.ceil(costmodel.budget_for_capacities(shape, slots, PRESETS["fetch-every-miss"]) * 1e4) / 1e4
+    flag = f"{cfg.source}: space.vram_budget_GiB = auto ({gib:g} GiB)"
+    for name in cfg.baseline_policies:
+        costmodel.capacities_for_budget(shape, gib, PRESETS[name], flag=f"{flag}, baseline {name},")
+    spec = {**cfg.space_spec, "vram_budget_GiB": gib}
+    return replace(cfg, space=parse_space(spec, f"{cfg.source}: space"), space_spec=spec, vram_budget_auto=False,
+                   baseline_capacity_fraction=None)
 
 
 def _emulation(where: str, v: Any, max_tokens: int | None) -> Emulation:

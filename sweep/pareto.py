@@ -227,7 +227,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         # a calibrated profile is measured at the model's own shape: simulate every host with it
         cfg = dataclasses.replace(cfg, model_shape=str(Path(inputs.model_dir) / "config.json"))
     shape = shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
-    data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
+    if cfg.vram_budget_auto:  # equal device memory: fetch-every-miss's at 25% residency, for every policy
+        cfg = sweep_config.resolve_vram_budget(cfg, shape)
+        log.info("equal device memory: vram_budget_GiB = %g for every policy", cfg.space_spec["vram_budget_GiB"])
+    else:
+        data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
     uri = tracking.resolve_uri(args.mlflow_uri or state.get("mlflow_uri"))
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "10")  # the ledger covers the gap
@@ -350,6 +354,8 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
         for h, fr in rep["fronts"].items():
             tracker.log_table(fr, f"tables/front_{h}.json")
         ans = rep["answer"]
+        if not rep["policy_by_host"].empty:
+            tracker.log_table(rep["policy_by_host"], "tables/policy_by_host.json")
         if not ans.empty:
             tracker.log_table(ans, "tables/answer.json")
             tracker.log_parent_metrics(_answer_metrics(ans))

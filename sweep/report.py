@@ -244,6 +244,54 @@ def _gib(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, int | float) and math.isfinite(v) else ""
 
 
+def policy_by_host(df: pd.DataFrame, quality: pd.DataFrame, ans: pd.DataFrame, hosts: list[str]) -> pd.DataFrame:
+    """The per-host comparison: the named baselines and every answer policy, one row per (policy, host),
+    each at the capacity it was screened at (one budget for all with `vram_budget_GiB: auto`): device
+    memory, ms/token, speed ratio over fetch-every-miss and the full-budget perplexity change. A policy
+    the sweep did not screen on a host has no row for it (`screened_on` names the hosts it has)."""
+    if df.empty:
+        return pd.DataFrame()
+    ok = df[(df["status"] == "ok") & df["bound"].isna()]
+    keys = list(dict.fromkeys(list(ok.loc[ok["baseline"].notna(), "policy_key"]) +
+                              (list(ans["policy_key"].dropna()) if "policy_key" in ans else [])))
+    q = quality.set_index("policy_key") if not quality.empty else None
+    in_answer = set(ans["policy_key"].dropna()) if "policy_key" in ans else set()
+    recs = []
+    for pk in keys:
+        rows = ok[ok["policy_key"] == pk].drop_duplicates("host")
+        on = [h for h in hosts if h in set(rows["host"])]
+        for _, r in rows.iterrows():
+            if r["host"] not in hosts:
+                continue
+            rec = {"policy": _label(r), "family": r["family"], "host": r["host"], "capacity": _capacity_text(r),
+                   "device_memory_GiB": r.get("device_memory_GiB", np.nan), "time_per_token_ms": r["time_per_token_ms"],
+                   "speed_ratio_vs_fetch_all": r["speed_ratio_vs_fetch_all"], "in_answer": pk in in_answer,
+                   "screened_on": ",".join(on), "policy_key": pk}
+            if q is not None and pk in q.index:
+                rec.update({c: q.loc[pk, c] for c in ("ppl_change_pct", "ppl_ci_low", "ppl_ci_high")})
+            recs.append(rec)
+    out = pd.DataFrame(recs)
+    return out.sort_values(["in_answer", "policy", "host"], ascending=[False, True, True]).reset_index(drop=True) \
+        if not out.empty else out
+
+
+def policy_by_host_text(pbh: pd.DataFrame, hosts: list[str]) -> str:
+    """policy x host as Markdown: per host, ms/token and x fetch-every-miss; device GiB; perplexity."""
+    head = "| policy | device GiB | " + " | ".join(f"{h} ms/token (x fetch-all)" for h in hosts) + \
+        " | ppl change % [95% CI] |"
+    lines = [head, "|" + "---|" * (3 + len(hosts))]
+    for _, g in pbh.groupby("policy_key", sort=False):
+        by = g.set_index("host")
+        r0 = g.iloc[0]
+        cells = [f"{by.loc[h, 'time_per_token_ms']:.3f} ({by.loc[h, 'speed_ratio_vs_fetch_all']:.2f})"
+                 if h in by.index else "not screened" for h in hosts]
+        ppl = (f"{r0['ppl_change_pct']:+.2f} [{r0['ppl_ci_low']:+.2f}, {r0['ppl_ci_high']:+.2f}]"
+               if "ppl_change_pct" in g and pd.notna(r0.get("ppl_change_pct")) else "")
+        name = ("**" + r0["policy"] + "**") if r0["in_answer"] else r0["policy"]
+        lines.append(f"| {name} | {_gib(r0.get('device_memory_GiB'))} | " + " | ".join(cells) + f" | {ppl} |")
+    return "\n".join(lines)
+
+
 def answer_text(ans: pd.DataFrame) -> str:
     lines = ["| host | perplexity budget | fastest policy within it (upper 95% bound) | family | device GiB | "
              "ms/token | x fetch-every-miss | ppl change % [95% CI] |", "|---|---|---|---|---|---|---|---|"]
@@ -471,17 +519,21 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
     if not df.empty:
         _plot(panels, out / "pareto.png", "all hosts", budgets)
         paths["plot"] = out / "pareto.png"
+    pbh = policy_by_host(df, quality, ans, hosts)
+    if not pbh.empty:
+        _write_csv(pbh, out / "policy_by_host.csv")
+        paths["policy_by_host"] = out / "policy_by_host.csv"
     hyp = mass_hypothesis(rows)
-    summary = _summary(df, fronts, screening, ans, hyp, meta, paths, bd)
+    summary = _summary(df, fronts, screening, ans, hyp, meta, paths, bd, pbh)
     atomic_write(out / "summary.md", lambda tmp: Path(tmp).write_text(summary))
     paths["summary"] = out / "summary.md"
     return {"paths": paths, "fronts": fronts, "screening": screening, "answer": ans, "hypothesis": hyp,
-            "trials": df, "measured": tables, "bounds": bd}
+            "trials": df, "measured": tables, "bounds": bd, "policy_by_host": pbh}
 
 
 def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[str, pd.DataFrame],
              ans: pd.DataFrame, hyp: dict[str, float], meta: dict[str, Any], paths: dict[str, Any],
-             bd: pd.DataFrame | None = None) -> str:
+             bd: pd.DataFrame | None = None, pbh: pd.DataFrame | None = None) -> str:
     lines = [f"# Sweep {meta.get('name', '')}", ""]
     if not ans.empty:
         lines += ["## The answer", "",
@@ -492,6 +544,12 @@ def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[
     else:
         lines += ["No perplexity was measured (emulation off or no model), so there is no answer in perplexity; "
                   "the tables below are the simulator's screening fronts (time and substituted mass).", ""]
+    if pbh is not None and not pbh.empty:
+        hosts_ = list(dict.fromkeys(pbh["host"]))
+        lines += ["## Policy x host", "",
+                  "The named policies and every answer policy (bold) on every host, each at the capacity it was "
+                  "screened at (`device GiB`): simulated ms/token and its ratio over fetch-every-miss on that host; "
+                  "the perplexity change does not depend on the host.", "", policy_by_host_text(pbh, hosts_), ""]
     lines.append(f"- trace: `{meta.get('trace')}`" + (f", model: `{meta['model']}`" if meta.get("model") else ""))
     if meta.get("warm_start"):
         lines.append(f"- warm start (initial residency; never the evaluated tokens): {meta['warm_start']}")

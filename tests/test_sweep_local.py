@@ -118,7 +118,8 @@ def test_embedded_sweep_end_to_end(tmp_path):
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert {"summary.md", "pareto.png", "speed_ratios.csv", "pareto_rtx3090.csv", "tables"} <= arts
     tables = {a.path for a in client.list_artifacts(parents[0].info.run_id, "tables")}
-    assert tables == {"tables/trials.json", "tables/front_rtx3090.json", "tables/front_rtx4090.json"}
+    assert tables == {"tables/trials.json", "tables/front_rtx3090.json", "tables/front_rtx4090.json",
+                      "tables/policy_by_host.json"}
     # the trials table holds every screened trial
     table = json.loads(Path(client.download_artifacts(parents[0].info.run_id, "tables/trials.json",
                                                       str(tmp_path))).read_text())

@@ -256,6 +256,15 @@ def test_report_files_candidates_and_answer(tmp_path):
     assert ans.loc[("a", 2.0), "policy"] == (fast["policy"] if t_fast < t_slow else slow["policy"])
     summary = (tmp_path / "summary.md").read_text()
     assert summary.index("## The answer") < summary.index("## Mass hypothesis")
+    # policy x host: the baseline on both hosts, each answer policy where it was screened, with its perplexity
+    pbh = pd.read_csv(tmp_path / "policy_by_host.csv")
+    base = pbh[pbh["policy_key"] == policy_key(rows[0]["params"])]
+    assert sorted(base["host"]) == ["a", "b"] and not base["in_answer"].any()
+    for pk in set(ans["policy_key"].dropna()):
+        mine = pbh[pbh["policy_key"] == pk]
+        assert mine["in_answer"].all() and set(mine["host"]) == set(mine["screened_on"].iloc[0].split(","))
+        assert mine["ppl_ci_high"].notna().all()
+    assert "## Policy x host" in summary and summary.index("## The answer") < summary.index("## Policy x host")
     # without any perplexity, the reported front holds only first-choice-fetching policies (never by mass alone)
     sim_only = [r for r in rows if r.get("fidelity") == "simulator"]
     (tmp_path / "sim").mkdir()
@@ -462,3 +471,34 @@ def test_offline_bounds_are_drawn_never_answered(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "## Offline bounds" in summary and summary.index("## The answer") < summary.index("## Offline bounds")
     assert not rep["bounds"].empty and (tmp_path / "pareto_a.png").stat().st_size > 0
+
+
+def test_vram_budget_auto_is_fetch_every_miss_at_a_quarter_residency():
+    """`vram_budget_GiB: auto`: one device-memory budget for every policy, the one fetch-every-miss needs at
+    25% residency; a low-bit policy, whose copies are charged to the same budget, holds fewer slots."""
+    from dataclasses import replace as dc_replace
+
+    from runtime import costmodel
+
+    shape = dc_replace(costmodel.load_model_shape("qwen3-next-80b-a3b"), num_layers=4, num_experts=64, top_k=8)
+    base = {"name": "t", "hosts": ["rtx3090"], "baselines": {"policies": ["fetch-every-miss", "rule-0.15"]},
+            "space": {"rule": {"choices": ["threshold", "first_choice"]}, "tau": {"low": 0.1, "high": 0.4},
+                      "fallback": {"choices": ["substitute", "lowbit"]}, "lowbit_bits": {"choices": [2]},
+                      "vram_budget_GiB": "auto"}}
+    cfg = sweep_config.from_dict(base, "x.yaml")
+    assert cfg.vram_budget_auto
+    done = sweep_config.resolve_vram_budget(cfg, shape)
+    gib = done.space["vram_budget_GiB"].value
+    assert done.baseline_capacity() == {"vram_budget_GiB": gib}
+    fetch = PRESETS["fetch-every-miss"]
+    assert costmodel.capacities_for_budget(shape, gib, fetch).tolist() == [16] * 4  # 25% of 64
+    assert costmodel.budget_for_capacities(shape, 16, fetch) <= gib < costmodel.budget_for_capacities(shape, 17, fetch)
+    low = policy_of({"rule": "first_choice", "fallback": "lowbit", "lowbit_bits": 2, "lowbit_group": 128})
+    assert costmodel.budget_for_capacities(shape, 16, low) > gib  # its copies take device memory: no 16 slots
+    # a budget given as a number is kept as it is; nothing else is rewritten
+    fixed = sweep_config.from_dict({**base, "space": {**base["space"], "vram_budget_GiB": 3.0}}, "x.yaml")
+    assert not fixed.vram_budget_auto and sweep_config.resolve_vram_budget(fixed, shape) is fixed
+    # a budget that leaves a baseline fewer than k slots is one line naming the field and the value
+    tight = dc_replace(shape, num_experts=16, top_k=8)  # 25% of 16 experts is fewer than k: k slots
+    with pytest.raises(InputError, match=r"space\.vram_budget_GiB = auto .*baseline quality-first"):
+        sweep_config.resolve_vram_budget(dc_replace(cfg, baseline_policies=("quality-first",)), tight)
