@@ -306,7 +306,7 @@ def answer_text(ans: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: list[float]) -> None:
+def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: list[float]) -> str:
     """Left: ms/token against perplexity change (interval bars, front drawn, baselines labelled) over
     the full-budget policies; right: the screening fidelity's mass view. One colour per host."""
     import matplotlib
@@ -316,6 +316,7 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    zoom = False  # far-off policies: a symmetric-log axis, linear across the budgets
     one = len(panels) == 1
     for i, (host, p) in enumerate(panels.items()):
         c = colors[i % len(colors)]
@@ -342,6 +343,15 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
                 if one or i == 0:
                     ax.annotate(r["baseline"], (r["ppl_change_pct"], r["time_per_token_ms"]), fontsize=7,
                                 xytext=(3, 3), textcoords="offset points")
+            picked = m[m["policy_key"].isin(p.get("answer_keys", ()))]
+            for _, r in picked.iterrows():  # the answer's policies, labelled in bold
+                ax.scatter([r["ppl_change_pct"]], [r["time_per_token_ms"]], s=90, facecolor="none", edgecolor=c,
+                           lw=1.6, zorder=4)
+                ax.annotate(f"answer: {_label(r)}", (r["ppl_change_pct"], r["time_per_token_ms"]), fontsize=7,
+                            fontweight="bold", color=c, xytext=(4, -10), textcoords="offset points")
+            spread = float(np.nanmax(np.abs(m["ppl_ci_high"].to_numpy(dtype=float)))) if len(m) else 0.0
+            if budgets and spread > 4 * max(budgets):
+                zoom = True
         if one and not trials.empty:
             bx.scatter(trials["mass_per_token"], trials["time_per_token_ms"], s=10, alpha=0.3, color=c,
                        label=f"{host}: screened ({len(trials)})")
@@ -356,7 +366,10 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
                             xytext=(3, 3), textcoords="offset points")
     for b in budgets:
         ax.axvline(b, color="grey", ls=":", lw=0.8)
-    ax.set_xlabel("perplexity change % (exact emulation, full budget; bars: 95% CI; dotted: budgets)")
+    if zoom:  # the budgets' region stays linear and readable; policies far beyond it are compressed
+        ax.set_xscale("symlog", linthresh=2 * max(budgets), linscale=2.0)
+    ax.set_xlabel("perplexity change % (exact emulation, full budget; bars: 95% CI; dotted: budgets"
+                  + ("; symlog beyond " + f"{2 * max(budgets):g}%" if zoom else "") + ")")
     ax.set_ylabel("time per token (ms, simulated)")
     ax.set_title(f"{title}: speed vs perplexity")
     bx.set_xlabel("substituted mass per token (simulator)")
@@ -369,6 +382,7 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
+    return ax.get_xscale()
 
 
 def write_tables(out: Path, rows: list[dict[str, Any]], hosts: list[str],
@@ -506,15 +520,17 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
     if not bd.empty:
         _write_csv(bd, out / "bounds.csv")
         paths["bounds"] = out / "bounds.csv"
-    panels = {}
+    panels, xscale = {}, {}
     for h in hosts:
         paths[f"pareto_{h}"] = out / f"pareto_{h}.csv"
         panels[h] = {"measured": tables[h], "front": fronts[h] if not quality.empty else df.iloc[:0],
                      "trials": df[(df["host"] == h) & (df["status"] == "ok")] if not df.empty else df,
                      "screening": screening.get(h, df.iloc[:0]),
-                     "bounds": bd[bd["host"] == h] if not bd.empty else bd}
+                     "bounds": bd[bd["host"] == h] if not bd.empty else bd,
+                     "answer_keys": set(ans.loc[ans["host"] == h, "policy_key"].dropna())
+                     if not ans.empty and "policy_key" in ans else set()}
         if not df.empty:
-            _plot({h: panels[h]}, out / f"pareto_{h}.png", h, budgets)
+            xscale[h] = _plot({h: panels[h]}, out / f"pareto_{h}.png", h, budgets)
             paths[f"plot_{h}"] = out / f"pareto_{h}.png"
     if not df.empty:
         _plot(panels, out / "pareto.png", "all hosts", budgets)
@@ -528,7 +544,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
     atomic_write(out / "summary.md", lambda tmp: Path(tmp).write_text(summary))
     paths["summary"] = out / "summary.md"
     return {"paths": paths, "fronts": fronts, "screening": screening, "answer": ans, "hypothesis": hyp,
-            "trials": df, "measured": tables, "bounds": bd, "policy_by_host": pbh}
+            "trials": df, "measured": tables, "bounds": bd, "policy_by_host": pbh, "plot_xscale": xscale}
 
 
 def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[str, pd.DataFrame],

@@ -471,6 +471,16 @@ def test_offline_bounds_are_drawn_never_answered(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "## Offline bounds" in summary and summary.index("## The answer") < summary.index("## Offline bounds")
     assert not rep["bounds"].empty and (tmp_path / "pareto_a.png").stat().st_size > 0
+    assert rep["plot_xscale"] == {"a": "linear"}  # every measured policy within 4x the largest budget
+    # a policy far beyond the budgets (+120%): the perplexity axis turns symmetric-log, linear over the budgets
+    far = rows[6]
+    rows.append({"key": f"emulation:full:{far['key']}", "params": far["params"], "host": "all", "fidelity": "emulation",
+                 "budget": "full", "status": "ok", "ppl_change_pct": 120.0, "ppl_ci_low": 110.0, "ppl_ci_high": 130.0,
+                 "mass_per_token": 0.9})
+    (tmp_path / "far").mkdir()
+    rep2 = write_report(tmp_path / "far", rows, ["a"], ("time_per_token_s", "mass_per_token"),
+                        {"name": "t", "objectives": ("time_per_token_s", "mass_per_token"), "budgets": [1.0]})
+    assert rep2["plot_xscale"] == {"a": "symlog"}
 
 
 def test_vram_budget_auto_is_fetch_every_miss_at_a_quarter_residency():
