@@ -17,6 +17,12 @@ Per token (docs/policies.md, "Per token, per layer, in this order" and "Addition
   5. bookkeeping (masses, frequency/recency keys, admission accumulator)
   6. queue admissions (a[e] >= beta, largest a first)
 
+Shape of the code: `run_layer(tok, t0, pol, st, out)` takes the layer's input (`Tokens`), the policy as
+one record (`runtime.policy.kernel_record`: one field per parameter-table row with a `kernel` encoding,
+read here as `pol.<field>`), the layer's cache (`LayerState`, views of PolicyCache's arrays) and its
+outputs (`Outputs`). Every load into a slot (fetch, admission, prefetch) goes through `_claim`. A new
+policy field is one `_p(..., kernel=(name, encoder))` row in runtime/policy.py and its use here.
+
 Input contract (checked by runtime/trace.py for files, true by construction in the adapters):
 a ranking row starts with the token's selection and holds distinct expert ids. Instead of a full
 ranking the adapters pass the router scores it sorts (descending, ties lower id); the substitute
@@ -26,12 +32,13 @@ search then scans the resident slots for the best ones (`_best_resident`): the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from runtime.errors import InputError
-from runtime.policy import EVICT_CODE, FALLBACK_CODE, RULE_CODE, PolicyConfig
+from runtime.policy import EVICT_CODE, FALLBACK_CODE, RULE_CODE, PolicyConfig, kernel_record
 
 # decision kinds, per token, layer and top-k slot j
 HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
@@ -137,17 +144,85 @@ def _free_slot(slot_expert, cap):
     return -1
 
 
+class Tokens(NamedTuple):
+    """One layer's input over a chunk of tokens."""
+
+    ids: np.ndarray  # [T, k] int32 selection
+    w: np.ndarray  # [T, k] float64 gate weights
+    rank: np.ndarray  # [T, M] int32 candidate ranking (starts with the selection)
+    valid: np.ndarray  # [T] bool
+    score: np.ndarray  # [T, E] float64 router scores standing for the full ranking (adapters), or [0, 0]: use rank
+    nxt: np.ndarray  # [T, k] float64 next use (belady), or [0, k]
+    pred: np.ndarray  # [T, P] int32 predicted lists (-1 = none), or [0, 0]
+
+
+class LayerState(NamedTuple):
+    """One layer's cache (views of PolicyCache's [L, ...] arrays), mutated in place by run_layer."""
+
+    cap: int  # C_l
+    slot_expert: np.ndarray  # [C] int32 expert in each slot (-1 free)
+    expert_slot: np.ndarray  # [E] int32 slot of each expert (-1 not resident)
+    key: np.ndarray  # [E] float64 eviction key
+    skey: np.ndarray  # [C] int64 composite integer key per slot (fast paths; _IMAX = protected)
+    acc: np.ndarray  # [E] float64 admission accumulator a[e]
+    queued: np.ndarray  # [E] bool
+    pin: np.ndarray  # [C] int64 stamp of the step that protects the slot
+    qstate: np.ndarray  # [4] int64 queue head, queue length, stamp, resident count
+    q_exp: np.ndarray  # [E + 1] int32 admission queue (ring)
+    q_due: np.ndarray  # [E + 1] int64 due token of each queued expert
+    counters: np.ndarray  # [N_INT] int64
+    mass: np.ndarray  # [2] float64
+
+
+class Outputs(NamedTuple):
+    """What run_layer writes: per-slot decisions, per-token events, and the logs of the plan."""
+
+    kind: np.ndarray  # [T, k] int8
+    served: np.ndarray  # [T, k] int32
+    slot: np.ndarray  # [T, k] int32
+    ev: np.ndarray  # [T, N_EV] int32
+    adm_log: np.ndarray  # [n, 3] int64 (token, expert, slot)
+    q_log: np.ndarray  # [n, 2] int64 (token, expert)
+    pf_log: np.ndarray  # [n, 3] int64 (token, expert, slot)
+    n_logs: np.ndarray  # [3] int64 entries written (may exceed the logs' length)
+
+
+@njit(cache=True, inline="always")
+def _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, stamp, free):
+    """THE slot claim (fetch, admission, prefetch): put `e` in a free slot (`free`: the layer has one),
+    else in the victim's (smallest key among the slots whose pin != stamp; fast: smallest skey),
+    evicting the victim. The claimed slot is pinned with `stamp`. Returns (slot, evicted expert), with
+    slot -1 when nothing is evictable (nothing changed) and evicted -1 when a free slot was used; the
+    caller counts the resident and may queue the evicted expert."""
+    v = -1
+    if free:
+        s = _free_slot(slot_expert, cap)
+    else:
+        s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, stamp)
+        if s >= 0:
+            v = slot_expert[s]
+            expert_slot[v] = -1
+    if s >= 0:
+        slot_expert[s] = e
+        expert_slot[e] = s
+        pin[s] = stamp
+        if fast:
+            skey[s] = _IMAX
+    return s, v
+
+
 @njit(cache=True, error_model="numpy")
-def run_layer(
-    ids, w, rank, valid, t0,  # [T, k] int32, [T, k] float64, [T, M] int32, [T] bool, first token index
-    score,  # [T, E] float64 router scores standing for the full ranking (adapters), or [0, 0]: use `rank`
-    rule, tau, tau_high, fallback, beta, evict, gamma, decay, delay, cap,  # policy parameters
-    nxt, pred,  # [T, k] float64 next use (belady) or [0, k]; [T, P] int32 predicted lists (-1 = none) or [0, 0]
-    slot_expert, expert_slot, key, skey, acc, queued, pin, qstate, q_exp, q_due,  # layer state
-    counters, mass,  # int64 [N_INT], float64 [2]
-    out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs,  # outputs
-):
-    """Run one layer's cache over tokens t0 .. t0+T-1. Mutates the layer state in place."""
+def run_layer(tok, t0, pol, st, out):
+    """Run one layer's cache over tokens t0 .. t0+T-1: `tok` Tokens, `pol` the policy record
+    (runtime.policy.kernel_record), `st` LayerState (mutated in place), `out` Outputs."""
+    ids, w, rank, valid, score, nxt, pred = tok
+    out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
+    rule, tau, tau_high, fallback, beta, evict = pol.rule, pol.tau, pol.tau_high, pol.fallback, pol.beta, pol.evict
+    gamma, decay, delay = pol.gamma, pol.decay, pol.delay
+    cap = st.cap
+    slot_expert, expert_slot, key, skey, acc, queued, pin = (st.slot_expert, st.expert_slot, st.key, st.skey, st.acc,
+                                                             st.queued, st.pin)
+    qstate, q_exp, q_due = st.qstate, st.q_exp, st.q_due
     T, k = ids.shape
     M = rank.shape[1]
     E = expert_slot.shape[0]
@@ -197,27 +272,18 @@ def run_layer(
                 if expert_slot[e] >= 0:
                     cnt[C_ADM_SKIPPED] += 1
                     continue
-                s = _free_slot(slot_expert, cap) if n_res < cap else -1
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, bstamp, n_res < cap)
                 if s < 0:
-                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, bstamp)
-                    if s < 0:
-                        cnt[C_ADM_SKIPPED] += 1
-                        if use_adm:  # not resident, no longer queued: may be queued again after the token
-                            cand[nc] = e
-                            nc += 1
-                        continue
-                    v = slot_expert[s]
-                    expert_slot[v] = -1
-                    if use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
-                        cand[nc] = v
+                    cnt[C_ADM_SKIPPED] += 1
+                    if use_adm:  # not resident, no longer queued: may be queued again after the token
+                        cand[nc] = e
                         nc += 1
-                else:
+                    continue
+                if v < 0:
                     n_res += 1
-                slot_expert[s] = e
-                expert_slot[e] = s
-                pin[s] = bstamp
-                if fast:
-                    skey[s] = _IMAX  # protected from the rest of its batch
+                elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
+                    cand[nc] = v
+                    nc += 1
                 acc[e] = 0.0
                 cnt[C_ADM] += 1
                 bslots[nb] = s  # distinct pinned slots: at most cap of them
@@ -259,23 +325,14 @@ def run_layer(
                     break
                 if expert_slot[e] >= 0:
                     continue
-                s = _free_slot(slot_expert, cap) if n_res < cap else -1
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, ps, n_res < cap)
                 if s < 0:
-                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, ps)
-                    if s < 0:
-                        continue  # nothing evictable: skipped
-                    v = slot_expert[s]
-                    expert_slot[v] = -1
-                    if use_adm and acc[v] >= beta:
-                        cand[nc] = v
-                        nc += 1
-                else:
+                    continue  # nothing evictable: skipped
+                if v < 0:
                     n_res += 1
-                slot_expert[s] = e
-                expert_slot[e] = s
-                pin[s] = ps
-                if fast:
-                    skey[s] = _IMAX
+                elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
+                    cand[nc] = v
+                    nc += 1
                 pfe[npl] = e
                 npl += 1
                 n = n_logs[2]
@@ -298,7 +355,7 @@ def run_layer(
             cnt[C_PREF] += npl
             ev[i, EV_PREFETCH] += npl
         stamp += 1
-        st = stamp
+        st_ = stamp
         cnt[C_CALLS] += k
         # 1. hits
         for j in range(k):
@@ -308,7 +365,7 @@ def run_layer(
                 out_kind[i, j] = HIT
                 out_served[i, j] = e
                 out_slot[i, j] = s
-                pin[s] = st
+                pin[s] = st_
                 cnt[C_HITS] += 1
                 if fast:
                     skey[s] = _IMAX
@@ -343,21 +400,12 @@ def run_layer(
             else:  # threshold, first_choice (tau = +inf)
                 fetch = j == 0 or wj >= tau
             if fetch:
-                s = _free_slot(slot_expert, cap) if n_res < cap else -1
-                if s < 0:
-                    s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, st)
-                    v = slot_expert[s]
-                    expert_slot[v] = -1
-                    if use_adm and acc[v] >= beta:
-                        cand[nc] = v
-                        nc += 1
-                else:
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, st_, n_res < cap)  # a victim exists: C >= k
+                if v < 0:
                     n_res += 1
-                slot_expert[s] = e
-                expert_slot[e] = s
-                pin[s] = st
-                if fast:
-                    skey[s] = _IMAX
+                elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
+                    cand[nc] = v
+                    nc += 1
                 acc[e] = 0.0
                 out_kind[i, j] = FETCH
                 out_served[i, j] = e
@@ -503,10 +551,10 @@ def run_layer(
     qstate[0] = q_head
     qstate[1] = q_len
     qstate[2] = stamp
-    mass[M_SUB] += msum
-    mass[M_LOWBIT] += lsum
+    st.mass[M_SUB] += msum
+    st.mass[M_LOWBIT] += lsum
     for c_ in range(N_INT):
-        counters[c_] += cnt[c_]
+        st.counters[c_] += cnt[c_]
 
 
 @njit(cache=True)
@@ -654,17 +702,7 @@ class PolicyCache:
         self.prefetch_width = 0 if p.prefetch == "off" else int(p.prefetch_n or self.k)
         if p.prefetch == "oracle":
             self.prefetch_width = min(self.prefetch_width, self.k)
-        self._params = (
-            RULE_CODE[p.rule],
-            float(p.tau_value),
-            float(p.tau_high) if p.rule == "band" else np.inf,
-            FALLBACK_CODE[p.fallback],
-            float(p.beta) if p.beta is not None else -1.0,
-            EVICT_CODE[p.evict],
-            float(p.gamma),
-            float(2.0 ** (-1.0 / p.half_life)),
-            int(p.admission_delay),
-        )
+        self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.policy.KERNEL_DTYPE)
 
     def step(
         self,
@@ -724,13 +762,11 @@ class PolicyCache:
         q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
-        run_layer(
-            ids, w, rank, valid, t0, sc, *self._params, int(self.caps[l_]), nxt, pred,
-            self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_],
-            self.pin[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
-            self.counters[l_], self.mass[l_],
-            kind, served, slot, ev, adm_log, q_log, pf_log, n_logs,
-        )  # fmt: skip
+        st = LayerState(int(self.caps[l_]), self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_],
+                        self.acc[l_], self.queued[l_], self.pin[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
+                        self.counters[l_], self.mass[l_])
+        run_layer(Tokens(ids, w, rank, valid, sc, nxt, pred), t0, self._params, st,
+                  Outputs(kind, served, slot, ev, adm_log, q_log, pf_log, n_logs))
         na, nq, npf = (int(x) for x in n_logs)
         return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],
                           pf_log[: min(npf, len(pf_log))])

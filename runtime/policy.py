@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -51,6 +52,9 @@ class Param:
     high_open: bool = False
     nullable: bool = False  # None is a value (tau: unused, beta: admission off, prefetch_n: k)
     active: str = "always"  # when the parameter matters, as text (docs, space validation)
+    # how the compiled kernel reads it: (field of the kernel's policy record, encoder of the PolicyConfig);
+    # None for parameters the kernel never reads (runtime/kernel.py reads the record as `pol.<field>`)
+    kernel: tuple[str, Callable[[Any], float]] | None = None
 
     def is_active(self, p: PolicyConfig) -> bool:
         return _ACTIVE[self.active](p)
@@ -115,25 +119,31 @@ def _p(default, flag: str, help: str, **kw) -> Any:
 class PolicyConfig:
     """A miss policy (docs/policies.md). Validated when built; `cpu` normalised to substitute_all + host."""
 
-    rule: str = _p("fetch_all", "--rule", "which misses are fetched", choices=RULES + tuple(RULE_ALIASES))
+    rule: str = _p("fetch_all", "--rule", "which misses are fetched", choices=RULES + tuple(RULE_ALIASES),
+                   kernel=("rule", lambda p: RULE_CODE[p.rule]))
     tau: float | None = _p(None, "--tau", "fetch a miss whose gate weight >= tau (band: the band's low edge)",
-                           low=0.0, nullable=True, active="rule in (threshold, band)")
+                           low=0.0, nullable=True, active="rule in (threshold, band)",
+                           kernel=("tau", lambda p: p.tau_value))
     tau_high: float | None = _p(None, "--tau-high", "band: non-first-choice misses with tau <= w < tau_high are "
                                 "not fetched (a controlled mode for Experiment B)", low=0.0, nullable=True,
-                                active="rule = band")
-    fallback: str = _p("substitute", "--fallback", "what a non-fetched miss becomes", choices=FALLBACKS)
+                                active="rule = band",
+                                kernel=("tau_high", lambda p: float(p.tau_high) if p.rule == "band" else math.inf))
+    fallback: str = _p("substitute", "--fallback", "what a non-fetched miss becomes", choices=FALLBACKS,
+                       kernel=("fallback", lambda p: FALLBACK_CODE[p.fallback]))
     lowbit_bits: int = _p(4, "--lowbit-bits", "bits of the low-precision copies", choices=(8, 4, 3, 2),
                           active="fallback = lowbit")
     lowbit_group: int = _p(64, "--lowbit-group", "weights per quantisation group", low=1,
                            active="fallback = lowbit")
-    evict: str = _p("lfu", "--evict", "eviction key", choices=EVICTS)
+    evict: str = _p("lfu", "--evict", "eviction key", choices=EVICTS, kernel=("evict", lambda p: EVICT_CODE[p.evict]))
     gamma: float = _p(1.0, "--gamma", "LFU aging (1 = plain LFU)", low=0.0, high=1.0, low_open=True,
-                      active="evict = lfu")
+                      active="evict = lfu", kernel=("gamma", lambda p: p.gamma))
     half_life: float = _p(32.0, "--half-life", "CRF half-life in tokens", low=0.0, low_open=True,
-                          active="evict = crf")
+                          active="evict = crf", kernel=("decay", lambda p: 2.0 ** (-1.0 / p.half_life)))
     beta: float | None = _p(None, "--beta", "background admission threshold (unset: admission off)",
-                            low=0.0, low_open=True, nullable=True)
-    admission_delay: int = _p(1, "--delay", "admission delay d in tokens", low=1, active="beta set")
+                            low=0.0, low_open=True, nullable=True,
+                            kernel=("beta", lambda p: -1.0 if p.beta is None else p.beta))
+    admission_delay: int = _p(1, "--delay", "admission delay d in tokens", low=1, active="beta set",
+                              kernel=("delay", lambda p: p.admission_delay))
     prefetch: str = _p("off", "--prefetch", "prefetch of the next layer's experts", choices=PREFETCHES)
     prefetch_n: int | None = _p(None, "--prefetch-n", "experts prefetched per token-layer (unset: k)", low=1,
                                 nullable=True, active="prefetch != off")
@@ -233,6 +243,17 @@ PARAMS: tuple[Param, ...] = tuple(
     for f in fields(PolicyConfig)
 )
 PARAM_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMS)
+# the kernel's policy record: one field per table row with a `kernel` encoding (ints for codes and counts)
+KERNEL_DTYPE = np.dtype([(p.kernel[0], np.int64 if p.type in (str, int) else np.float64) for p in PARAMS if p.kernel])
+
+
+def kernel_record(policy: PolicyConfig) -> np.ndarray:
+    """The policy as the compiled kernel reads it: a one-element record array of KERNEL_DTYPE."""
+    rec = np.zeros(1, KERNEL_DTYPE)
+    for prm in PARAMS:
+        if prm.kernel:
+            rec[0][prm.kernel[0]] = prm.kernel[1](policy)
+    return rec
 PARAM_BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 
 
