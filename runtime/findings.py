@@ -1086,7 +1086,13 @@ def reading(res: dict[str, Any]) -> list[str]:
                      f"({b['block_tokens']} tokens; a document averages {b['document_tokens']:.0f} tokens"
                      f"{', capped to keep >= ' + str(res['setup']['min_blocks']) + ' blocks' if b['capped'] else ''}). "
                      f"Width of the 0.15 rule's perplexity-change interval (points) by block size in windows: "
-                     f"{chk}.")
+                     f"{chk}" + (f"; widest at {max(b['check'], key=lambda x: x['width'])['block_windows']} windows, "
+                                 f"{max(x['width'] for x in b['check']) / b['check'][0]['width']:.2f}x the one-window "
+                                 "width (wider than at the chosen block: the cache's memory may outlast a document; "
+                                 f"only {max(b['check'], key=lambda x: x['width'])['blocks']} blocks of that size)"
+                                 if b.get("check") and b["check"][0]["width"] > 0
+                                 and max(b["check"], key=lambda x: x["width"])["block_windows"] > b["block_windows"]
+                                 else "") + ".")
     by_id: dict[str, list[dict[str, Any]]] = {}
     for r in res["rows"]:
         by_id.setdefault(r["id"], []).append(r)
@@ -1109,7 +1115,7 @@ def reading(res: dict[str, Any]) -> list[str]:
                 "fetches; more misses would raise the ratios, not lower them.")
     lines += ["", f"Model `{res['setup']['model']}` (exact perplexity {res['setup']['exact_perplexity']:.3f} on "
               f"{res['setup']['tokens']} tokens): a tiny model, so magnitudes are a weak model's; the verdicts test "
-              "directions."]
+              "directions (the speed row also the paper's 2.5-3.0x, on the paper's shape)."]
     return lines
 
 
