@@ -136,7 +136,7 @@ def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False, defer_nll: bool
 def capacities_of(m: Loaded, spec: RunSpec) -> np.ndarray:
     """Slots per layer of a RunSpec on a loaded model (a VRAM budget: runtime.costmodel's one meaning)."""
     if spec.vram_budget_GiB is not None:
-        shape = costmodel.model_shape_for(m.model.config.to_dict(), spec.dtype)
+        shape = costmodel.model_shape_for(m.model.config.to_dict(), m.dtype)  # the dtype loaded (auto resolved)
         caps = costmodel.capacities_for_budget(shape, spec.vram_budget_GiB, spec.policy)
         return resolve_capacities(caps, m.num_layers, m.E, m.k, flag=f"--vram-budget {spec.vram_budget_GiB!r} GiB: capacity")
     return resolve_capacities(spec.capacity, m.num_layers, m.E, m.k, spec.capacity_fraction)

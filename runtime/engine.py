@@ -123,18 +123,23 @@ def page_aligned_empty(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, in
     return raw[off : off + nbytes].view(dtype), -(-nbytes // page) * page
 
 
-def pin_in_place(t: torch.Tensor, nbytes: int, what: str) -> None:
+def pin_in_place(t: torch.Tensor, nbytes: int, what: str) -> bool:
     """Page-lock `nbytes` of host memory from `t`'s first byte where it is (cudaHostRegister): no copy and
-    no power-of-two rounding (only to whole pages). Failure (not enough lockable memory, ulimit -l) is a
-    one-line error."""
+    no power-of-two rounding (only to whole pages). On failure (not enough lockable memory, ulimit -l, a
+    driver that refuses) the CUDA error is cleared, a warning says what it costs, and False is returned:
+    the caller keeps the memory pageable (copies then block the host) instead of stopping."""
     try:
         rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+        why = f"cudaHostRegister error {rc}"
     except (RuntimeError, AttributeError) as exc:
-        raise InputError(f"out of memory pinning {what} ({nbytes / 2**30:.3g} GiB of host memory): "
-                         f"{str(exc).splitlines()[0][:160]}; use --pageable (slower copies) or a smaller model") from None
-    if rc != 0:
-        raise InputError(f"out of memory pinning {what} ({nbytes / 2**30:.3g} GiB of host memory, cudaHostRegister "
-                         f"error {rc}); use --pageable (slower copies) or a smaller model")
+        rc, why = -1, str(exc).splitlines()[0][:160]
+    if rc == 0:
+        return True
+    with contextlib.suppress(RuntimeError, AttributeError):
+        torch.cuda.cudart().cudaGetLastError()  # clear it: the next CUDA call must not report it
+    log.warning("could not pin %s (%.3g GiB of host memory: %s): it stays pageable, so its host->device copies "
+                "block the host thread", what, nbytes / 2**30, why)
+    return False
 
 
 def _unpin(ptrs: list[int]) -> None:
@@ -166,6 +171,7 @@ class HostStore:
         (runtime/stream.py: a model above --max-memory), each layer's experts unit is read from the
         shards just before its copy: the model's experts are never all in memory besides the store."""
         fused, flat, ptrs = [], [], []
+        all_pinned = pin
         for l_, ex in enumerate(experts):
             if weights is not None:
                 weights.load(units[l_])
@@ -173,8 +179,10 @@ class HostStore:
             gu, d = ex.gate_up_proj.data, ex.down_proj.data
             if pin:
                 buf, nbytes = page_aligned_empty(gu.numel() + d.numel(), dtype)
-                pin_in_place(buf, nbytes, f"the host expert store (MoE layer {l_})")
-                ptrs.append(buf.data_ptr())
+                if pin_in_place(buf, nbytes, f"the host expert store (MoE layer {l_})"):
+                    ptrs.append(buf.data_ptr())
+                else:
+                    all_pinned = pin = False  # the rest stays pageable too (one warning)
             else:
                 buf = torch.empty(gu.numel() + d.numel(), dtype=dtype)
             fgu, fd = buf[: gu.numel()].view(gu.shape), buf[gu.numel():].view(d.shape)
@@ -185,7 +193,7 @@ class HostStore:
             del gu, d
             fused.append((fgu, fd))
             flat.append(buf)
-        store = cls(dtype, fused=fused, kind="ram", flat=flat, pinned=pin)
+        store = cls(dtype, fused=fused, kind="ram", flat=flat, pinned=all_pinned)
         if ptrs:  # unregister before the buffers are freed
             weakref.finalize(store, _unpin, ptrs)
         return store
@@ -513,6 +521,7 @@ class Engine:
         self._reset_stats()
         self.sync()
         if self.cuda:
+            torch.cuda.empty_cache()  # what an earlier binding cached is not this run's peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak_bytes = self._dev_bytes
 

@@ -110,7 +110,7 @@ class Shards:
                         self.where[k] = f
                         self.meta[k] = (tuple(sl.get_shape()), sl.get_dtype())
             except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-                raise InputError(f"--model {f}: not a readable safetensors file ({type(exc).__name__}: "
+                raise InputError(f"--model {f}: the weights cannot be loaded: not a readable safetensors file ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:

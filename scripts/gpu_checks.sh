@@ -18,16 +18,19 @@
 #                private folder (--no-index --no-deps --target) and used if its internals check passes.
 #                The machine cannot download anything; torch and numba are the machine's own.
 #   2 kernel     compile the policy kernel and the cost model's replay (numba)
-#   3 engine-cpu the engine in CPU device mode on every family (tests/test_engine.py::test_other_families...)
-#   4 oom        a device out-of-memory inside the engine's CLI: one 'expertsweep: error:' line, exit 2
-#   5 bench-pinned    scripts/bench_engine.py: calibration + simulated vs measured time per token for
+#   3 oom        a device out-of-memory inside the engine's CLI: one 'expertsweep: error:' line, exit 2
+#   4 bench-pinned    scripts/bench_engine.py: calibration + simulated vs measured time per token for
 #                     fetch-every-miss, rule-0.15, quality-first, speed-first, host-compute, and (--families)
 #                     lookahead prefetch, host and 4-bit fallbacks, at the VRAM budget (runtime.costmodel)
-#                     that holds 25% of the experts; speedups; peak vs budget
-#   6 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
-#   7 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
-#   8 calibrate  runtime.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
-#   9 generate   runtime.generate: greedy agreement of quality-first with the exact model at that budget
+#                     that holds 25% of the experts; speedups; peak vs budget. A host store that cannot be
+#                     pinned (cudaHostRegister refused) falls back to pageable memory with a warning.
+#   5 generate   runtime.generate: greedy agreement of quality-first with the exact model at that budget
+#   6 calibrate  runtime.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
+#   7 engine-cpu the engine in CPU device mode on every family (tests/test_engine.py::test_other_families...)
+#   8 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
+#   9 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
+# The cheap CUDA steps come first. A step past its limit gets SIGINT (pytest and Python flush what they
+# have), then SIGKILL 10 s later.
 # The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 420, CPU 570): a step that would not fit is
 # cut to what is left, or skipped (status 'skipped') when under 20 s remain.
 # Exit status 0 when every step passed, 1 otherwise; 2 for a bad option.
@@ -43,7 +46,7 @@ while [ $# -gt 0 ]; do
     --cpu) MODE=cpu ;;
     --tiny) TINY=1 ;;
     --_step) RUN_STEP=$2; shift ;;  # internal: run one step's function (under the caller's `timeout`)
-    -h | --help) sed -n '2,32p' "$SELF"; exit 0 ;;
+    -h | --help) sed -n '2,36p' "$SELF"; exit 0 ;;
     -*) echo "expertsweep: error: scripts/gpu_checks.sh: unknown option $1 (use --cpu, --tiny, RESULTS_DIR)" >&2; exit 2 ;;
     *) RES=$1 ;;
   esac
@@ -110,11 +113,12 @@ step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of thi
   [ "$limit" -gt $((left - 5)) ] && limit=$((left - 5))
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   t0=$SECONDS
-  timeout -k 5 "$limit" bash "$SELF" "${ARGS[@]}" --_step "$1" "$RES" >>"$LOG" 2>&1
+  # SIGINT first: pytest writes its report and Python its buffers; KILL 10 s later
+  timeout -s INT -k 10 "$limit" bash "$SELF" "${ARGS[@]}" --_step "$1" "$RES" >>"$LOG" 2>&1
   rc=$?
   case $rc in
     0) st=ok ;;
-    124 | 137) st=TIMEOUT ;;
+    124 | 130 | 137) st=TIMEOUT ;;
     *) st="FAILED (exit $rc)" ;;
   esac
   [ "$rc" -ne 0 ] && status=1
@@ -227,13 +231,15 @@ step versions 120 versions
 [ -f "$WORK/site_path" ] && export PYTHONPATH="$(cat "$WORK/site_path"):$PYTHONPATH"
 [ "$MODE" = cuda ] && { nvidia-smi >>"$LOG" 2>&1 || true; }
 step kernel 150 kernel
-step engine-cpu 120 engine_cpu
+# the cheap CUDA steps first (a first run on a new machine returns their figures even if a later step hangs),
+# then the CPU-mode engine and the long exactness suite
 step oom 60 oom_check
-step bench-pinned 180 bench_pinned  # before the long exactness step: its figures are the run's purpose
+step bench-pinned 180 bench_pinned  # its figures are the run's purpose
+step generate 90 generate
+step calibrate 90 calibrate_step
+step engine-cpu 120 engine_cpu
 step exactness 300 exactness
 step bench-pageable 100 bench_pageable
-step calibrate 90 calibrate_step
-step generate 90 generate
 echo "total $((SECONDS - START)) s of ${BUDGET}" | tee -a "$LOG"
 summary
 cat "$RES/summary.md"
