@@ -24,16 +24,19 @@ export MLFLOW_DISABLE_TELEMETRY=true
 mlflow="$repo/.venv/bin/mlflow"
 [ -x "$mlflow" ] || mlflow="$(command -v mlflow)"
 mode="${1:-server}"
-# the runs page of the sweeps' experiment: MLflow 3.17's UI opens an experiment on its overview
-py="$repo/.venv/bin/python"; [ -x "$py" ] || py="$(command -v python3)"
-ui_host="$MLFLOW_HOST"; [ "$ui_host" = "0.0.0.0" ] && ui_host="$(hostname)"
-runs_url="$(cd "$repo" && "$py" -c 'import sys
+# `ui` (make mlflow-ui): the runs page of the sweeps' experiment first, since MLflow 3.17's UI opens an
+# experiment on its overview (a server starts at once: its clients find the runs themselves)
+if [ "$mode" = ui ]; then
+  ui_host="$MLFLOW_HOST"; [ "$ui_host" = "0.0.0.0" ] && ui_host="$(hostname)"
+  py="$repo/.venv/bin/python"; [ -x "$py" ] || py="$(command -v python3)"
+  runs_url="$(cd "$repo" && "$py" -c 'import sys
 from sweep.tracking import experiment_id_of, runs_page
 eid = experiment_id_of(sys.argv[1], sys.argv[3])
 print(runs_page(sys.argv[2], eid) if eid else sys.argv[2] + "/#/experiments (no sweep logged yet)")' \
-  "$MLFLOW_BACKEND_STORE_URI" "http://$ui_host:$MLFLOW_PORT" "${MLFLOW_EXPERIMENT:-expertsweep}" 2>/dev/null)" \
-  || runs_url="http://$ui_host:$MLFLOW_PORT/"
-echo "MLflow $mode on http://$ui_host:$MLFLOW_PORT; the sweeps' runs: $runs_url"
+    "$MLFLOW_BACKEND_STORE_URI" "http://$ui_host:$MLFLOW_PORT" "${MLFLOW_EXPERIMENT:-expertsweep}" 2>/dev/null)" \
+    || runs_url="http://$ui_host:$MLFLOW_PORT/"
+  echo "MLflow UI on http://$ui_host:$MLFLOW_PORT; the sweeps' runs: $runs_url"
+fi
 case "$mode" in
   server)
     exec "$mlflow" server --backend-store-uri "$MLFLOW_BACKEND_STORE_URI" \

@@ -240,7 +240,7 @@ def mlflow_server_fixture(tmp_path_factory):
     try:
         import urllib.request
 
-        deadline = time.time() + 90
+        deadline = time.time() + START_WAIT_S  # a loaded machine imports MLflow slowly
         while True:
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
