@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from runtime import simulate
 from runtime.errors import ArgumentParser, InputError, check_output_path, cli_main
+from runtime.kernel import COUNTER_NAMES  # noqa: F401 - re-exported: the counters every Result reports
 from runtime.policy import add_policy_flags, policies_from_flags
 from runtime.spec import FLAGS, GROUP_FIELDS, Result, RunSpec
 
@@ -76,14 +77,25 @@ class Backend:
 
 
 class Simulator(Backend):
+    """Replays traces; one instance keeps what its runs share (`simulate.ReplayCache`: the loaded trace,
+    warm starts, the baseline replays, host profiles given with `add_host`), so a sweep worker's trials
+    on one trace cost one replay each."""
+
     name = "simulator"
     honours = _COMMON | {"trace", "host", "model_shape", "weight_format"}
+
+    def __init__(self) -> None:
+        self.cache = simulate.ReplayCache()
+
+    def add_host(self, data: dict) -> object:
+        """Register a host profile given as a mapping (e.g. calibrated); RunSpecs name it by `host`."""
+        return self.cache.add_host(data)
 
     def _group_key(self, spec: RunSpec) -> tuple:
         return (id(spec),)
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
-        return [simulate.evaluate(s) for s in specs]
+        return [simulate.evaluate(s, cache=self.cache) for s in specs]
 
 
 class Emulation(Backend):

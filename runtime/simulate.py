@@ -118,6 +118,41 @@ def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray
     return [arr[l_] for l_ in range(trace.L)], trace, spec
 
 
+class ReplayCache:
+    """What repeated simulator runs share (the simulator backend keeps one; a sweep worker's trials hit it):
+    loaded traces by path, warm starts by (trace, initial_residency, capacities), the fetch-every-miss and
+    host-compute baseline times by everything they depend on, and host profiles registered in memory
+    (`add_host`: by name, ahead of the presets)."""
+
+    def __init__(self) -> None:
+        self.traces: dict[str, Trace] = {}
+        self.memo: dict[tuple, object] = {}
+        self.hosts: dict[str, costmodel.HostProfile] = {}
+
+    def trace(self, path: str) -> Trace:
+        if path not in self.traces:
+            self.traces.clear()  # one trace at a time (a sweep evaluates one)
+            self.memo.clear()
+            self.traces[path] = load_trace(path)
+        return self.traces[path]
+
+    def get(self, key: tuple, make):  # noqa: ANN001, ANN201 - a memo of any value
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def add_host(self, data: dict) -> costmodel.HostProfile:
+        """A host profile from its mapping (the sweep's calibrated hosts), used for `host = its name`."""
+        prof = costmodel.host_profile_from_dict(data, f"host {data.get('name')}")
+        self.hosts[prof.name] = prof
+        return prof
+
+    def host(self, name: str | costmodel.HostProfile) -> costmodel.HostProfile:
+        if isinstance(name, costmodel.HostProfile):
+            return name
+        return self.hosts[name] if name in self.hosts else self.get(("host", name), lambda: costmodel.load_host_profile(name))
+
+
 def _timing(rep: Replay, trace: Trace, params) -> dict:
     timing = costmodel.replay_time(rep.events, trace.valid, params)
     T = max(trace.T, 1)
@@ -138,22 +173,31 @@ def simulate(
     max_tokens: int | None = None,
     baselines: bool = True,
     record_decisions: bool = False,
+    cache: ReplayCache | None = None,
+    trace_key: str | None = None,
 ) -> Result:
     """Replay a trace in memory under `policy` (the library form of `evaluate`; `initial_residency` may
-    also be per-layer id arrays, `host` / `model_shape` loaded objects)."""
+    also be per-layer id arrays, `host` / `model_shape` loaded objects). With `cache` and `trace_key`
+    (the trace's identity, e.g. its path) warm starts and baseline times are computed once."""
     shape = model_shape if isinstance(model_shape, costmodel.ModelShape) else shape_for_trace(trace, model_shape)
     if vram_budget_GiB is not None:
         caps = costmodel.capacities_for_budget(shape, vram_budget_GiB, policy)
         caps = resolve_capacities(caps, trace.L, trace.E, trace.k, flag=f"--vram-budget {vram_budget_GiB!r} GiB: capacity")
     else:
         caps = resolve_capacities(capacity, trace.L, trace.E, trace.k, capacity_fraction)
+    memo = cache is not None and trace_key is not None
     if isinstance(initial_residency, str | None):
-        init, trace, source = initial_residency_for(initial_residency, trace, caps)
+        if memo:
+            init, trace, source = cache.get(("warm", trace_key, initial_residency, tuple(caps.tolist())),
+                                            lambda: initial_residency_for(initial_residency, trace, caps))
+        else:
+            init, trace, source = initial_residency_for(initial_residency, trace, caps)
     else:
         init, source = initial_residency, "given"
     if max_tokens is not None:
         trace = trace.slice_tokens(0, max_tokens)
-    profile = host if isinstance(host, costmodel.HostProfile) else costmodel.load_host_profile(host)
+    profile = cache.host(host) if cache is not None else (
+        host if isinstance(host, costmodel.HostProfile) else costmodel.load_host_profile(host))
     params = costmodel.cost_params(profile, shape, lowbit_bits=policy.lowbit_bits, lowbit_group=policy.lowbit_group)
     rep = replay(trace, policy, caps, init, decisions=record_decisions)
     timing = _timing(rep, trace, params)
@@ -161,13 +205,23 @@ def simulate(
              "stall_fetch_s": timing["stall_fetch_s"], "stall_admission_s": timing["stall_admission_s"],
              "replay_seconds": rep.seconds,
              "token_layers_per_second": int(trace.valid.sum()) / max(rep.seconds, 1e-12),
-             "device_memory_GiB": costmodel.budget_for_capacities(shape, caps, policy)}
+             "device_memory_GiB": costmodel.budget_for_capacities(shape, caps, policy),
+             "expert_slots_GiB": float(caps.sum()) * costmodel.expert_bytes(shape) / 2**30}
     extra["all_resident_time_per_token_s"] = costmodel.all_resident_time(trace.valid.sum(axis=1), params, trace.k)
     t = timing["time_per_token_s"]
     ratio = None
     if baselines:
         for name, base in (("fetch_all", PRESETS["fetch-every-miss"]), ("host_compute", PRESETS["host-compute"])):
-            t_base = t if base == policy else _timing(replay(trace, base, caps, init), trace, params)["time_per_token_s"]
+            def base_time(base=base):  # noqa: ANN001, ANN202
+                return _timing(replay(trace, base, caps, init), trace, params)["time_per_token_s"]
+
+            if base == policy:
+                t_base = t
+            elif memo:
+                t_base = cache.get(("base", trace_key, name, source, tuple(caps.tolist()), max_tokens, profile, shape),
+                                   base_time)
+            else:
+                t_base = base_time()
             extra[f"{name}_time_per_token_s"] = t_base
             extra[f"speed_ratio_vs_{name}"] = t_base / t
         ratio = extra.pop("speed_ratio_vs_fetch_all")
@@ -178,15 +232,20 @@ def simulate(
                   time_kind="simulated", speed_ratio_vs_fetch_all=ratio, extra=extra, decisions=rep.decisions)
 
 
-def evaluate(spec: RunSpec, trace: Trace | None = None) -> Result:
-    """The simulator backend: replay `spec.trace` (loaded here unless given)."""
-    trace = load_trace(spec.trace) if trace is None else trace
+def evaluate(spec: RunSpec, trace: Trace | None = None, cache: ReplayCache | None = None) -> Result:
+    """The simulator backend: replay `spec.trace` (loaded here unless given; with `cache`, the loaded trace,
+    warm starts, baselines and host profiles are kept between calls)."""
+    key = None
+    if trace is None:
+        trace = load_trace(spec.trace) if cache is None else cache.trace(spec.trace)
+        key = spec.trace
     shape = shape_for_trace(trace, spec.model_shape)
     if spec.weight_format:
         shape = costmodel.with_format(shape, spec.weight_format)
     res = simulate(trace, spec.policy, spec.capacity, capacity_fraction=spec.capacity_fraction,
                    vram_budget_GiB=spec.vram_budget_GiB, initial_residency=spec.initial_residency, host=spec.host,
-                   model_shape=shape, max_tokens=spec.max_tokens, record_decisions=spec.record_decisions)
+                   model_shape=shape, max_tokens=spec.max_tokens, record_decisions=spec.record_decisions,
+                   cache=cache, trace_key=key)
     if spec.residency_out is not None:
         init = initial_residency_for(spec.initial_residency, trace, np.asarray(res.capacity))[0]
         save_residency(spec.residency_out, init, res.capacity)

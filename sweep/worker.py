@@ -2,10 +2,10 @@
 
 `run_task` is the Tune trainable. Its config holds the host, the batch (`items`: Optuna trial
 numbers or named baselines with their policy config and capacity) and the sweep context `ctx`
-(absolute trace paths, the host profile, retry and report settings). The trace is loaded once
-per worker process and kept (`_EVALUATORS`): with `reuse_actors` a Tune actor serves many trials.
-The fetch-every-miss and host-compute replays, the same for every policy at one capacity, are
-cached per (host, capacity). Results go back with `tune.report` every `report_s` seconds, so the
+(absolute trace paths, the host profile, retry and report settings). Every trial is a RunSpec
+evaluated by `runtime.backends`' simulator; the worker keeps one backend per process (`_EVALUATORS`):
+with `reuse_actors` a Tune actor serves many trials, and the backend keeps the loaded trace, the warm
+starts and the fetch-every-miss / host-compute replays (the same for every policy at one capacity). Results go back with `tune.report` every `report_s` seconds, so the
 driver records them as they finish and a killed task loses only what it had not reported.
 
 An item that raises is retried in place up to `max_failures` times, then reported failed (an
@@ -27,21 +27,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from runtime import costmodel
-from runtime.backends import get_backend
+from runtime.backends import COUNTER_NAMES, get_backend
 from runtime.errors import InputError
-from runtime.kernel import COUNTER_NAMES
-from runtime.policy import PRESETS, resolve_capacities
-from runtime.simulate import initial_residency_for, shape_for_trace, simulate
 from runtime.spec import HELD_OUT, RunSpec
-from runtime.trace import Trace, load_trace
 from sweep.space import policy_of
 
 log = logging.getLogger(__name__)
 
-GiB = 2.0**30
 METRICS = ("time_per_token_s", "mass_per_token", "mass_per_token_layer", "substituted_call_fraction",
            "speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute", "speed_ratio_vs_all_resident",
            "fetch_all_time_per_token_s", "host_compute_time_per_token_s", "all_resident_time_per_token_s",
@@ -57,84 +49,35 @@ def run_spec(cfg: dict[str, Any], trace: str, initial_residency: str, host: str,
 
 
 class Evaluator:
-    """The simulator backend on a trace held in memory, with the caches that make repeated trials cheap.
+    """A sweep worker's trials, each a `RunSpec` evaluated by the simulator backend (`runtime.backends`).
 
-    Every trial is a `RunSpec` checked by the simulator backend (`runtime.backends`), then replayed
-    by its in-memory form (`runtime.simulate.simulate`) with three things computed once instead of
-    per trial: the loaded trace, the warm start per capacity, and the fetch-every-miss / host-compute
-    replays per (host, capacity) that the speed ratios divide by (a third of a trial's cost each).
+    The backend instance is kept for the worker's life, so what trials share is computed once, in the
+    backend (`Simulator`'s cache): the loaded trace, the warm start per capacity, and the
+    fetch-every-miss / host-compute replays per (host, capacity) that the speed ratios divide by.
     The warm start is `warm:<calibration trace>` when the sweep has one, else the held-out last part
     of the trace (runtime/spec.py `held-out`; those tokens are then not evaluated)."""
 
     def __init__(self, trace_path: str, calib_path: str | None, model_shape: str | None):
         self.trace_path = trace_path
-        self.trace: Trace = load_trace(trace_path)
         self.initial_residency = f"warm:{calib_path}" if calib_path else HELD_OUT
         self.model_shape = model_shape
-        self.shape = shape_for_trace(self.trace, model_shape)
-        self.expert_bytes = costmodel.expert_bytes(self.shape)
         self.backend = get_backend("simulator")
-        self._residency: dict[tuple, tuple[list | None, Trace, str]] = {}
-        self._baselines: dict[tuple, tuple[float, float]] = {}
-        self._profiles: dict[str, costmodel.HostProfile] = {}
+        self.backend.cache.trace(trace_path)  # load it now: a bad trace fails the worker, not each trial
 
-    def profile(self, data: dict[str, Any]) -> costmodel.HostProfile:
-        key = json.dumps(data, sort_keys=True)
-        if key not in self._profiles:
-            self._profiles[key] = costmodel.host_profile_from_dict(data, f"host {data.get('name')}")
-        return self._profiles[key]
+    def profile(self, data: dict[str, Any]) -> Any:
+        """The host profile of a sweep host (its mapping from the driver), registered with the backend."""
+        return self.backend.add_host(data)
 
-    def capacities(self, cfg: dict[str, Any]) -> np.ndarray:
-        """Slots per layer of a config (a VRAM budget: what the engine really holds, costmodel)."""
-        t = self.trace
-        if cfg.get("vram_budget_GiB") is not None:
-            caps = costmodel.capacities_for_budget(self.shape, cfg["vram_budget_GiB"], policy_of(cfg),
-                                                   flag="vram_budget_GiB")
-            return resolve_capacities(caps, t.L, t.E, t.k, flag=f"vram_budget_GiB = {cfg['vram_budget_GiB']:g}")
-        return resolve_capacities(None, t.L, t.E, t.k, capacity_fraction=cfg["capacity_fraction"])
-
-    def residency(self, caps: np.ndarray) -> tuple[list | None, Trace, str]:
-        """(warm-start ids per layer, the evaluated trace, the source) at these capacities, cached."""
-        key = tuple(caps.tolist())
-        if key not in self._residency:
-            self._residency[key] = initial_residency_for(self.initial_residency, self.trace, caps)
-        init, trace, source = self._residency[key]
-        return [r.copy() for r in init] if init is not None else None, trace, source
-
-    def _time(self, policy, caps: np.ndarray, profile: costmodel.HostProfile) -> float:  # noqa: ANN001
-        init, trace, _ = self.residency(caps)
-        return simulate(trace, policy, caps, initial_residency=init, host=profile, model_shape=self.shape,
-                        baselines=False).time_per_token_s
-
-    def baselines(self, caps: np.ndarray, profile: costmodel.HostProfile) -> tuple[float, float]:
-        key = (profile, tuple(caps.tolist()))
-        if key not in self._baselines:
-            self._baselines[key] = (self._time(PRESETS["fetch-every-miss"], caps, profile),
-                                    self._time(PRESETS["host-compute"], caps, profile))
-        return self._baselines[key]
-
-    def evaluate(self, cfg: dict[str, Any], profile: costmodel.HostProfile) -> dict[str, Any]:
+    def evaluate(self, cfg: dict[str, Any], profile: Any) -> dict[str, Any]:
         """Simulate one policy at one capacity on one host; the sweep's metrics (a flat row)."""
         spec = run_spec(cfg, self.trace_path, self.initial_residency, profile.name, self.model_shape)
-        self.backend.check(spec)
-        caps = self.capacities(cfg)
-        init, trace, source = self.residency(caps)
-        res = simulate(trace, spec.policy, caps, initial_residency=init, host=profile, model_shape=self.shape,
-                       baselines=False)
-        res.initial_residency = source
-        t_fetch, t_host = self.baselines(caps, profile)
-        t = res.time_per_token_s
+        res = self.backend.evaluate(spec)
         d = res.to_dict()
-        d.update(fetch_all_time_per_token_s=t_fetch, host_compute_time_per_token_s=t_host,
-                 speed_ratio_vs_fetch_all=t_fetch / t, speed_ratio_vs_host_compute=t_host / t,
-                 speed_ratio_vs_all_resident=d["all_resident_time_per_token_s"] / t,
-                 # the device memory these slots need under this policy: experts, non-expert weights,
-                 # CUDA context, staging and low-bit copies, as a VRAM budget is counted (costmodel)
-                 device_memory_GiB=costmodel.budget_for_capacities(self.shape, caps, spec.policy))
+        d["device_memory_GiB"] = d["expert_slots_GiB"]  # the sweep's memory axis: the expert slots' bytes
         out = {k: float(d[k]) for k in METRICS}
         out["capacity_slots"] = res.capacity
         out["policy"] = res.policy
-        out["initial_residency"] = source
+        out["initial_residency"] = res.initial_residency
         return out
 
 
@@ -185,7 +128,7 @@ class TraceStore:
         return Path(path).read_bytes()
 
 
-def run_item(ev: Evaluator, item: dict[str, Any], profile: costmodel.HostProfile, ctx: dict[str, Any],
+def run_item(ev: Evaluator, item: dict[str, Any], profile: Any, ctx: dict[str, Any],
              host: str) -> dict[str, Any]:
     """Evaluate one item with in-place retries; returns its ledger row (status ok or failed)."""
     row = {k: item[k] for k in ("key", "number", "baseline", "params")}

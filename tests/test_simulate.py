@@ -191,3 +191,37 @@ def test_real_traces(name, cap):
     assert res["fetch-every-miss"]["fetches"] > res["rule-0.15"]["fetches"] > res["first-choice"]["fetches"]
     assert res["speed-first"]["speed_ratio_vs_fetch_all"] > 1.0
     assert res["speed-first"]["admissions"] > 0 and res["rule-0.15"]["admissions"] == 0
+
+
+@pytest.mark.parametrize("calib", [True, False])
+def test_sweep_trial_equals_the_backend(traces, calib):
+    """A sweep trial (sweep.worker.Evaluator) is the simulator backend's result for the same RunSpec, and
+    a second trial on the same worker (warm start and baselines from the backend's cache) still is."""
+    from runtime.backends import get_backend
+    from sweep.worker import Evaluator, run_spec
+
+    ev_path, cal_path = (str(p) for p in traces)
+    evaluator = Evaluator(ev_path, cal_path if calib else None, None)
+    from dataclasses import asdict
+
+    from runtime.costmodel import load_host_profile
+
+    base = asdict(load_host_profile("rtx4090"))
+    host = {**{k: v for k, v in base.items() if v is not None}, "name": "rtx4090-calibrated",
+            "link_GBps": base["link_GBps"] * 0.5}
+    profile = evaluator.profile(host)
+    for cfg in ({"rule": "threshold", "tau": 0.15, "beta": 0.5, "capacity_fraction": 0.25},
+                {"rule": "first_choice", "capacity_fraction": 0.25},
+                {"rule": "fetch_all", "evict": "lru", "capacity_fraction": 0.3}):
+        row = evaluator.evaluate(cfg, profile)
+        fresh = get_backend("simulator")
+        fresh.add_host(host)
+        res = fresh.evaluate(run_spec(cfg, ev_path, evaluator.initial_residency, profile.name, None)).to_dict()
+        for k in COUNTER_NAMES + ("time_per_token_s", "speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute",
+                                  "fetch_all_time_per_token_s", "mass_per_token", "initial_residency"):
+            assert row[k] == res[k], k
+        assert row["capacity_slots"] == res["capacity"]
+        # the calibrated host is the one used: a slower link gives a different time than the preset
+        preset = get_backend("simulator").evaluate(run_spec(cfg, ev_path, evaluator.initial_residency, "rtx4090",
+                                                            None))
+        assert preset.time_per_token_s != row["time_per_token_s"]
