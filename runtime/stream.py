@@ -26,6 +26,7 @@ streamed layer by layer).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter, defaultdict
@@ -113,19 +114,17 @@ class Shards:
                 raise InputError(f"--model {f}: the weights cannot be loaded: not a readable safetensors file ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The tensors `keys`, each shard opened once and closed after."""
+    @contextlib.contextmanager
+    def reader(self, keys: list[str]):
+        """`get(key) -> tensor` over the shards holding `keys`, each opened once and closed on exit.
+        Tensors are read one at a time, so a caller that copies each into place holds one extra
+        tensor at most, not a second copy of the unit."""
         from safetensors import safe_open
 
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for k in keys:
-            by_file[self.where[k]].append(k)
-        out = {}
-        for f, ks in by_file.items():
-            with safe_open(str(f), framework="pt") as s:
-                for k in ks:
-                    out[k] = s.get_tensor(k)
-        return out
+        with contextlib.ExitStack() as stack:
+            handles = {f: stack.enter_context(safe_open(str(f), framework="pt"))
+                       for f in dict.fromkeys(self.where[k] for k in keys)}
+            yield lambda k: handles[self.where[k]].get_tensor(k)
 
 
 @dataclass
@@ -166,19 +165,23 @@ class Weights:
             if unit in self.loaded:
                 continue
             entries = self.units[unit]
-            got = self.shards.read([k for e in entries for keys in e.sources for k in keys])
-            for e in entries:
-                if len(e.sources) == 1 and len(e.sources[0]) == 1:
-                    t = got.pop(e.sources[0][0]).to(e.dtype)
-                else:  # stacked experts: [E, ...] with each expert's parts concatenated on dim 0
-                    t = torch.empty(e.shape, dtype=e.dtype)
-                    for i, keys in enumerate(e.sources):
-                        t[i].copy_(torch.cat([got.pop(k) for k in keys], dim=0) if len(keys) > 1 else got.pop(keys[0]))
-                if tuple(t.shape) != e.shape:
-                    raise InputError(f"--model {self.shards.dir}: {e.name} has shape {tuple(t.shape)} in the safetensors "
-                                     f"files, the model expects {e.shape}")
-                self._set(e, t)
-                self.bytes_read += e.nbytes
+            with self.shards.reader([k for e in entries for keys in e.sources for k in keys]) as get:
+                for e in entries:
+                    if len(e.sources) == 1 and len(e.sources[0]) == 1:
+                        t = get(e.sources[0][0]).to(e.dtype)
+                    else:  # stacked experts: [E, ...], each expert's parts concatenated on dim 0, read one by one
+                        t = torch.empty(e.shape, dtype=e.dtype)
+                        for i, keys in enumerate(e.sources):
+                            parts = [get(k) for k in keys]
+                            if sum(p.shape[0] for p in parts) != e.shape[1] or tuple(parts[0].shape[1:]) != e.shape[2:]:
+                                raise InputError(f"--model {self.shards.dir}: {keys[0]} has shape {list(parts[0].shape)}; "
+                                                 f"the model's {e.name} expects {list(e.shape)}")
+                            torch.cat(parts, dim=0, out=t[i]) if len(parts) > 1 else t[i].copy_(parts[0])
+                    if tuple(t.shape) != e.shape:
+                        raise InputError(f"--model {self.shards.dir}: {e.name} has shape {tuple(t.shape)} in the "
+                                         f"safetensors files, the model expects {e.shape}")
+                    self._set(e, t)
+                    self.bytes_read += e.nbytes
             self.loaded.add(unit)
             self.reads[unit] += 1
 
