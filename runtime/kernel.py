@@ -702,6 +702,10 @@ class PolicyCache:
         self.prefetch_width = 0 if p.prefetch == "off" else int(p.prefetch_n or self.k)
         if p.prefetch == "oracle":
             self.prefetch_width = min(self.prefetch_width, self.k)
+        # per layer its cache as the kernel takes it: views of the [L, ...] arrays above (built once)
+        self._states = [LayerState(int(self.caps[l_]), self.slot_expert[l_], self.expert_slot[l_], self.key[l_],
+                                   self.skey[l_], self.acc[l_], self.queued[l_], self.pin[l_], self.qstate[l_],
+                                   self.q_exp[l_], self.q_due[l_], self.counters[l_], self.mass[l_]) for l_ in range(L)]
         self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.policy.KERNEL_DTYPE)
 
     def step(
@@ -728,13 +732,15 @@ class PolicyCache:
 
         `scores` [T, E]: the router scores whose order (descending, ties lower id) is the token's full
         ranking; given instead of a full `ranking`, they decide the same substitutes without sorting
-        E candidates per token (the adapters pass them; `ranking` is then ignored)."""
+        E candidates per token (the adapters pass them). A full ranking (E columns) given beside them is
+        walked instead (the same decisions; the walk stops at the first resident entries where the scores
+        pass visits every slot); a truncated one is then ignored."""
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         T, k = ids.shape
         w = np.ascontiguousarray(weights, dtype=np.float64)
         rank = ids if ranking is None else np.ascontiguousarray(ranking, dtype=np.int32)
         valid = np.ones(T, np.bool_) if valid is None else np.ascontiguousarray(valid, dtype=np.bool_)
-        if scores is None:
+        if scores is None or rank.shape[1] == self.E:  # a full ranking: walk it (stops after a few entries)
             sc = np.zeros((0, 0))
         else:
             sc = np.asarray(scores, dtype=np.float64)  # rows may be strided (a slice of the adapters' pack)
@@ -762,10 +768,7 @@ class PolicyCache:
         q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
-        st = LayerState(int(self.caps[l_]), self.slot_expert[l_], self.expert_slot[l_], self.key[l_], self.skey[l_],
-                        self.acc[l_], self.queued[l_], self.pin[l_], self.qstate[l_], self.q_exp[l_], self.q_due[l_],
-                        self.counters[l_], self.mass[l_])
-        run_layer(Tokens(ids, w, rank, valid, sc, nxt, pred), t0, self._params, st,
+        run_layer(Tokens(ids, w, rank, valid, sc, nxt, pred), t0, self._params, self._states[l_],
                   Outputs(kind, served, slot, ev, adm_log, q_log, pf_log, n_logs))
         na, nq, npf = (int(x) for x in n_logs)
         return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],

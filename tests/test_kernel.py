@@ -241,7 +241,8 @@ def test_predicted_lists_errors():
 def test_scores_decide_like_the_full_ranking(seed, T, E, data, policy):
     """Router scores given instead of the full ranking (the adapters' path: no sort of E candidates per
     token) decide exactly like the ranking they sort into: the selection, then every other expert by
-    descending score, ties lower id. Integer-valued scores make ties common."""
+    descending score, ties lower id. Integer-valued scores make ties common. Given with a full ranking,
+    the ranking is walked; with a truncated one, the scores decide: the same decisions either way."""
     assume(policy.evict != "belady")  # belady needs next-use times; the ranking path covers it above
     k = data.draw(st.integers(1, min(4, E - 1)))
     cap = data.draw(st.integers(k, E - 1))
@@ -256,13 +257,16 @@ def test_scores_decide_like_the_full_ranking(seed, T, E, data, policy):
     init = [rng.choice(E, size=int(rng.integers(0, cap + 1)), replace=False).astype(np.int32)]
     pred = ids if policy.prefetch != "off" else None
     out = []
-    for kw in ({"ranking": ranking}, {"scores": score}):
+    # also both (the full ranking is walked) and a truncated ranking beside the scores (the scores decide)
+    for kw in ({"ranking": ranking}, {"scores": score}, {"ranking": ranking, "scores": score},
+               {"ranking": ranking[:, :k], "scores": score}):
         cache = PolicyCache(policy, E, k, np.array([cap]), init)
         r = cache.step(0, ids, w, predicted=pred, **kw)
         out.append((r.kind, r.served, r.slot, cache.counter_totals()))
-    for a, b in zip(out[0][:3], out[1][:3], strict=True):
-        assert np.array_equal(a, b)
-    assert out[0][3] == out[1][3]
+    for other in out[1:]:
+        for a, b in zip(out[0][:3], other[:3], strict=True):
+            assert np.array_equal(a, b)
+        assert out[0][3] == other[3]
 
 
 def test_scores_shape_is_checked():
