@@ -5,7 +5,13 @@ comes from the trace's 2,000-token calibration twin (same popularity and topic d
 runtime.trace.synthetic_pair). Reports the kernel's token-layers per second (best of --repeats, the
 replay loop alone, pinned to one core), the machine's load average, the cost model's time per token
 and the share of substituted calls (docs/traces.md quotes it).
-    python scripts/bench_simulator.py [--repeats 5] [--host rtx4090] [--against GIT_REV]
+    python scripts/bench_simulator.py [--repeats 5] [--host rtx4090] [--against GIT_REV] [--shape topics] [--cpp]
+
+`--shape topics` is the issue-17 shape: the same geometry with the topic switching every 1,000 tokens
+(seq_len 1000, no random switches) and a 4,000-token calibration twin (another token stream).
+`--cpp` also replays the trace with the straightforward C++ replay of scripts/replay_ref.cpp (built
+here with g++ -O2), checks that its counters equal the simulator's, and prints the simulator's speed
+as a multiple of it, both timed back to back per policy (best of --repeats each, one core).
 
 `--against REV` also times runtime/kernel.py as of git revision REV on the same trace, interleaved
 with the current kernel (so both see the same machine load), by process CPU time (less sensitive
@@ -28,11 +34,13 @@ import numpy as np
 
 from runtime import costmodel, kernel
 from runtime.kernel import warm_residency, warmup
-from runtime.policy import PRESETS
+from runtime.policy import PRESETS, RULE_CODE
 from runtime.simulate import replay, shape_for_trace, simulate
 from runtime.trace import synthetic_pair
 
 POLICIES = ("fetch-every-miss", "rule-0.15", "quality-first", "speed-first")
+SHAPES = {"default": {"calib_tokens": 2000},
+          "topics": {"calib_tokens": 4000, "seq_len": 1000, "switch_prob": 0.0}}
 
 
 def main() -> None:
@@ -41,12 +49,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--host", default="rtx4090")
     ap.add_argument("--against", default=None, help="also time runtime/kernel.py of this git revision")
+    ap.add_argument("--shape", default="default", choices=tuple(SHAPES), help="trace shape (see the module doc)")
+    ap.add_argument("--cpp", action="store_true", help="also time the C++ replay (scripts/replay_ref.cpp)")
     a = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     t0 = time.perf_counter()
-    trace, calib = synthetic_pair(a.tokens, 48, 512, 10, 64, calib_tokens=2000, seed=1,
-                                  model="Qwen/Qwen3-Next-80B-A3B (synthetic)")
+    trace, calib = synthetic_pair(a.tokens, 48, 512, 10, 64, seed=1, model="Qwen/Qwen3-Next-80B-A3B (synthetic)",
+                                  **SHAPES[a.shape])
     gen_s = time.perf_counter() - t0
     caps = np.full(48, 128)
     init = warm_residency(calib.topk_ids, calib.valid, 512, caps)
@@ -63,7 +73,7 @@ def main() -> None:
     lines = [
         f"machine: {os.cpu_count()} cores ({cpu}), load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, "
         f"python {platform.python_version()}, numpy {np.__version__}; "
-        f"one core; trace generation {gen_s:.1f} s; host profile {a.host}, shape {shape.name} bf16 "
+        f"one core; trace shape {a.shape!r}, generation {gen_s:.1f} s; host profile {a.host}, shape {shape.name} bf16 "
         f"(expert {costmodel.expert_bytes(shape) / 2**20:.2f} MiB)",
         "",
         f"| policy | token-layers/s (best of {a.repeats}) | replay s | time/token (ms) | vs fetch-every-miss | "
@@ -89,9 +99,59 @@ def main() -> None:
             (cc, cw), (oc, ow) = (min(x[0] for x in cur), min(x[1] for x in cur)), (min(x[0] for x in old), min(x[1] for x in old))
             lines.append(f"| {name} | {tl / cc / 1e6:.2f} M ({tl / cw / 1e6:.2f} M) | {tl / oc / 1e6:.2f} M "
                          f"({tl / ow / 1e6:.2f} M) | {oc / cc:.3f} |")
+    if a.cpp:
+        lines += ["", _cpp_table(trace, caps, init, a.repeats, _kernel_at(a.against) if a.against else None, a.against)]
     print("\n".join(lines))
     if min(r[1] for r in rows) < 5e6:
         print("\nBELOW TARGET: at least one policy under 5 M token-layers/s")
+
+
+def _cpp_table(trace, caps, init, repeats: int, ref=None, rev: str | None = None) -> str:
+    """The simulator (and the kernel at `rev`, module `ref`) beside the C++ replay, per policy, timed back
+    to back by process CPU time (wall time in brackets); counters checked equal."""
+    assert trace.valid.all() and len(set(caps.tolist())) == 1
+    root = Path(__file__).resolve().parent
+    tmp = Path(tempfile.mkdtemp())
+    exe = tmp / "replay_ref"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-o", str(exe), str(root / "replay_ref.cpp")], check=True)
+    T, L, k = trace.topk_ids.shape
+    M, C = trace.ranking.shape[2], int(caps[0])
+    ini = np.full((L, C), -1, np.int32)
+    for l_, r in enumerate(init):
+        ini[l_, : len(r)] = r
+    data = tmp / "trace.bin"
+    with open(data, "wb") as f:
+        f.write(np.array([T, L, trace.E, k, M, C], np.int64).tobytes())
+        for arr, dt in ((trace.topk_ids, np.int32), (trace.topk_weights, np.float64), (trace.ranking, np.int32)):
+            f.write(np.ascontiguousarray(np.asarray(arr, dt).transpose(1, 0, 2)).tobytes())  # [L, T, .]
+        f.write(ini.tobytes())
+    old_col = f" kernel at {rev} / C++ |" if ref is not None else ""
+    out = [f"simulator vs the straightforward C++ replay (scripts/replay_ref.cpp, g++ -O2), best of {repeats} each, "
+           "back to back per policy, by process CPU time (wall time in brackets), load average before/after:", "",
+           f"| policy | simulator token-layers/s | C++ replay token-layers/s | simulator / C++ |{old_col} counters equal |",
+           "|---|---|---|---|" + ("---|" if ref is not None else "") + "---|"]
+    tl = T * L
+    for name in POLICIES:
+        pol = PRESETS[name]
+        la0 = os.getloadavg()[0]
+        sim = [_time_layers(kernel, trace, pol, caps, init) for _ in range(repeats)]
+        old = [_time_layers(ref, trace, pol, caps, init) for _ in range(repeats)] if ref is not None else []
+        cpp = subprocess.run([str(exe), str(data), str(RULE_CODE[pol.rule]), repr(pol.tau_value),
+                              repr(pol.beta or 0.0), str(repeats)], capture_output=True, text=True, check=True)
+        h, fe, su, dr, ad, mass, cpp_c, cpp_w = cpp.stdout.split()
+        c = replay(trace, pol, caps, init).cache.counter_totals()
+        same = (int(h), int(fe), int(su), int(dr), int(ad)) == (c["hits"], c["fetches"], c["substitutions"],
+                                                                 c["drops"], c["admissions"])
+        same = same and abs(float(mass) - c["substituted_mass"]) <= 1e-6 * max(1.0, c["substituted_mass"])
+        sc, sw = min(x[0] for x in sim), min(x[1] for x in sim)
+        cc, cw = float(cpp_c), float(cpp_w)
+        row = (f"| {name} | {tl / sc / 1e6:.2f} M ({tl / sw / 1e6:.2f} M) | {tl / cc / 1e6:.2f} M ({tl / cw / 1e6:.2f} M) | "
+               f"{cc / sc:.2f}x ({cw / sw:.2f}x) |")
+        if ref is not None:
+            oc, ow = min(x[0] for x in old), min(x[1] for x in old)
+            row += f" {cc / oc:.2f}x ({cw / ow:.2f}x) |"
+        out.append(row + f" {'yes' if same else 'NO'} (load {la0:.1f}/{os.getloadavg()[0]:.1f}) |")
+    return "\n".join(out)
 
 
 def _kernel_at(rev: str):
