@@ -73,7 +73,8 @@ class Evaluator:
         spec = run_spec(cfg, self.trace_path, self.initial_residency, profile.name, self.model_shape)
         res = self.backend.evaluate(spec)
         d = res.to_dict()
-        d["device_memory_GiB"] = d["expert_slots_GiB"]  # the sweep's memory axis: the expert slots' bytes
+        # device_memory_GiB is the simulator's: costmodel.budget_for_capacities of the slots under the policy
+        # (experts, non-expert weights, context, staging, low-bit copies), what the answer reports
         out = {k: float(d[k]) for k in METRICS}
         out["capacity_slots"] = res.capacity
         out["policy"] = res.policy
