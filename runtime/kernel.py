@@ -10,7 +10,7 @@ Per token (docs/policies.md, "Per token, per layer, in this order" and "Addition
   0. apply the admissions that are due (queued at t - d or earlier), batch by batch
   0b. prefetch: load the experts of this token's predicted list P that are not resident
       (victims: min key, never in P nor admitted at this token); no key changes
-  1. hits   2. miss rule (fetch_all, threshold, first_choice, substitute_all, band)
+  1. hits   2. miss rule (fetch_all, threshold, first_choice, substitute_all, band; at most fetch_cap fetches)
   3. fetches in rank order (victim = min key, unpinned)
   4. fallback of the non-fetched misses: substitute (first resident, unused experts of the
      ranking, else drop), drop, host or lowbit
@@ -218,7 +218,7 @@ def run_layer(tok, t0, pol, st, out):
     ids, w, rank, valid, score, nxt, pred = tok
     out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
     rule, tau, tau_high, fallback, beta, evict = pol.rule, pol.tau, pol.tau_high, pol.fallback, pol.beta, pol.evict
-    gamma, decay, delay = pol.gamma, pol.decay, pol.delay
+    gamma, decay, delay, fcap = pol.gamma, pol.decay, pol.delay, pol.fetch_cap  # fcap -1: no fetch cap
     cap = st.cap
     slot_expert, expert_slot, key, skey, acc, queued, pin = (st.slot_expert, st.expert_slot, st.key, st.skey, st.acc,
                                                              st.queued, st.pin)
@@ -399,6 +399,8 @@ def run_layer(tok, t0, pol, st, out):
                 fetch = j == 0 or wj < tau or wj >= tau_high
             else:  # threshold, first_choice (tau = +inf)
                 fetch = j == 0 or wj >= tau
+            if fetch and nf == fcap:  # fetch cap reached: the fallback, as if the rule had not fetched it
+                fetch = False
             if fetch:
                 s, v = _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, st_, n_res < cap)  # a victim exists: C >= k
                 if v < 0:

@@ -130,6 +130,10 @@ class PolicyConfig:
                                 kernel=("tau_high", lambda p: float(p.tau_high) if p.rule == "band" else math.inf))
     fallback: str = _p("substitute", "--fallback", "what a non-fetched miss becomes", choices=FALLBACKS,
                        kernel=("fallback", lambda p: FALLBACK_CODE[p.fallback]))
+    fetch_cap: int | None = _p(None, "--fetch-cap", "at most this many synchronous fetches per token and layer, "
+                               "in rank order; the other fetched misses get the fallback (unset: no cap)",
+                               low=1, nullable=True,
+                               kernel=("fetch_cap", lambda p: -1 if p.fetch_cap is None else p.fetch_cap))
     lowbit_bits: int = _p(4, "--lowbit-bits", "bits of the low-precision copies", choices=(8, 4, 3, 2),
                           active="fallback = lowbit")
     lowbit_group: int = _p(64, "--lowbit-group", "weights per quantisation group", low=1,
@@ -170,6 +174,9 @@ class PolicyConfig:
         if self.evict == "belady" and self.rule != "fetch_all":
             raise InputError(f"{where}--evict = 'belady' is an offline bound for rule fetch_all only "
                              f"(rule = {self.rule!r})")
+        if self.fetch_cap is not None and self.evict == "belady":
+            raise InputError(f"{where}--fetch-cap = {self.fetch_cap} with evict = 'belady' is not supported "
+                             "(belady is the bound of fetching every miss)")
         if self.prefetch == "oracle" and self.evict == "belady":
             raise InputError(f"{where}--prefetch = 'oracle' with evict = 'belady' is not supported")
         return self
@@ -206,6 +213,8 @@ class PolicyConfig:
                 parts[0] += f"->{self.fallback}" + (f"{self.lowbit_bits}" if self.fallback == "lowbit" else "")
                 if self.fallback == "lowbit" and self.lowbit_group != 64:
                     parts[0] += f"(g={self.lowbit_group})"
+        if self.fetch_cap is not None:
+            parts[0] += f"[cap={self.fetch_cap}]"
         ev = self.evict
         if self.evict == "lfu" and self.gamma != 1.0:
             ev += f"(gamma={self.gamma:g})"

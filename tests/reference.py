@@ -106,6 +106,7 @@ def reference_replay(
     prefetch="off",
     prefetch_n=None,
     lookahead=None,
+    fetch_cap=None,
 ):
     """Replay a router trace under one policy, literally as docs/policies.md says.
 
@@ -225,6 +226,7 @@ def reference_replay(
             fallback,
             tau_high,
             [predicted(t, layer) for t in range(T)],
+            fetch_cap,
         )
         for t in range(T):
             kind[t][layer] = out["kind"][t]
@@ -248,7 +250,7 @@ def reference_replay(
 
 def _replay_layer(
     ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d,
-    fallback, tau_high, plists,
+    fallback, tau_high, plists, fetch_cap=None,
 ):
     """One layer's cache over the whole trace (lists indexed by token t)."""
     T = len(ids)
@@ -371,6 +373,10 @@ def _replay_layer(
                 fetch = False  # "SUBSTITUTE every miss, the first choice included"
             else:  # band: the first choice always; a later miss with tau <= w < tau_high is not fetched
                 fetch = j == 0 or not (tau <= w[j] < tau_high)
+            # Additions (2), fetch cap: "the first fetch_cap of them in rank order are fetched and the
+            # others get the policy's fallback ... exactly as if the rule had not fetched them"
+            if fetch and fetch_cap is not None and sum(x == FETCH for x in decision) >= fetch_cap:
+                fetch = False
             # "Every miss that the miss rule does not FETCH gets the policy's fallback"
             decision[j] = FETCH if fetch else {"substitute": SUB, "drop": DROP, "host": HOST,
                                                "lowbit": LOWBIT}[fallback]

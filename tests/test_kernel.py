@@ -72,15 +72,17 @@ def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks, lookahea
     return cache, kind, served
 
 
-def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n):
+def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap):
     if evict == "belady":
         rule = "fetch_all"
+        cap = None
         prefetch = "lookahead" if prefetch == "oracle" else prefetch
     return PolicyConfig(
         rule=rule, tau=tau if rule in ("threshold", "band") else None,
         tau_high=tau + 0.2 if rule == "band" else None,
         fallback="substitute" if rule == "cpu" else fallback,
-        beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d, prefetch=prefetch, prefetch_n=n)
+        beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d, prefetch=prefetch, prefetch_n=n,
+        fetch_cap=cap)
 
 
 policies = st.builds(
@@ -95,6 +97,7 @@ policies = st.builds(
     fallback=st.sampled_from(["substitute", "substitute", "drop", "host", "lowbit"]),
     prefetch=st.sampled_from(["off", "off", "lookahead", "oracle"]),
     n=st.sampled_from([None, 1, 2, 5]),
+    cap=st.sampled_from([None, None, None, 1, 2]),
 )
 
 
@@ -127,7 +130,7 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
         policy.rule, tau=policy.tau, beta=policy.beta, evict=policy.evict, gamma=policy.gamma,
         half_life=policy.half_life, admission_delay=policy.admission_delay, fallback=policy.fallback,
         tau_high=policy.tau_high, prefetch=policy.prefetch, prefetch_n=policy.prefetch_n,
-        lookahead=None if look is None else look.tolist(),
+        lookahead=None if look is None else look.tolist(), fetch_cap=policy.fetch_cap,
     )
     for t in range(T):
         for l_ in range(L):

@@ -850,3 +850,31 @@ def test_prefetched_expert_keeps_a_and_is_requeued_after_eviction():
     assert (c1["substitutions"], c1["prefetches"], c1["prefetch_used"], c1["admissions"]) == (4, 2, 0, 1)
     assert out["admission_log"][1] == [(7, 2, 3)]
     assert out["final_resident"][1] == {0, 2}
+
+
+def test_fetch_cap_hand_case():
+    """Additions (2), fetch cap: of the misses the rule fetches, the first fetch_cap in rank order are
+    fetched, the others get the fallback exactly as if the rule had not fetched them."""
+    # E = 8, C = 4, resident {0, 1, 2, 3}; token selects 4, 5, 6 (all misses), ranking 4 5 6 0 1 ...
+    toks = [([4, 5, 6], [0.5, 0.3, 0.2])]
+    capped = run1(toks, 8, 4, [0, 1, 2, 3], "fetch_all", fetch_cap=1)
+    assert kinds(capped) == [[FETCH, SUB, SUB]]
+    # the fetch of 4 evicts 0 (all f = 0: lower id); the substitutes are the next resident ranking entries
+    assert capped["served"][0][0][1:] == [1, 2]
+    assert run1(toks, 8, 4, [0, 1, 2, 3], "fetch_all", fetch_cap=2, fallback="drop")["kind"][0][0] == [FETCH, FETCH, DROP]
+    assert kinds(run1(toks, 8, 4, [0, 1, 2, 3], "fetch_all", fetch_cap=3)) == [[FETCH, FETCH, FETCH]]
+    # threshold: the light miss is not fetched by the rule and does not use up the cap
+    assert run1(toks, 8, 4, [0, 1, 2, 3], "threshold", tau=0.25, fetch_cap=1, fallback="host")["kind"][0][0] == \
+        [FETCH, HOST, HOST]
+
+
+def test_fetch_cap_kernel_hand_case():
+    from runtime.kernel import FETCH as K_FETCH
+    from runtime.kernel import SUB as K_SUB
+    from runtime.kernel import PolicyCache
+    from runtime.policy import PolicyConfig
+
+    cache = PolicyCache(PolicyConfig(rule="fetch_all", fetch_cap=1), 8, 3, np.array([4]), [np.arange(4)])
+    r = cache.step(0, np.array([[4, 5, 6]]), np.array([[0.5, 0.3, 0.2]]), np.array([[4, 5, 6, 0, 1, 2, 3, 7]]))
+    assert r.kind[0].tolist() == [K_FETCH, K_SUB, K_SUB]
+    assert cache.counter_totals()["fetches"] == 1 and cache.counter_totals()["substitutions"] == 2
