@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 GiB = float(1 << 30)
 AUTO_MARGIN_GiB = 2.0  # left to the runtime (Python, torch, the policy caches, hidden states) under "auto"
 AUTO_MARGIN_FRACTION = 0.1
+# experts read per opening of their shards: a layer's shard pages are mapped only chunk by chunk, so a
+# load holds the layer once plus one chunk's pages, not the layer twice
+EXPERT_CHUNK = 32
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -164,24 +167,27 @@ class Weights:
         for unit in units:
             if unit in self.loaded:
                 continue
-            entries = self.units[unit]
-            with self.shards.reader([k for e in entries for keys in e.sources for k in keys]) as get:
-                for e in entries:
-                    if len(e.sources) == 1 and len(e.sources[0]) == 1:
+            for e in self.units[unit]:
+                if len(e.sources) == 1 and len(e.sources[0]) == 1:
+                    with self.shards.reader(e.sources[0]) as get:
                         t = get(e.sources[0][0]).to(e.dtype)
-                    else:  # stacked experts: [E, ...], each expert's parts concatenated on dim 0, read one by one
-                        t = torch.empty(e.shape, dtype=e.dtype)
-                        for i, keys in enumerate(e.sources):
-                            parts = [get(k) for k in keys]
-                            if sum(p.shape[0] for p in parts) != e.shape[1] or tuple(parts[0].shape[1:]) != e.shape[2:]:
-                                raise InputError(f"--model {self.shards.dir}: {keys[0]} has shape {list(parts[0].shape)}; "
-                                                 f"the model's {e.name} expects {list(e.shape)}")
-                            torch.cat(parts, dim=0, out=t[i]) if len(parts) > 1 else t[i].copy_(parts[0])
-                    if tuple(t.shape) != e.shape:
-                        raise InputError(f"--model {self.shards.dir}: {e.name} has shape {tuple(t.shape)} in the "
-                                         f"safetensors files, the model expects {e.shape}")
-                    self._set(e, t)
-                    self.bytes_read += e.nbytes
+                else:  # stacked experts [E, ...], each expert's parts concatenated on dim 0
+                    t = torch.empty(e.shape, dtype=e.dtype)
+                    for a in range(0, len(e.sources), EXPERT_CHUNK):  # the shard pages read are unmapped per chunk
+                        chunk = e.sources[a : a + EXPERT_CHUNK]
+                        with self.shards.reader([k for keys in chunk for k in keys]) as get:
+                            for i, keys in enumerate(chunk, start=a):
+                                parts = [get(k) for k in keys]
+                                if (sum(p.shape[0] for p in parts) != e.shape[1]
+                                        or tuple(parts[0].shape[1:]) != e.shape[2:]):
+                                    raise InputError(f"--model {self.shards.dir}: {keys[0]} has shape "
+                                                     f"{list(parts[0].shape)}; the model's {e.name} expects {list(e.shape)}")
+                                torch.cat(parts, dim=0, out=t[i]) if len(parts) > 1 else t[i].copy_(parts[0])
+                if tuple(t.shape) != e.shape:
+                    raise InputError(f"--model {self.shards.dir}: {e.name} has shape {tuple(t.shape)} in the "
+                                     f"safetensors files, the model expects {e.shape}")
+                self._set(e, t)
+                self.bytes_read += e.nbytes
             self.loaded.add(unit)
             self.reads[unit] += 1
 
