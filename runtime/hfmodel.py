@@ -1,8 +1,11 @@
 """Hugging Face MoE checkpoints for every backend: load offline, tokenize a text into windows, run the stream.
 
-`load` attaches the policy wrappers of runtime/adapters.py; `run_stream` forwards the windows in
-stream order under whatever cache is attached (per-token NLL); `record` does the same while the
-router is recorded (ids, weights, ranking); `calibration_windows` gives the warm-start text.
+`load` builds the model from its safetensors shards (runtime/stream.py: whole when it fits
+`max_memory`, else streamed) and attaches the policy wrappers of runtime/adapters.py;
+`run_lanes` forwards the windows in stream order once per lane (the exact model, or a policy
+with its cache, recorder and decision log), one lane after the other in memory and layer-major
+when streamed (each layer read once per pass); `run_stream` does it for whatever is attached;
+`record` records the router (ids, weights, ranking); `calibration_ids` gives the warm start.
 The emulation (runtime/emulate.py), the engine (runtime/engine.py), trace recording and
 generation all build on this module; it imports none of them.
 """
