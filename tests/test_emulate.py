@@ -128,6 +128,7 @@ def test_exact_pass_cache_is_per_model_and_dies_with_it(ckpts, text):
     ex_a, ex_b = emulate.exact_pass(a, spec), emulate.exact_pass(b, spec)
     assert emulate.exact_pass(a, spec) is ex_a  # cached for the same model
     assert not np.array_equal(ex_a.nll, ex_b.nll)  # another model, its own pass
+    gc.collect()  # earlier tests' unreachable models (reference cycles) must not be counted below
     n = len(emulate._EXACT)
     del a, ex_a
     gc.collect()
