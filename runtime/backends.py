@@ -18,6 +18,7 @@ work. `evaluate_many` groups specs that share an input so the exact pass runs on
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -144,6 +145,7 @@ def _loaded(spec: RunSpec):
     key = (spec.model, spec.dtype, spec.max_memory_GiB)
     if key not in _MODELS:
         _MODELS.clear()
+        gc.collect()  # a loaded model holds reference cycles: free the last one before the next loads
         _MODELS[key] = hfmodel.load(spec.model, spec.dtype, spec.max_memory_GiB)
     return _MODELS[key]
 
