@@ -65,7 +65,7 @@ class Loaded:
     k: int
     layer_ids: tuple[int, ...]
     model_dir: Path
-    weights: stream.Weights | None = None  # where the tensors come from (None: loaded whole by transformers)
+    weights: stream.Weights | None = None  # where each tensor is in the shards, what is loaded (runtime/stream.py)
     streamed: bool = False  # the weights do not fit max_memory: passes run layer-major (module doc)
     max_memory_GiB: float | None = None
 
@@ -100,7 +100,7 @@ def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     budget = stream.resolve_max_memory(max_memory)
     shards = stream.Shards(d)
-    dt = dt or stream.checkpoint_dtype(d, cfg)
+    dt = dt or stream.checkpoint_dtype(shards, cfg)
     model = stream.skeleton(cfg, dt)
     blocks = adapters.moe_blocks(model, fam)
     w = stream.build_weights(model, shards, [getattr(b, fam.router_attr) for b in blocks],
@@ -248,7 +248,7 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
                  progress: bool) -> list[np.ndarray]:
     """The streamed pass: every window of every lane through decoder layer l before layer l + 1, each
     layer read from the shards once. Each layer's policy cache still sees the tokens in stream order, so
-    every decision equals the in-memory pass (tests/test_stream.py)."""
+    every decision equals the in-memory pass (tests/test_contract.py, the `streamed` column)."""
     w, model = m.weights, m.model
     base = model.get_decoder()
     layers = base.layers

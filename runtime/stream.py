@@ -79,7 +79,7 @@ def resolve_max_memory(value: float | str | None, flag: str = "--max-memory") ->
     return v
 
 
-def checkpoint_dtype(model_dir: Path, cfg) -> torch.dtype:
+def checkpoint_dtype(shards: Shards, cfg) -> torch.dtype:
     """The checkpoint's own floating dtype: config.json's `dtype` / `torch_dtype`, else the first
     floating tensor of the shards."""
     d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
@@ -87,7 +87,6 @@ def checkpoint_dtype(model_dir: Path, cfg) -> torch.dtype:
         return d
     if isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype):
         return getattr(torch, d)
-    shards = Shards(model_dir)
     for _, (_, dt) in shards.meta.items():
         if dt in _ST_DTYPES:
             return _ST_DTYPES[dt]
