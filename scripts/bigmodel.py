@@ -117,6 +117,10 @@ def bench(a: argparse.Namespace) -> None:
                            "--max-tokens", str(a.tokens), "--max-memory", str(a.max_memory), "--json",
                            "--calib-max-tokens", str(a.tokens), "--batch-windows", str(a.batch_windows),
                            *[x for p in a.policies.split(",") for x in ("--policy", p)]])]
+    wanted = a.stages.split(",")
+    if bad := sorted(set(wanted) - {n for n, _ in stages}):
+        sys.exit(f"bigmodel bench: --stages {a.stages!r}: unknown stage {bad[0]!r} (record, emulate)")
+    stages = [(n, c) for n, c in stages if n in wanted]
     weights = sum(f.stat().st_size for f in Path(a.model).glob("*.safetensors"))
     rows = []
     for name, cmd in stages:
@@ -160,6 +164,7 @@ def main() -> None:
     b.add_argument("--batch-windows", type=int, default=8)
     b.add_argument("--max-memory", type=float, default=8.0)
     b.add_argument("--policies", default="rule-0.15,quality-first,fetch-every-miss")
+    b.add_argument("--stages", default="record,emulate", help="comma list of the stages to run")
     b.add_argument("--work", default="/tmp")
     b.add_argument("--out", default=None)
     a = p.parse_args()
