@@ -550,6 +550,17 @@ def budget_breakdown(shape: ModelShape, budget_gib: float, policy=None, *,
                            slot, c)
 
 
+class BudgetTooSmall(InputError):
+    """A VRAM budget that leaves fewer than k expert slots per layer under the policy (capacities_for_budget).
+
+    An InputError (one line, exit 2 at a CLI); a sweep records such a trial as `infeasible` at its
+    budget instead of failed (sweep/worker.py). `slots` is what the budget left."""
+
+    def __init__(self, message: str, slots: int = 0):
+        super().__init__(message)
+        self.slots = slots
+
+
 def capacities_for_budget(shape: ModelShape, budget_gib: float, policy=None, *,
                           context_bytes: int = CUDA_CONTEXT_BYTES, workspace_bytes: int = CUBLAS_WORKSPACE_BYTES,
                           reserve_fraction: float = RESERVE_FRACTION, flag: str = "--vram-budget") -> np.ndarray:
@@ -559,17 +570,18 @@ def capacities_for_budget(shape: ModelShape, budget_gib: float, policy=None, *,
     C = floor((budget - non-expert weights - CUDA context - cuBLAS workspace - reserve - staging
     - low-bit copies) / (L * expert bytes)), clamped to E - 1; reserve = RESERVE_FRACTION * budget;
     staging = (2 + the most admission and prefetch copies in flight) expert buffers; low-bit copies
-    of all L * E experts when a policy's fallback is lowbit. Fewer than k slots: a one-line InputError
-    naming `flag`, the budget and what went into it. docs/cost_model.md, "VRAM budget"."""
+    of all L * E experts when a policy's fallback is lowbit. Fewer than k slots: a one-line
+    `BudgetTooSmall` (an InputError) naming `flag`, the budget and what went into it.
+    docs/cost_model.md, "VRAM budget"."""
     b = budget_breakdown(shape, budget_gib, policy, context_bytes=context_bytes, workspace_bytes=workspace_bytes,
                          reserve_fraction=reserve_fraction, flag=flag)
     if b.slots_per_layer < shape.top_k:
         gib = 2**30
-        raise InputError(f"{flag} = {budget_gib:g} GiB leaves {b.slots_per_layer} expert slots per layer, fewer than "
-                         f"k = {shape.top_k} (non-expert weights {b.nonexpert / gib:.3g} GiB, CUDA context "
-                         f"{b.context / gib:.3g}, cuBLAS workspace {b.workspace / gib:.3g}, reserve {b.reserve / gib:.3g}, "
-                         f"staging {b.staging / gib:.3g}, low-bit copies {b.lowbit / gib:.3g} GiB; one expert "
-                         f"{b.slot / 2**20:.3g} MiB x {shape.num_layers} layers)")
+        raise BudgetTooSmall(f"{flag} = {budget_gib:g} GiB leaves {b.slots_per_layer} expert slots per layer, fewer "
+                             f"than k = {shape.top_k} (non-expert weights {b.nonexpert / gib:.3g} GiB, CUDA context "
+                             f"{b.context / gib:.3g}, cuBLAS workspace {b.workspace / gib:.3g}, reserve {b.reserve / gib:.3g}, "
+                             f"staging {b.staging / gib:.3g}, low-bit copies {b.lowbit / gib:.3g} GiB; one expert "
+                             f"{b.slot / 2**20:.3g} MiB x {shape.num_layers} layers)", b.slots_per_layer)
     log.info("VRAM budget %g GiB: %d slots per layer (%s)", budget_gib, b.slots_per_layer, b)
     return np.full(shape.num_layers, b.slots_per_layer, np.int64)
 

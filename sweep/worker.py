@@ -9,7 +9,9 @@ starts and the fetch-every-miss / host-compute replays (the same for every polic
 driver records them as they finish and a killed task loses only what it had not reported.
 
 An item that raises is retried in place up to `max_failures` times, then reported failed (an
-`InputError`, a bad configuration, fails at once). A task whose process dies is retried by Tune
+`InputError`, a bad configuration, fails at once; a policy whose staging and low-bit copies leave
+fewer than k slots in the sweep's `vram_budget_GiB`, `costmodel.BudgetTooSmall`, is reported
+`infeasible` at once, with the slots it would have had). A task whose process dies is retried by Tune
 (`FailureConfig`); on a retry, items already in the driver's ledger are skipped when the ledger
 file is reachable from this node. `ctx["evaluator"]` ("module:Class") replaces `Evaluator` (the
 tests' fault injection, tests/sweep_faults.py, lives there, outside this module).
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backends import COUNTER_NAMES, get_backend
+from runtime.costmodel import BudgetTooSmall
 from runtime.errors import InputError
 from runtime.spec import HELD_OUT, RunSpec
 from sweep.space import policy_of
@@ -139,6 +142,9 @@ def run_item(ev: Evaluator, item: dict[str, Any], profile: Any, ctx: dict[str, A
         attempts += 1
         try:
             row.update(ev.evaluate(item["params"], profile), status="ok")
+            break
+        except BudgetTooSmall as exc:  # the policy does not fit the sweep's device-memory budget: data, not a failure
+            row.update(status="infeasible", error=str(exc), capacity_slots=exc.slots)
             break
         except InputError as exc:
             row.update(status="failed", error=str(exc))

@@ -577,6 +577,10 @@ def test_capacities_for_budget_counts_everything_the_device_holds():
         assert cm.budget_breakdown(BSHAPE, g * (1 - 1e-6), pol).slots_per_layer == c - 1
     with pytest.raises(InputError, match=r"--vram-budget = 0\.6 GiB leaves \d+ expert slots per layer, fewer than k = 4"):
         cm.capacities_for_budget(BSHAPE, 0.6, fe)
+    # too small a budget is its own InputError (a sweep records the trial infeasible), with the slots it left
+    with pytest.raises(cm.BudgetTooSmall) as info:
+        cm.capacities_for_budget(BSHAPE, budget_for(10, 2), qf)
+    assert info.value.slots == 2 and isinstance(info.value, InputError)
     for bad in (0, -1.0, float("nan"), "1"):
         with pytest.raises(InputError, match="--vram-budget"):
             cm.capacities_for_budget(BSHAPE, bad)
