@@ -66,20 +66,53 @@ class Loaded:
     layer_ids: tuple[int, ...]
     model_dir: Path
     weights: stream.Weights | None = None  # where each tensor is in the shards, what is loaded (runtime/stream.py)
-    streamed: bool = False  # the weights do not fit max_memory: passes run layer-major (module doc)
+    streamed: bool = False  # the weights do not fit max_memory (or the device): passes run layer-major (module doc)
     max_memory_GiB: float | None = None
+    device: torch.device | None = None  # device mode (`--device`): where the layers compute; None: the host, plainly
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
 
 
+DEVICE_MARGIN_GiB = 1.0  # device memory left to activations, hidden states and the allocator under a resident model
+DEVICE_MARGIN_FRACTION = 0.1
+DEVICE_MEMORY_ENV = "EXPERTSWEEP_DEVICE_MEMORY_GIB"  # caps the device memory the weights may use (checks, tests)
+
+
+def resolve_device(device: str | torch.device | None, flag: str = "--device") -> torch.device | None:
+    """None (the plain host path), or the device of device mode: cpu, cuda, cuda:N."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise InputError(f"{flag} = {device!r} must be cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"{flag} = {device}: no CUDA device is available (torch.cuda.is_available() is False)")
+    return torch.device(device)
+
+
+def device_budget_GiB(device: torch.device) -> float:
+    """CUDA: the device memory the weights may use: free memory after the context is up, less
+    max(1 GiB, 10%), capped by $EXPERTSWEEP_DEVICE_MEMORY_GIB when set."""
+    torch.cuda.init()
+    free, _ = torch.cuda.mem_get_info(device)
+    free_g = free / stream.GiB
+    budget = max(free_g - max(DEVICE_MARGIN_GiB, DEVICE_MARGIN_FRACTION * free_g), 0.0)
+    cap = os.environ.get(DEVICE_MEMORY_ENV)
+    if cap:
+        budget = min(budget, stream.resolve_max_memory(cap, flag=f"${DEVICE_MEMORY_ENV}"))
+    return budget
+
+
 def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
-         max_memory: float | str | None = "auto") -> Loaded:
+         max_memory: float | str | None = "auto", device: str | torch.device | None = None) -> Loaded:
     """A checkpoint and its tokenizer, offline, with the policy wrappers attached. The model is built
     on the meta device and its weights read from the safetensors shards (runtime/stream.py): all of
     them when they fit `max_memory` GiB (`auto`: available memory less a margin), else one unit at a
-    time during each pass (`streamed`). `dtype`: `auto` (the checkpoint's own), a name or a torch dtype."""
+    time during each pass (`streamed`). `dtype`: `auto` (the checkpoint's own), a name or a torch dtype.
+    `device` (device mode): `cuda` moves a model that fits the device there, unit by unit (nothing
+    streams), and otherwise streams every layer through the device in each pass (stream.LayerPipe);
+    `cpu` runs the same streaming code path on the host when the model is streamed."""
     from transformers import AutoConfig, AutoTokenizer
 
     d = Path(model_dir)
@@ -106,8 +139,22 @@ def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     w = stream.build_weights(model, shards, [getattr(b, fam.router_attr) for b in blocks],
                              [getattr(b, fam.experts_attr) for b in blocks])
     need = w.nbytes() / stream.GiB
+    dev = resolve_device(device)
     streamed = need > budget
-    if streamed:
+    resident = False  # the whole model on a CUDA device
+    if dev is not None and dev.type == "cuda":
+        dev_budget = device_budget_GiB(dev)
+        resident = need <= dev_budget
+        log.warning("--device %s: weights %.3g GiB %s the device budget %.3g GiB: %s", dev, need,
+                    "within" if resident else "above", dev_budget,
+                    "moved there unit by unit, nothing streams" if resident else "every layer streamed through it")
+        streamed = not resident
+    if resident:
+        for u in w.units:  # one unit on the host at a time
+            w.load(u)
+            w.to_device(u, dev)
+        _buffers_to(model, dev)
+    elif streamed:
         n_layers = len(model.get_decoder().layers)
         layer = max(sum(w.nbytes(u) for u in stream.units_of_layer(w, i)) for i in range(n_layers)) / stream.GiB
         log.warning("--model %s: weights %.3g GiB (%s) > --max-memory %.3g GiB: streamed layer by layer (largest layer "
@@ -120,7 +167,18 @@ def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     L, E, k = adapters.moe_geometry(model)
     names = [n for n, mod in model.named_modules() if isinstance(mod, adapters.PolicyExperts)]
     layer_ids = tuple(_layer_index(n, i) for i, n in enumerate(names))
-    return Loaded(model, tok, ctx, L, E, k, layer_ids, d, w, streamed, budget)
+    if streamed and dev is not None:
+        w.to_device("routers", dev)  # resident beside each layer (lookahead needs the next layer's router)
+        _buffers_to(model, dev)
+    return Loaded(model, tok, ctx, L, E, k, layer_ids, d, w, streamed, budget, dev)
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """The skeleton's computed (non-persistent) buffers, e.g. rotary frequencies, to `device`."""
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                mod._buffers[name] = b.to(device)
 
 
 def _layer_index(name: str, default: int) -> int:
@@ -202,7 +260,8 @@ class Lane:
 
 def _nll(logits: torch.Tensor, x: torch.Tensor) -> np.ndarray:
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, W-1, V]
-    return (-torch.gather(lp, 2, x[:, 1:, None])[..., 0]).double().numpy()  # [B, W-1]
+    x = x.to(lp.device)
+    return (-torch.gather(lp, 2, x[:, 1:, None])[..., 0]).double().cpu().numpy()  # [B, W-1]
 
 
 @torch.inference_mode()
@@ -221,6 +280,8 @@ def run_lanes(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_windows: 
         try:
             for a in tqdm(range(0, n, batch_windows), desc=lane.desc, disable=not progress, unit="batch"):
                 x = torch.from_numpy(windows[a : a + batch_windows])
+                if m.device is not None:
+                    x = x.to(m.device)
                 out[a : a + batch_windows] = _nll(m.model(input_ids=x, use_cache=False).logits, x)
         finally:
             lane.leave(m.ctx)
@@ -248,8 +309,15 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
                  progress: bool) -> list[np.ndarray]:
     """The streamed pass: every window of every lane through decoder layer l before layer l + 1, each
     layer read from the shards once. Each layer's policy cache still sees the tokens in stream order, so
-    every decision equals the in-memory pass (tests/test_contract.py, the `streamed` column)."""
-    w, model = m.weights, m.model
+    every decision equals the in-memory pass (tests/test_contract.py, the `streamed` column).
+
+    Device mode (`m.device`): the hidden states of all windows stay on the device in the compute dtype,
+    the embeddings, final norm, head and routers are moved there when used, and each decoder layer
+    comes through a `stream.LayerPipe` (layer l + 1 read and copied while layer l computes, layer l's
+    device copy dropped when it is done). The policy kernel still runs on the host: the adapters read
+    each layer's router scores back once per batch, as in every pass."""
+    w, model, dev = m.weights, m.model, m.device
+    to_dev = (lambda *us: [w.to_device(u, dev) for u in us]) if dev is not None else (lambda *us: None)
     base = model.get_decoder()
     layers = base.layers
     n, W = windows.shape
@@ -257,16 +325,21 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
     out_units = stream.output_units(model, w)
     pre = [u for u in w.units if not u.startswith(("layer.", "experts.")) and u not in out_units and u != "routers"]
     # 1. embeddings and each layer's arguments from the model's own forward, layers replaced by captures
-    w.load(*pre, *[u for u in out_units if u == "embed"])
+    first = [*pre, *[u for u in out_units if u == "embed"]]
+    w.load(*first)
+    to_dev(*first)
     caps = [_Capture() for _ in layers]
     real = list(layers)
     kw: dict[int, list[tuple[tuple, dict]]] = {}  # batch size -> per layer (args, kwargs)
-    h0 = torch.empty((n, W, model.config.hidden_size), dtype=m.dtype)
+    h0 = torch.empty((n, W, model.config.hidden_size), dtype=m.dtype, device=dev)
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     try:
         for i, c in enumerate(caps):
             layers[i] = c
         for a, b in spans:
-            base(input_ids=torch.from_numpy(windows[a:b]), use_cache=False)
+            x = torch.from_numpy(windows[a:b])
+            base(input_ids=x if dev is None else x.to(dev), use_cache=False)
             h0[a:b] = caps[0].hidden
             kw.setdefault(b - a, [(c.args, c.kwargs) for c in caps])
     finally:
@@ -278,10 +351,15 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
         lane.pending, lane.seconds = None, 0.0
     bar = tqdm(total=len(layers) * len(lanes), desc=" + ".join(la.desc for la in lanes)[:40], disable=not progress,
                unit="layer")
+    pipe = stream.LayerPipe(w, dev, [stream.units_of_layer(w, i) for i in range(len(layers))]) if dev is not None else None
     try:
         for i, lay in enumerate(layers):
             units = stream.units_of_layer(w, i)
-            w.load(*units)
+            if pipe is None:
+                w.load(*units)
+            else:
+                pipe.acquire(i)  # layer i on the device, then layer i + 1 read and copied while it computes
+                pipe.start(i + 1)
             for lane, h in zip(lanes, hs, strict=True):
                 t0 = time.perf_counter()
                 lane.enter(m.ctx)
@@ -294,8 +372,12 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
                 lane.seconds += time.perf_counter() - t0
                 bar.update(1)
             w.release(*units)
+            m.ctx.lowbit_modules.pop(i, None)  # a low-bit copy built from this layer's experts goes with them
+        if pipe is not None:
+            pipe.close()
         # 2. the head: final norm and output embeddings, lane by lane, batch by batch
         w.load(*out_units)
+        to_dev(*out_units)
         outs = []
         for lane, h in zip(lanes, hs, strict=True):
             t0 = time.perf_counter()
@@ -307,8 +389,14 @@ def _layer_major(m: Loaded, windows: np.ndarray, lanes: list[Lane], batch_window
             lane.seconds += time.perf_counter() - t0
     finally:
         bar.close()
+        if pipe is not None:
+            pipe.close()
         for u in out_units:
             w.release(u)
+    if dev is not None and dev.type == "cuda":
+        log.info("layer-major pass on %s: peak device memory %.3f GiB allocated (%d layers streamed, staging %s "
+                 "%.3f GiB)", dev, torch.cuda.max_memory_allocated(dev) / stream.GiB, len(layers),
+                 "pinned" if pipe.pinned else "pageable", pipe.staged_bytes / stream.GiB)
     return outs
 
 

@@ -162,33 +162,49 @@ class Weights:
         units = [unit] if unit is not None else list(self.units)
         return sum(e.nbytes for u in units for e in self.units[u])
 
+    def read_entry(self, e: Entry, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One entry's values from the shards, into `out` when given (a staging view of its shape and
+        dtype), else into a new tensor."""
+        if len(e.sources) == 1 and len(e.sources[0]) == 1:
+            with self.shards.reader(e.sources[0]) as get:
+                src = get(e.sources[0][0])
+                if tuple(src.shape) != e.shape:
+                    raise InputError(f"--model {self.shards.dir}: {e.name} has shape {tuple(src.shape)} in the "
+                                     f"safetensors files, the model expects {e.shape}")
+                t = src.to(e.dtype) if out is None else out.copy_(src)
+        else:  # stacked experts [E, ...], each expert's parts concatenated on dim 0
+            t = torch.empty(e.shape, dtype=e.dtype) if out is None else out
+            for a in range(0, len(e.sources), EXPERT_CHUNK):  # the shard pages read are unmapped per chunk
+                chunk = e.sources[a : a + EXPERT_CHUNK]
+                with self.shards.reader([k for keys in chunk for k in keys]) as get:
+                    for i, keys in enumerate(chunk, start=a):
+                        parts = [get(k) for k in keys]
+                        if (sum(p.shape[0] for p in parts) != e.shape[1]
+                                or tuple(parts[0].shape[1:]) != e.shape[2:]):
+                            raise InputError(f"--model {self.shards.dir}: {keys[0]} has shape "
+                                             f"{list(parts[0].shape)}; the model's {e.name} expects {list(e.shape)}")
+                        torch.cat(parts, dim=0, out=t[i]) if len(parts) > 1 else t[i].copy_(parts[0])
+        return t
+
     def load(self, *units: str) -> None:
         for unit in units:
             if unit in self.loaded:
                 continue
-            for e in self.units[unit]:
-                if len(e.sources) == 1 and len(e.sources[0]) == 1:
-                    with self.shards.reader(e.sources[0]) as get:
-                        t = get(e.sources[0][0]).to(e.dtype)
-                else:  # stacked experts [E, ...], each expert's parts concatenated on dim 0
-                    t = torch.empty(e.shape, dtype=e.dtype)
-                    for a in range(0, len(e.sources), EXPERT_CHUNK):  # the shard pages read are unmapped per chunk
-                        chunk = e.sources[a : a + EXPERT_CHUNK]
-                        with self.shards.reader([k for keys in chunk for k in keys]) as get:
-                            for i, keys in enumerate(chunk, start=a):
-                                parts = [get(k) for k in keys]
-                                if (sum(p.shape[0] for p in parts) != e.shape[1]
-                                        or tuple(parts[0].shape[1:]) != e.shape[2:]):
-                                    raise InputError(f"--model {self.shards.dir}: {keys[0]} has shape "
-                                                     f"{list(parts[0].shape)}; the model's {e.name} expects {list(e.shape)}")
-                                torch.cat(parts, dim=0, out=t[i]) if len(parts) > 1 else t[i].copy_(parts[0])
-                if tuple(t.shape) != e.shape:
-                    raise InputError(f"--model {self.shards.dir}: {e.name} has shape {tuple(t.shape)} in the "
-                                     f"safetensors files, the model expects {e.shape}")
-                self._set(e, t)
-                self.bytes_read += e.nbytes
-            self.loaded.add(unit)
-            self.reads[unit] += 1
+            self.bind(unit, [self.read_entry(e) for e in self.units[unit]])
+
+    def bind(self, unit: str, tensors: list[torch.Tensor]) -> None:
+        """Put a unit's tensors (read by `read_entry`, on any device) in place: counted as one read."""
+        for e, t in zip(self.units[unit], tensors, strict=True):
+            self._set(e, t)
+            self.bytes_read += e.nbytes
+        self.loaded.add(unit)
+        self.reads[unit] += 1
+
+    def to_device(self, unit: str, device: torch.device) -> None:
+        """Move a loaded unit's tensors to `device` (the host copy is dropped)."""
+        for e in self.units[unit]:
+            owner, attr = e.aliases[0]
+            self._set(e, getattr(owner, attr).detach().to(device))
 
     def release(self, *units: str) -> None:
         for unit in units:
@@ -302,3 +318,102 @@ def output_units(model: nn.Module, w: Weights) -> list[str]:
 def units_of_layer(w: Weights, i: int) -> list[str]:
     """Decoder layer i's units: its attention, norms, dense or shared MLP, and its routed experts."""
     return [u for u in (f"layer.{i}", f"experts.{i}") if u in w.units]
+
+
+STAGING_ALIGN = 256  # bytes: every staged tensor starts on this boundary (any dtype may view it)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // STAGING_ALIGN) * STAGING_ALIGN
+
+
+class LayerPipe:
+    """Decoder layers streamed through a compute device (`--device`; runtime/hfmodel.py's layer-major pass).
+
+    Layer i's units are read from the shards into one of two staging buffers (pinned host memory on
+    CUDA, plain memory in CPU device mode) by a worker thread, then copied to freshly allocated device
+    tensors: on CUDA with non-blocking copies on a side stream, followed by an event. `start(i + 1)`
+    is called right after `acquire(i)`, so the next layer's read and copy overlap the current layer's
+    compute. `acquire(i)` makes the compute stream wait for layer i's copy event, marks each tensor
+    used by the compute stream (`record_stream`: the caching allocator reuses its memory only after
+    the compute queued before it is freed), and binds the tensors into the model; `Weights.release`
+    then drops them. A staging buffer is refilled only once the copy that read it has finished (its
+    event, waited for on the worker thread). At most two layers are on the device at once (three for
+    a moment while the allocator waits for the compute stream), and two layers' staging on the host.
+    CPU device mode runs the same steps with a plain copy for the transfer and no streams or events.
+    """
+
+    def __init__(self, w: Weights, device: torch.device, layer_units: list[list[str]]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.w, self.device, self.layer_units = w, device, layer_units
+        self.cuda = device.type == "cuda"
+        self.entries = [[e for u in units for e in w.units[u]] for units in layer_units]
+        cap = max((sum(_aligned(e.nbytes) for e in es) for es in self.entries), default=STAGING_ALIGN)
+        self.pinned = self.cuda
+        self.staging = [self._alloc(cap) for _ in range(2)]
+        self.slot_done: list = [None, None]  # per staging buffer: the event of the last copy that read it
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="expertsweep-staging")
+        self.futures: dict = {}
+        self.staged_bytes = 2 * cap
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        with torch.inference_mode(False):
+            if self.pinned:
+                try:
+                    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                except RuntimeError as exc:  # page-locking refused: pageable staging (copies then block)
+                    log.warning("pinned staging of %.3g GiB refused (%s): pageable staging, host-blocking copies",
+                                nbytes / GiB, str(exc).splitlines()[0][:120])
+                    self.pinned = False
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+    def start(self, i: int) -> None:
+        """Begin reading and copying layer i in the background."""
+        if 0 <= i < len(self.entries) and i not in self.futures:
+            self.futures[i] = self.pool.submit(self._prepare, i)
+
+    @torch.inference_mode()
+    def _prepare(self, i: int) -> tuple[list[torch.Tensor], object]:
+        slot = i % 2
+        if self.slot_done[slot] is not None:
+            self.slot_done[slot].synchronize()  # the copy that last read this buffer is done
+        buf, off, views = self.staging[slot], 0, []
+        for e in self.entries[i]:
+            v = buf[off : off + e.nbytes].view(e.dtype).view(e.shape)
+            views.append(self.w.read_entry(e, out=v))
+            off += _aligned(e.nbytes)
+        if not self.cuda:  # CPU device mode: the transfer is a plain copy into new tensors
+            return [v.clone() for v in views], None
+        with torch.cuda.stream(self.copy_stream):
+            dev = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in self.entries[i]]
+            for d, v in zip(dev, views, strict=True):
+                d.copy_(v, non_blocking=self.pinned)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        self.slot_done[slot] = ev
+        return dev, ev
+
+    def acquire(self, i: int) -> None:
+        """Layer i's weights in place on the device, the compute stream ordered after their copy."""
+        self.start(i)
+        dev, ev = self.futures.pop(i).result()
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(ev)
+            for d in dev:
+                d.record_stream(cur)
+        k = 0
+        for u in self.layer_units[i]:
+            n = len(self.w.units[u])
+            self.w.bind(u, dev[k : k + n])
+            k += n
+
+    def close(self) -> None:
+        for f in self.futures.values():
+            f.cancel()
+        self.pool.shutdown(wait=True)
+        self.futures.clear()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)

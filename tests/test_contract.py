@@ -139,7 +139,7 @@ REFUSED = [
     ("simulator", dict(trace="t.parquet", nll_out="n.parquet"), "--nll-out"),
     ("simulator", dict(trace="t.parquet", substitute_weight="own"), "--substitute-weight"),
     ("emulation", dict(trace="t.parquet"), "--trace"),
-    ("emulation", dict(model="M", text="T", device="cpu"), "--device"),
+    ("emulation", dict(model="M", text="T", host_store="mmap"), "--host-store"),
     ("emulation", dict(model="M", text="T", host="rtx3090"), "--host"),
     ("engine", dict(model="M", text="T", trace_out="t.parquet"), "--trace-out"),
     ("engine", dict(model="M", text="T", weight_format="q8_0"), "--weight-format"),
