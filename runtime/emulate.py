@@ -14,7 +14,7 @@ windows, the spec's counters and substituted mass; per-token NLLs go to Parquet.
 runtime/spec.py (the calibration never depends on `max_tokens`).
 `python -m runtime.emulate --model DIR --text FILE --policy PRESET --capacity-fraction F --json`
 (policy flags from runtime/policy.py's table; `--backend engine` decodes with the engine; the
-command line is `runtime.backends.emulate_cli`).
+command line is `runtime.cli.emulate_main`, also `expertsweep emulate`).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def _write_nll(path, windows: np.ndarray, cols: dict) -> None:
     atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
-if __name__ == "__main__":  # the command line lives with the backend registry (no import cycle)
-    from runtime.backends import emulate_cli
+if __name__ == "__main__":  # the command line is runtime/cli.py's (`expertsweep emulate`)
+    from runtime.cli import emulate_cli
 
     emulate_cli()

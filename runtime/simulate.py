@@ -29,7 +29,15 @@ from runtime.policy import (
     policies_from_flags,
     resolve_capacities,
 )
-from runtime.spec import HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
+from runtime.spec import (
+    HELD_OUT,
+    HELD_OUT_FRACTION,
+    Result,
+    RunSpec,
+    add_run_flags,
+    honoured_by,
+    run_kwargs,
+)
 from runtime.trace import Trace, calibration_split, load_trace
 
 log = logging.getLogger(__name__)
@@ -279,49 +287,31 @@ def shape_for_trace(trace: Trace, name: str | None) -> costmodel.ModelShape:
     return shape
 
 
+SIM_FLAGS = tuple(sorted(n for n in honoured_by("simulator") if n != "record_decisions"))  # library only
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The simulator's flags: the policy table's, the run-field table's rows the simulator honours
+    (runtime/spec.py: flag, default and help written once), --num-experts, --json and --out."""
     p = ArgumentParser(prog="python -m runtime.simulate", description=__doc__.splitlines()[0])
-    p.add_argument("--trace", required=True, help="router trace: .parquet, .arrow or .npz")
-    p.add_argument("--num-experts", type=int, default=None, help="E for .npz files without num_experts")
     add_policy_flags(p)
-    cap = p.add_mutually_exclusive_group(required=True)
-    cap.add_argument("--capacity", type=str, help="slots per layer: C, or C0,C1,... per layer")
-    cap.add_argument("--capacity-fraction", type=float)
-    cap.add_argument("--vram-budget", type=float, help="GiB of device memory (runtime.costmodel.capacities_for_budget)")
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens (after any held-out split)")
-    p.add_argument("--initial-residency", default=None,
-                   help="warm:CALIB_TRACE | cold | FILE.npy | held-out (default: held-out, the trace's last 20%%)")
-    p.add_argument("--host", default="rtx4090", help="host profile preset or YAML file")
-    p.add_argument("--model-shape", default=None, help="model shape preset or YAML (default: from the trace)")
-    p.add_argument("--weight-format", default=None, help="bf16 | q8_0 | q4_k_m")
-    p.add_argument("--residency-out", default=None, help="write the initial residency used (.npy int [L, C])")
+    add_run_flags(p, ("simulator",), size_required=True)
+    p.add_argument("--num-experts", type=int, default=None, help="E for .npz files without num_experts")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.add_argument("--out", help="also write the JSON to this file")
     return p
 
 
-def parse_capacity(text: str | None):
-    if text is None:
-        return None
-    try:
-        vals = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise InputError(f"--capacity = {text!r} must be an integer or a comma-separated list of integers") from None
-    return vals[0] if len(vals) == 1 else tuple(vals)
-
-
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
+    if a.trace is None:
+        raise InputError("--trace is required (a router trace: .parquet, .arrow or .npz)")
     pols = policies_from_flags(a)
     check_output_path(a.out, "--out")
-    check_output_path(a.residency_out, "--residency-out")
     if len(pols) > 1:
         raise InputError(f"--policy: one policy per simulator run ({len(pols)} given)")
     (pol,) = pols.values()
-    spec = RunSpec(policy=pol, capacity=parse_capacity(a.capacity), capacity_fraction=a.capacity_fraction,
-                   vram_budget_GiB=a.vram_budget, trace=a.trace, max_tokens=a.max_tokens,
-                   initial_residency=a.initial_residency, host=a.host, model_shape=a.model_shape,
-                   weight_format=a.weight_format, residency_out=a.residency_out)
+    spec = RunSpec(policy=pol, **run_kwargs(a, SIM_FLAGS))
     r = evaluate(spec, load_trace(a.trace, num_experts=a.num_experts))
     res = r.to_dict()
     res["trace"] = str(a.trace)

@@ -20,6 +20,7 @@ Warm start (docs/policies.md "Initial residency"): never the evaluated data.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import InputError
+from runtime.errors import InputError, check_output_path
 from runtime.policy import PolicyConfig
 
 HELD_OUT = "held-out"
@@ -37,85 +38,162 @@ GROUP_FIELDS = ("model", "text", "max_tokens", "window", "batch_windows", "initi
                 "calib_max_tokens", "dtype", "max_memory_GiB", "device", "host_store", "nll_out")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 SUBSTITUTE_WEIGHTS = ("missed", "own")
+HOST_STORES = ("ram", "mmap")
 
-# RunSpec field -> its command-line flag (error messages name the flag the user typed)
-FLAGS = {
-    "capacity": "--capacity", "capacity_fraction": "--capacity-fraction", "vram_budget_GiB": "--vram-budget",
-    "trace": "--trace", "model": "--model", "text": "--text", "max_tokens": "--max-tokens", "window": "--window",
-    "batch_windows": "--batch-windows", "initial_residency": "--initial-residency", "calib_text": "--calib-text",
-    "calib_max_tokens": "--calib-max-tokens", "host": "--host", "model_shape": "--model-shape",
-    "weight_format": "--weight-format", "device": "--device", "dtype": "--dtype", "max_memory_GiB": "--max-memory",
-    "host_store": "--host-store",
-    "substitute_weight": "--substitute-weight", "nll_out": "--nll-out", "trace_out": "--trace-out",
-    "residency_out": "--residency-out", "record_decisions": "(record_decisions)",
-}
+BACKEND_NAMES = ("simulator", "emulation", "engine")
+_ALL = BACKEND_NAMES
+_SIM = ("simulator",)
+_TEXT = ("emulation", "engine")
+SIZE_FIELDS = ("capacity", "capacity_fraction", "vram_budget_GiB")  # exactly one of them per spec
+DEFAULT_CAPACITY_FRACTION = 0.25  # the emulation / engine CLIs' cache size when none is given
+
+
+@dataclass(frozen=True)
+class RunField:
+    """One row of the run-field table (read from RunSpec's field metadata, like policy.Param)."""
+
+    name: str
+    default: Any
+    flag: str | None  # its one command-line flag; None: library only (record_decisions)
+    help: str
+    backends: frozenset[str]  # the backends that honour it; the others refuse it (Backend.check)
+    kind: str = "str"  # str | int | float | capacity | bool | memory (a number of GiB or 'auto')
+    choices: tuple[str, ...] | None = None
+    low: float | None = None  # int: smallest value; float: exclusive lower bound
+    high: float | None = None  # float: exclusive upper bound
+    output: bool = False  # a file the run writes: its folder is checked before any work
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute of its flag (argparse's own rule: `--max-memory` -> `max_memory`)."""
+        return self.flag.lstrip("-").replace("-", "_") if self.flag else self.name
+
+    def check(self, value: Any, label: str | None = None) -> Any:
+        """The value, converted (paths to str, lists to tuples), or a one-line InputError naming
+        `label` (default: the flag) and the value."""
+        label = label or self.flag or self.name
+        if value is None:
+            if self.default is None:
+                return None
+            raise InputError(f"{label} = None: needs a value (default {self.default!r})")
+        if self.kind == "str":
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            if not isinstance(value, str) or not value:
+                raise InputError(f"{label} = {value!r} must be a non-empty string")
+            if self.choices is not None and value not in self.choices:
+                raise InputError(f"{label} = {value!r} must be one of {', '.join(self.choices)}")
+            return value
+        if self.kind == "bool":
+            if not isinstance(value, bool | np.bool_):
+                raise InputError(f"{label} = {value!r} must be true or false")
+            return bool(value)
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < self.low:
+                raise InputError(f"{label} = {value!r} must be an integer >= {self.low:g}")
+            return int(value)
+        if self.kind == "capacity":
+            vals = list(value) if isinstance(value, list | tuple | np.ndarray) else [value]
+            if not vals or any(isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1 for v in vals):
+                raise InputError(f"{label} = {value!r} must be one int for all layers or a list of ints per layer")
+            return int(vals[0]) if not isinstance(value, list | tuple | np.ndarray) else tuple(int(v) for v in vals)
+        if self.kind == "memory":
+            if value == "auto":
+                return value
+            from runtime.stream import resolve_max_memory  # torch-side: only for a number
+
+            return resolve_max_memory(value, label)
+        ok = not isinstance(value, bool) and isinstance(value, int | float | np.integer | np.floating)
+        if not ok or not math.isfinite(value) or not (self.low is None or value > self.low) \
+                or not (self.high is None or value < self.high):
+            if self.high is None:
+                raise InputError(f"{label} = {value!r} must be a number > {self.low:g}"
+                                 + (" (GiB)" if self.metavar == "GIB" else ""))
+            raise InputError(f"{label} = {value!r} must be in ({self.low:g}, {self.high:g})")
+        return float(value)
+
+
+def _r(default: Any, flag: str | None, help: str, backends: tuple[str, ...] = _ALL, **kw: Any) -> Any:
+    return field(default=default, metadata={"run": dict(flag=flag, help=help, backends=frozenset(backends), **kw)})
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One evaluation: a policy at a cache size on an input. Validated when built."""
+    """One evaluation: a policy at a cache size on an input. Validated when built.
+
+    Every field but `policy` (its own table, runtime/policy.py) and `name` is a row of the run-field
+    table: its default, its one flag, its help and the backends that honour it (`RUN_FIELDS`)."""
 
     policy: PolicyConfig
     name: str = ""  # display name (a preset's name, a sweep trial's label); empty = the policy's label
-    capacity: int | tuple[int, ...] | None = None  # slots per layer: one for all, or one per MoE layer
-    capacity_fraction: float | None = None
-    vram_budget_GiB: float | None = None  # what the engine really holds (runtime.costmodel.capacities_for_budget)
-    trace: str | None = None  # simulator input
-    model: str | None = None  # Hugging Face checkpoint directory (emulation, engine)
-    text: str | None = None  # evaluated text (emulation, engine)
-    max_tokens: int | None = None  # evaluated tokens (trace rows or text tokens); None = all
-    window: int | None = None  # tokens per context window (None: min(max positions, 512))
-    batch_windows: int = 8  # windows per batched forward (speed only)
-    initial_residency: str | None = None  # warm:TRACE | cold | FILE.npy | held-out | None (module doc)
-    calib_text: str | None = None
-    calib_max_tokens: int = 16384
-    host: str = "rtx4090"  # simulator: host profile preset or YAML
-    model_shape: str | None = None  # simulator: model shape preset or YAML (default: from the trace)
-    weight_format: str | None = None  # simulator: bf16 | q8_0 | q4_k_m
-    device: str | None = None  # engine: cpu | cuda (None: cuda when available)
-    dtype: str = "auto"  # the checkpoint's own dtype (a bf16 checkpoint stays bf16); fp32 only when asked
-    max_memory_GiB: float | str = "auto"  # host RAM the weights may use; above it passes stream layer by layer
-    host_store: str = "ram"  # engine: ram | mmap
-    substitute_weight: str = "missed"  # emulation: apply a substitute with the missed expert's weight, or its own
-    nll_out: str | None = None
-    trace_out: str | None = None
-    residency_out: str | None = None
-    record_decisions: bool = False  # Result.decisions: per token and layer kind / served / slot
+    capacity: int | tuple[int, ...] | None = _r(
+        None, "--capacity", "expert slots per MoE layer: C (one int for all layers) or C0,C1,... (one per layer)",
+        kind="capacity", metavar="C[,C1,...]")
+    capacity_fraction: float | None = _r(
+        None, "--capacity-fraction", "slots per layer as a fraction of the experts, in (0, 1)", kind="float",
+        low=0.0, high=1.0, metavar="F")
+    vram_budget_GiB: float | None = _r(
+        None, "--vram-budget", "GiB of device memory: the slots the engine really holds "
+        "(runtime.costmodel.capacities_for_budget)", kind="float", low=0.0, metavar="GIB")
+    trace: str | None = _r(None, "--trace", "router trace: .parquet, .arrow or .npz", _SIM)
+    model: str | None = _r(None, "--model", "Hugging Face checkpoint directory", _TEXT)
+    text: str | None = _r(None, "--text", "UTF-8 text file to evaluate", _TEXT)
+    max_tokens: int | None = _r(None, "--max-tokens", "evaluated tokens (trace rows or text tokens, after any "
+                                "held-out split); unset: all", kind="int", low=2, metavar="N")
+    window: int | None = _r(None, "--window", "tokens per context window (unset: min(max positions, 512))", _TEXT,
+                            kind="int", low=2, metavar="N")
+    batch_windows: int = _r(8, "--batch-windows", "windows per batched forward (speed only)", _TEXT, kind="int",
+                            low=1, metavar="N")
+    initial_residency: str | None = _r(
+        None, "--initial-residency", "warm start: warm:CALIB_TRACE | cold | FILE.npy (int [L, C]) | held-out "
+        "(unset: simulator held-out, the last 20% of the trace; emulation/engine --calib-text, else calib.txt "
+        "beside the model, else held-out)")
+    calib_text: str | None = _r(None, "--calib-text", "text for the warm start (unset: calib.txt beside the model)",
+                                _TEXT)
+    calib_max_tokens: int = _r(16384, "--calib-max-tokens", "calibration tokens read (independent of --max-tokens)",
+                               _TEXT, kind="int", low=2, metavar="N")
+    host: str = _r("rtx4090", "--host", "host profile: a preset (runtime/data/hosts) or a YAML file", _SIM)
+    model_shape: str | None = _r(None, "--model-shape", "model shape: a preset (runtime/data/models), a YAML file "
+                                 "or a config.json (unset: from the trace)", _SIM)
+    weight_format: str | None = _r(None, "--weight-format", "expert storage format: bf16 | q8_0 | q4_k_m "
+                                   "(unset: the shape's)", _SIM)
+    device: str | None = _r(None, "--device", "cpu | cuda (emulation: each layer streamed through it; engine: "
+                            "where it decodes; unset: cuda when available)", _TEXT)
+    dtype: str = _r("auto", "--dtype", "auto (the checkpoint's own: bf16 stays bf16) | fp32 | bf16 | fp16", _TEXT,
+                    choices=DTYPES)
+    max_memory_GiB: float | str = _r(
+        "auto", "--max-memory", "host RAM the model's weights may use (auto: available memory less max(2 GiB, "
+        "10%)); a model above it is read from its safetensors shards layer by layer (docs/emulation.md)", _TEXT,
+        kind="memory", metavar="GIB")
+    host_store: str = _r("ram", "--host-store", "where the engine's host expert store lives", ("engine",),
+                         choices=HOST_STORES)
+    substitute_weight: str = _r("missed", "--substitute-weight", "apply a substitute with the missed expert's "
+                                "gate weight, or its own", ("emulation",), choices=SUBSTITUTE_WEIGHTS)
+    nll_out: str | None = _r(None, "--nll-out", "write the per-token NLLs (Parquet)", _TEXT, output=True)
+    trace_out: str | None = _r(None, "--trace-out", "write the router trace seen under the (single) policy",
+                               ("emulation",), output=True)
+    residency_out: str | None = _r(None, "--residency-out", "write the initial residency used (.npy int [L, C])",
+                                   output=True)
+    record_decisions: bool = _r(False, None, "Result.decisions: per token and layer kind / served / slot "
+                                "(library only)", kind="bool")
 
     def __post_init__(self) -> None:
-        for name in ("trace", "model", "text", "calib_text", "nll_out", "trace_out", "residency_out"):
-            if isinstance(getattr(self, name), os.PathLike):
-                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        for f in RUN_FIELDS:
+            if f.kind != "memory":  # max_memory_GiB below, after the input is known
+                object.__setattr__(self, f.name, f.check(getattr(self, f.name)))
         if not isinstance(self.policy, PolicyConfig):
             raise InputError(f"RunSpec.policy = {self.policy!r} must be a PolicyConfig")
-        sizes = [n for n in ("capacity", "capacity_fraction", "vram_budget_GiB") if getattr(self, n) is not None]
+        sizes = [n for n in SIZE_FIELDS if getattr(self, n) is not None]
         if len(sizes) != 1:
             given = ", ".join(f"{FLAGS[n]} {getattr(self, n)!r}" for n in sizes) or "none"
-            raise InputError(f"cache size: give exactly one of --capacity, --capacity-fraction, --vram-budget (given: {given})")
-        if isinstance(self.capacity, list | np.ndarray):
-            object.__setattr__(self, "capacity", tuple(int(c) for c in self.capacity))
-        if self.capacity_fraction is not None and not (0 < self.capacity_fraction < 1):
-            raise InputError(f"--capacity-fraction = {self.capacity_fraction!r} must be in (0, 1)")
-        if self.vram_budget_GiB is not None and not (self.vram_budget_GiB > 0 and math.isfinite(self.vram_budget_GiB)):
-            raise InputError(f"--vram-budget = {self.vram_budget_GiB!r} must be a positive number of GiB")
-        for name in ("max_tokens", "window", "batch_windows", "calib_max_tokens"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int | np.integer) or v < (1 if name == "batch_windows" else 2)):
-                raise InputError(f"{FLAGS[name]} = {v!r} must be an integer >= {1 if name == 'batch_windows' else 2}")
+            raise InputError(f"cache size: give exactly one of {', '.join(FLAGS[n] for n in SIZE_FIELDS)} "
+                             f"(given: {given})")
         if (self.trace is None) == (self.text is None):
             raise InputError("input: give either --trace (simulator) or --model with --text (emulation, engine)")
         if self.text is not None and self.model is None:
             raise InputError(f"--text {self.text}: --model is required with a text")
-        if self.dtype not in DTYPES:
-            raise InputError(f"--dtype = {self.dtype!r} must be one of {', '.join(DTYPES)}")
-        if self.max_memory_GiB != "auto":
-            from runtime.stream import resolve_max_memory
-
-            object.__setattr__(self, "max_memory_GiB", resolve_max_memory(self.max_memory_GiB))
-        if self.substitute_weight not in SUBSTITUTE_WEIGHTS:
-            raise InputError(f"--substitute-weight = {self.substitute_weight!r} must be 'missed' or 'own'")
-        if self.host_store not in ("ram", "mmap"):
-            raise InputError(f"--host-store = {self.host_store!r} must be ram or mmap")
+        object.__setattr__(self, "max_memory_GiB", RUN_FIELD_BY_NAME["max_memory_GiB"].check(self.max_memory_GiB))
         ir = self.initial_residency
         if ir is not None and not (ir in ("cold", HELD_OUT) or ir.startswith("warm:") or ir.endswith(".npy")):
             raise InputError(f"--initial-residency = {ir!r}: expected warm:TRACE, cold, held-out or a .npy file")
@@ -157,6 +235,73 @@ class RunSpec:
                 out[k] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
         return out
 
+
+
+RUN_FIELDS: tuple[RunField, ...] = tuple(RunField(name=f.name, default=f.default, **f.metadata["run"])
+                                         for f in fields(RunSpec) if "run" in f.metadata)
+RUN_FIELD_BY_NAME: dict[str, RunField] = {f.name: f for f in RUN_FIELDS}
+# RunSpec field -> its command-line flag (error messages name the flag the user typed)
+FLAGS: dict[str, str] = {f.name: f.flag or f"({f.name})" for f in RUN_FIELDS}
+
+
+def honoured_by(backend: str) -> frozenset[str]:
+    """The RunSpec fields `backend` honours (the table's `backends` column)."""
+    return frozenset(f.name for f in RUN_FIELDS if backend in f.backends)
+
+
+def parse_capacity(text: str) -> int | tuple[int, ...]:
+    """`--capacity`: one int for all layers (`C`) or a comma list, one per MoE layer (`C0,C1,...`)."""
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--capacity = {text!r} must be one int for all layers or a comma list "
+                                         "of ints, one per layer (C or C0,C1,...)") from None
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def _conv(f: RunField):  # noqa: ANN202 - an argparse type
+    if f.kind == "capacity":
+        return parse_capacity
+    if f.kind not in ("int", "float"):
+        return str
+    kind = int if f.kind == "int" else float
+
+    def conv(text: str) -> int | float:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{f.flag} = {text!r} is not {'an integer' if kind is int else 'a number'}"
+                                             ) from None
+    return conv
+
+
+def add_run_flags(p: argparse.ArgumentParser, backends: tuple[str, ...], *, size_required: bool = False,
+                  size_default: str = "") -> tuple[str, ...]:
+    """One flag per RunSpec field that any of `backends` honours, from the table (help, default, type);
+    the cache-size flags mutually exclusive. Returns the fields added (`run_kwargs` reads them back)."""
+    names = []
+    size = p.add_argument_group("cache size (exactly one)" + (f"; default {size_default}" if size_default else ""))
+    size = size.add_mutually_exclusive_group(required=size_required)
+    run = p.add_argument_group("run (runtime/spec.py's RunSpec fields)")
+    for f in RUN_FIELDS:
+        if f.flag is None or not f.backends & set(backends):
+            continue
+        only = "" if f.backends >= set(backends) else f" [{', '.join(b for b in backends if b in f.backends)} only]"
+        default = "" if f.default is None else f"; default {f.default}"
+        (size if f.name in SIZE_FIELDS else run).add_argument(
+            f.flag, dest=f.dest, type=_conv(f), default=f.default, metavar=f.metavar,
+            help=(f.help + default + only).replace("%", "%%"))
+        names.append(f.name)
+    return tuple(names)
+
+
+def run_kwargs(a: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """RunSpec keyword arguments from the flags `add_run_flags` added; output files are checked first."""
+    out = {n: getattr(a, RUN_FIELD_BY_NAME[n].dest) for n in names}
+    for n, v in out.items():
+        if RUN_FIELD_BY_NAME[n].output:
+            check_output_path(v, RUN_FIELD_BY_NAME[n].flag)
+    return out
 
 @dataclass
 class Result:

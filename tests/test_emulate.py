@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import adapters, backends, emulate
+from runtime import adapters, cli, emulate
 from runtime.errors import InputError, cli_main
 from runtime.kernel import COUNTER_NAMES, FLOAT_COUNTERS, INT_COUNTERS, PolicyCache, warm_residency
 from runtime.policy import PRESETS, PolicyConfig
@@ -155,7 +155,7 @@ def test_record_cli_and_warm_residency(ckpts, text, tmp_path, capsys):
 def test_emulate_cli_json_and_nll(ckpts, text, tmp_path, capsys):
     nll = tmp_path / "nll.parquet"
     with pytest.raises(SystemExit) as e:
-        cli_main(lambda: backends.main(["--model", str(ckpts["mixtral"]), "--text", str(text), "--policy",
+        cli_main(lambda: cli.emulate_main(["--model", str(ckpts["mixtral"]), "--text", str(text), "--policy",
                                        "rule-0.15", "--capacity-fraction", "0.5", "--max-tokens", "256",
                                        "--window", "32", "--json", "--nll-out", str(nll)]))
         raise SystemExit(0)
@@ -176,7 +176,7 @@ def test_emulate_cli_json_and_nll(ckpts, text, tmp_path, capsys):
 
 def _cli_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
-        cli_main(lambda: backends.main(argv))
+        cli_main(lambda: cli.emulate_main(argv))
         raise SystemExit(0)
     return e.value.code, capsys.readouterr().err
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import backends, calibrate, costmodel, emulate, generate
+from runtime import calibrate, cli, costmodel, emulate, generate
 from runtime.backends import get_backend
 from runtime.engine import Engine, device_errors, engine_cli
 from runtime.errors import InputError
@@ -115,9 +115,9 @@ def test_engine_admissions_equal_emulation(pair, name):
 def test_emulate_backend_engine_same_keys(ckpts, text, capsys):
     args = ["--model", str(ckpts["e8"]), "--text", str(text), "--policy", "quality-first", "--policy", "host-compute",
             "--window", "24", "--max-tokens", "48", "--capacity", "3", "--json"]
-    backends.main(args + ["--backend", "engine"])
+    cli.emulate_main(args + ["--backend", "engine"])
     eng_res = json.loads(capsys.readouterr().out)
-    backends.main(args)
+    cli.emulate_main(args)
     emu_res = json.loads(capsys.readouterr().out)
     assert set(eng_res) == set(emu_res) == {"quality-first", "host-compute"}
     for name in ("quality-first", "host-compute"):

@@ -14,25 +14,35 @@ def _is_main_guard(node: ast.AST) -> bool:
             and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
 
 
-def imports_of(path: Path) -> set[str]:
-    """Project modules imported anywhere in `path`, except in its `if __name__ == "__main__":` block."""
-    tree = ast.parse(path.read_text())
-    skip = {id(n) for top in tree.body if _is_main_guard(top) for n in ast.walk(top)}
+def _imports(nodes) -> set[str]:
     out = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names}
+    for top in nodes:
+        for node in ast.walk(top):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                out.add(node.module)
+                out |= {f"{node.module}.{a.name}" for a in node.names}
     return out
 
 
+def imports_of(path: Path, main: bool = False) -> set[str]:
+    """Project modules imported anywhere in `path` (deferred imports inside functions included), outside
+    its `if __name__ == "__main__":` block; with `main`, those of that block alone."""
+    tree = ast.parse(path.read_text())
+    return _imports([top for top in tree.body if _is_main_guard(top) == main])
+
+
 def graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports. A file's `__main__` block is its own node `M:__main__`:
+    `python -m M` runs it as the module `__main__`, which nothing imports, so it is checked (its imports
+    must exist) but cannot close a cycle; nothing is skipped."""
     mods = {f"{p.parent.name}.{p.stem}": p for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
-    return {m: {i for i in imports_of(p) if i in mods and i != m} for m, p in mods.items()}
+    g = {m: {i for i in imports_of(p) if i in mods and i != m} for m, p in mods.items()}
+    for m, p in mods.items():
+        if main := {i for i in imports_of(p, main=True) if i in mods}:
+            g[f"{m}:__main__"] = main
+    return g
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
@@ -60,6 +70,15 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles():
     cycle = find_cycle(graph())
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_emulation_command_line_is_not_in_the_backend_registry():
+    """The emulation's command line is runtime/cli.py's; `python -m runtime.emulate` delegates to it, and
+    the backend registry imports neither the command line nor argparse."""
+    g = graph()
+    assert g["runtime.emulate:__main__"] == {"runtime.cli"}
+    assert "runtime.cli" not in g["runtime.backends"] and "runtime.cli" not in g["runtime.emulate"]
+    assert "argparse" not in imports_of(ROOT / "runtime" / "backends.py")
 
 
 def test_cycle_finder_finds_one():
