@@ -38,7 +38,14 @@ import numpy as np
 from numba import njit
 
 from runtime.errors import InputError
-from runtime.policy import EVICT_CODE, FALLBACK_CODE, RULE_CODE, PolicyConfig, kernel_record
+from runtime.policy import (
+    EVICT_CODE,
+    FALLBACK_CODE,
+    RULE_CODE,
+    PolicyConfig,
+    kernel_record,
+    pinned_count,
+)
 
 # decision kinds, per token, layer and top-k slot j
 HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
@@ -63,16 +70,18 @@ N_EV = 7
 R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_BAND = (RULE_CODE[r] for r in
     ("fetch_all", "threshold", "first_choice", "substitute_all", "band"))
 F_SUBSTITUTE, F_DROP, F_HOST, F_LOWBIT = (FALLBACK_CODE[f] for f in ("substitute", "drop", "host", "lowbit"))
-K_LFU, K_LRU, K_CRF, K_BELADY = (EVICT_CODE[e] for e in ("lfu", "lru", "crf", "belady"))
+K_LFU, K_LRU, K_CRF, K_BELADY, K_LFUDA = (EVICT_CODE[e] for e in ("lfu", "lru", "crf", "belady", "lfuda"))
+Q_AGE = 4  # LayerState.qstate[Q_AGE]: lfuda's inflation value A (an integer)
 
 
 @njit(cache=True, inline="always")
-def _victim(slot_expert, cap, key, pin, stamp):
-    """Slot of the resident with the smallest key (ties: lower id) whose pin != stamp; -1 if none."""
+def _victim(slot_expert, p0, cap, key, pin, stamp):
+    """Slot of the resident with the smallest key (ties: lower id) whose pin != stamp among slots p0..cap-1
+    (slots 0..p0-1 hold the pinned hot set); -1 if none."""
     best = -1
     bk = 0.0
     be = 0
-    for s in range(cap):
+    for s in range(p0, cap):
         if pin[s] == stamp:
             continue
         e = slot_expert[s]
@@ -88,15 +97,16 @@ _IMAX = np.iinfo(np.int64).max
 
 
 @njit(cache=True, inline="always")
-def _victim_int(skey, cap):
-    """Fast path: slot of the smallest composite key (key * E + id); pinned slots hold _IMAX."""
+def _victim_int(skey, p0, cap):
+    """Fast path: slot of the smallest composite key (key * E + id) among slots p0..cap-1; slots protected
+    for the token hold _IMAX."""
     m = _IMAX
-    for s in range(cap):
+    for s in range(p0, cap):
         v = skey[s]
         m = v if v < m else m
     if m == _IMAX:
         return -1
-    for s in range(cap):
+    for s in range(p0, cap):
         if skey[s] == m:
             return s
     return -1
@@ -104,7 +114,7 @@ def _victim_int(skey, cap):
 
 @njit(cache=True, inline="always")
 def _ikey(evict, key, e, E):
-    """Composite integer key for lfu (gamma=1) and lru: smallest key, ties lower id, in one int64."""
+    """Composite integer key for lfu (gamma=1), lfuda and lru: smallest key, ties lower id, in one int64."""
     if evict == K_LRU:
         return (np.int64(key[e]) + 1) * E + e
     return np.int64(key[e]) * E + e
@@ -160,6 +170,7 @@ class LayerState(NamedTuple):
     """One layer's cache (views of PolicyCache's [L, ...] arrays), mutated in place by run_layer."""
 
     cap: int  # C_l
+    npin: int  # P_l: slots 0..P_l-1 hold the pinned hot set (never a victim)
     slot_expert: np.ndarray  # [C] int32 expert in each slot (-1 free)
     expert_slot: np.ndarray  # [E] int32 slot of each expert (-1 not resident)
     key: np.ndarray  # [E] float64 eviction key
@@ -167,11 +178,12 @@ class LayerState(NamedTuple):
     acc: np.ndarray  # [E] float64 admission accumulator a[e]
     queued: np.ndarray  # [E] bool
     pin: np.ndarray  # [C] int64 stamp of the step that protects the slot
-    qstate: np.ndarray  # [4] int64 queue head, queue length, stamp, resident count
+    qstate: np.ndarray  # [5] int64 queue head, queue length, stamp, resident count, lfuda's A
     q_exp: np.ndarray  # [E + 1] int32 admission queue (ring)
     q_due: np.ndarray  # [E + 1] int64 due token of each queued expert
     counters: np.ndarray  # [N_INT] int64
     mass: np.ndarray  # [2] float64
+    age_count: np.ndarray  # [E] int64 lfuda's count c[e]
 
 
 class Outputs(NamedTuple):
@@ -188,21 +200,29 @@ class Outputs(NamedTuple):
 
 
 @njit(cache=True, inline="always")
-def _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, stamp, free):
+def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, stamp, free, aging, qstate, age_count):
     """THE slot claim (fetch, admission, prefetch): put `e` in a free slot (`free`: the layer has one),
-    else in the victim's (smallest key among the slots whose pin != stamp; fast: smallest skey),
-    evicting the victim. The claimed slot is pinned with `stamp`. Returns (slot, evicted expert), with
-    slot -1 when nothing is evictable (nothing changed) and evicted -1 when a free slot was used; the
-    caller counts the resident and may queue the evicted expert."""
+    else in the victim's (smallest key among the slots p0.. whose pin != stamp; fast: smallest skey),
+    evicting the victim. The claimed slot is pinned with `stamp`. `aging` (lfuda): the eviction raises
+    A to the victim's key and halves its count, then the new resident's key is A + c[e]. Returns (slot,
+    evicted expert), with slot -1 when nothing is evictable (nothing changed) and evicted -1 when a free
+    slot was used; the caller counts the resident and may queue the evicted expert."""
     v = -1
     if free:
         s = _free_slot(slot_expert, cap)
     else:
-        s = _victim_int(skey, cap) if fast else _victim(slot_expert, cap, key, pin, stamp)
+        s = _victim_int(skey, p0, cap) if fast else _victim(slot_expert, p0, cap, key, pin, stamp)
         if s >= 0:
             v = slot_expert[s]
             expert_slot[v] = -1
+            if aging:
+                kv = np.int64(key[v])
+                if kv > qstate[Q_AGE]:
+                    qstate[Q_AGE] = kv
+                age_count[v] //= 2
     if s >= 0:
+        if aging:
+            key[e] = np.float64(qstate[Q_AGE] + age_count[e])
         slot_expert[s] = e
         expert_slot[e] = s
         pin[s] = stamp
@@ -219,7 +239,8 @@ def run_layer(tok, t0, pol, st, out):
     out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
     rule, tau, tau_high, fallback, beta, evict = pol.rule, pol.tau, pol.tau_high, pol.fallback, pol.beta, pol.evict
     gamma, decay, delay, fcap = pol.gamma, pol.decay, pol.delay, pol.fetch_cap  # fcap -1: no fetch cap
-    cap = st.cap
+    cap, p0, age_count = st.cap, st.npin, st.age_count
+    aging = evict == K_LFUDA
     slot_expert, expert_slot, key, skey, acc, queued, pin = (st.slot_expert, st.expert_slot, st.key, st.skey, st.acc,
                                                              st.queued, st.pin)
     qstate, q_exp, q_due = st.qstate, st.q_exp, st.q_due
@@ -229,7 +250,7 @@ def run_layer(tok, t0, pol, st, out):
     qcap = q_exp.shape[0]
     npw = pred.shape[1] if pred.shape[0] == T else 0  # predicted-list width (0: no prefetch)
     use_adm = beta > 0.0
-    fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU  # integer keys: skey mirrors them
+    fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU or aging  # integer keys: skey mirrors them
     cand = np.empty(k + qcap + npw + k, np.int64)  # admission candidates: non-fetched misses, evicted experts
     subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
     sel_mark = np.full(E if score.shape[0] == T else 0, -1, np.int64)  # score mode: e selected by token i
@@ -272,7 +293,8 @@ def run_layer(tok, t0, pol, st, out):
                 if expert_slot[e] >= 0:
                     cnt[C_ADM_SKIPPED] += 1
                     continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, bstamp, n_res < cap)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, bstamp, n_res < cap, aging,
+                              qstate, age_count)
                 if s < 0:
                     cnt[C_ADM_SKIPPED] += 1
                     if use_adm:  # not resident, no longer queued: may be queued again after the token
@@ -325,7 +347,8 @@ def run_layer(tok, t0, pol, st, out):
                     break
                 if expert_slot[e] >= 0:
                     continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, ps, n_res < cap)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, ps, n_res < cap, aging, qstate,
+                              age_count)
                 if s < 0:
                     continue  # nothing evictable: skipped
                 if v < 0:
@@ -402,7 +425,9 @@ def run_layer(tok, t0, pol, st, out):
             if fetch and nf == fcap:  # fetch cap reached: the fallback, as if the rule had not fetched it
                 fetch = False
             if fetch:
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, cap, fast, e, st_, n_res < cap)  # a victim exists: C >= k
+                # a victim exists: C_l - P_l >= k
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, st_, n_res < cap, aging,
+                              qstate, age_count)
                 if v < 0:
                     n_res += 1
                 elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
@@ -503,6 +528,16 @@ def run_layer(tok, t0, pol, st, out):
                 key[e] = gamma * key[e]
             for j in range(k):
                 key[ids[i, j]] += 1.0
+        elif aging:  # lfuda: c[e] += 1, then K[e] = A + c[e]
+            age = qstate[Q_AGE]
+            for j in range(k):
+                e = ids[i, j]
+                age_count[e] += 1
+                kv = age + age_count[e]
+                key[e] = np.float64(kv)
+                kd = out_kind[i, j]
+                if kd == HIT or kd == FETCH:
+                    skey[out_slot[i, j]] = kv * E + e
         elif evict == K_LRU:
             for j in range(k):
                 if out_kind[i, j] <= SUB:
@@ -638,6 +673,78 @@ def warm_residency(topk_ids: np.ndarray, valid: np.ndarray | None, num_experts: 
     return out
 
 
+def drop_renorm_scale(kind: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+    """`drop_renorm` (docs/policies.md, "Renormalised drop"): per token the factor (sum of w_j over the
+    selection) / (sum of w_j over the hits and the non-dropped misses) for the gate weights of the experts it
+    computes; 1 for a token without drops (or with every call dropped: nothing is computed). kind [N, k],
+    weights [N, k] -> float64 [N], or None when no call of the chunk is dropped (nothing changes)."""
+    drop = np.asarray(kind) == DROP  # [N, k]
+    if not drop.any():
+        return None
+    w = np.asarray(weights, np.float64)
+    kept = np.where(drop, 0.0, w).sum(axis=1)  # [N]
+    return np.where(drop.any(axis=1) & (kept > 0), w.sum(axis=1) / np.where(kept > 0, kept, 1.0), 1.0)
+
+
+def residency_array(init: list | None, capacities, flag: str = "--residency-out") -> np.ndarray:
+    """A run's initial residency as a residency file holds it: int64 [L, max C_l], each row in its order (a
+    warm start: count order), padded with -1 where a layer has fewer slots (calibrated capacities)."""
+    if init is None:
+        raise InputError(f"{flag}: needs a warm start (this run starts cold)")
+    caps = [int(c) for c in capacities]
+    arr = np.full((len(caps), max(caps)), -1, np.int64)
+    for l_, row in enumerate(init):
+        row = np.asarray(row, np.int64)
+        row = row[row >= 0]
+        arr[l_, : len(row)] = row
+    return arr
+
+
+def calibration_counts(topk_ids: np.ndarray, valid: np.ndarray | None, num_experts: int) -> np.ndarray:
+    """n_l[e]: how often the router selected e at layer l over a calibration trace; topk_ids [T, L, k] -> int64 [L, E]."""
+    T, L, k = topk_ids.shape
+    out = np.zeros((L, num_experts), np.int64)
+    for l_ in range(L):
+        ids = topk_ids[:, l_, :] if valid is None else topk_ids[np.asarray(valid[:, l_], bool), l_, :]
+        out[l_] = np.bincount(ids.ravel().astype(np.int64), minlength=num_experts)[:num_experts]
+    return out
+
+
+def calibrated_capacities(counts: np.ndarray, capacities: np.ndarray, top_k: int) -> np.ndarray:
+    """`capacity_alloc = calibrated` (docs/policies.md, "Per-layer capacities"): the total S of `capacities`
+    spread over the layers. Every layer starts with k slots; each remaining slot goes to the layer whose next
+    expert in count order (position C_l) has the largest share n_l[e] / sum_e n_l[e] of the layer's calls
+    (ties: lower layer; a layer stops at E - 1). counts int [L, E] -> int64 [L]."""
+    L, E = counts.shape
+    total = int(np.asarray(capacities).sum())
+    order = np.lexsort((np.broadcast_to(np.arange(E), (L, E)), -counts), axis=1)  # [L, E] count order
+    sums = counts.sum(axis=1)
+    share = np.take_along_axis(counts, order, axis=1) / np.maximum(sums, 1)[:, None]  # [L, E] in count order
+    caps = np.full(L, top_k, np.int64)
+    for _ in range(total - L * top_k):
+        nxt = np.where(caps < E - 1, share[np.arange(L), np.minimum(caps, E - 1)], -1.0)  # [L]
+        caps[int(np.argmax(nxt))] += 1  # argmax: the first (lowest) layer among equal shares
+    return caps
+
+
+def warm_start(policy: PolicyConfig, capacities: np.ndarray, top_k: int, num_experts: int,
+               calib_ids: np.ndarray | None = None, calib_valid: np.ndarray | None = None,
+               given: list | None = None, source: str = "") -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """A run's slots per layer and initial residency: from calibration selections `calib_ids` [T, L, k] the
+    warm start (with `capacity_alloc = calibrated`, the capacities spread by the counts first), else `given`
+    per-layer ids (a residency file), else cold (None). Calibrated capacities need calibration counts: with
+    a residency file or a cold start they are a one-line InputError naming `source`."""
+    caps = np.asarray(capacities, np.int64)
+    if calib_ids is not None:
+        if policy.capacity_alloc == "calibrated":
+            caps = calibrated_capacities(calibration_counts(calib_ids, calib_valid, num_experts), caps, top_k)
+        return caps, warm_residency(calib_ids, calib_valid, num_experts, caps)
+    if policy.capacity_alloc == "calibrated":
+        raise InputError(f"--capacity-alloc = 'calibrated' needs calibration counts (a warm start from a calibration "
+                         f"trace or text, or held-out); the initial residency is {source or 'cold'!s}")
+    return caps, given
+
+
 class PolicyCache:
     """State of every layer's cache under one policy; `step` drives the kernel for one layer.
 
@@ -679,7 +786,8 @@ class PolicyCache:
         self.acc = np.zeros((L, E))
         self.queued = np.zeros((L, E), np.bool_)
         self.pin = np.zeros((L, cmax), np.int64)
-        self.qstate = np.zeros((L, 4), np.int64)  # head, len, stamp, n_resident
+        self.qstate = np.zeros((L, 5), np.int64)  # head, len, stamp, n_resident, lfuda's A
+        self.age_count = np.zeros((L, E), np.int64)  # lfuda's c[e]
         self.q_exp = np.zeros((L, E + 1), np.int32)
         self.q_due = np.zeros((L, E + 1), np.int64)
         self.counters = np.zeros((L, N_INT), np.int64)
@@ -700,14 +808,29 @@ class PolicyCache:
                 self.slot_expert[l_, : len(res)] = res
                 self.expert_slot[l_, res] = np.arange(len(res), dtype=np.int32)
                 self.qstate[l_, 3] = len(res)
+        # the pinned hot set (docs/policies.md, Additions (2)): the first P_l entries of each layer's initial
+        # residency (count order for a warm start, file order for a residency file) sit in slots 0..P_l-1
+        self.npin = np.array([pinned_count(policy.pin_fraction, c) for c in self.caps.tolist()], np.int64)
+        if policy.pin_fraction > 0:
+            if initial_residency is None:
+                raise InputError(f"--pin-fraction = {policy.pin_fraction!r} needs a warm start (the pinned experts "
+                                 "are the first of the initial residency); this run starts cold")
+            for l_, (c, p_) in enumerate(zip(self.caps.tolist(), self.npin.tolist(), strict=True)):
+                if c - p_ < self.k:
+                    raise InputError(f"--pin-fraction = {policy.pin_fraction!r} pins P={p_} of C={c} slots at layer "
+                                     f"{l_}, leaving {c - p_} < k={self.k} for fetches (need C - P >= k)")
+                if int(self.qstate[l_, 3]) < p_:
+                    raise InputError(f"--pin-fraction = {policy.pin_fraction!r} pins P={p_} experts at layer {l_}; "
+                                     f"its initial residency holds only {int(self.qstate[l_, 3])}")
         p = policy
         self.prefetch_width = 0 if p.prefetch == "off" else int(p.prefetch_n or self.k)
         if p.prefetch == "oracle":
             self.prefetch_width = min(self.prefetch_width, self.k)
         # per layer its cache as the kernel takes it: views of the [L, ...] arrays above (built once)
-        self._states = [LayerState(int(self.caps[l_]), self.slot_expert[l_], self.expert_slot[l_], self.key[l_],
-                                   self.skey[l_], self.acc[l_], self.queued[l_], self.pin[l_], self.qstate[l_],
-                                   self.q_exp[l_], self.q_due[l_], self.counters[l_], self.mass[l_]) for l_ in range(L)]
+        self._states = [LayerState(int(self.caps[l_]), int(self.npin[l_]), self.slot_expert[l_], self.expert_slot[l_],
+                                   self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_], self.pin[l_],
+                                   self.qstate[l_], self.q_exp[l_], self.q_due[l_], self.counters[l_], self.mass[l_],
+                                   self.age_count[l_]) for l_ in range(L)]
         self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.policy.KERNEL_DTYPE)
 
     def step(
@@ -790,5 +913,7 @@ class PolicyCache:
         return self._row(self.counters.sum(axis=0), self.mass.sum(axis=0))
 
     def per_layer(self) -> list[dict]:
-        """Every counter of COUNTER_NAMES per layer."""
-        return [self._row(self.counters[l_], self.mass[l_]) for l_ in range(self.L)]
+        """Every counter of COUNTER_NAMES per layer, with the layer's slot count `capacity` (C_l) and its
+        pinned hot set's size `pinned` (P_l)."""
+        return [{**self._row(self.counters[l_], self.mass[l_]), "capacity": int(self.caps[l_]),
+                 "pinned": int(self.npin[l_])} for l_ in range(self.L)]

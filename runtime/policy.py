@@ -26,7 +26,8 @@ import numpy as np
 from runtime.errors import InputError
 
 RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "band")
-EVICTS = ("lfu", "lru", "crf", "belady")
+EVICTS = ("lfu", "lru", "crf", "belady", "lfuda")  # codes are positions: append only
+CAPACITY_ALLOCS = ("uniform", "calibrated")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
 RULE_CODE = {r: i for i, r in enumerate(RULES)}
@@ -76,6 +77,10 @@ class Param:
             if self.nullable:
                 return None
             raise bad(f"needs a value ({self.range_text()})")
+        if self.type is bool:
+            if not isinstance(value, bool | np.bool_):
+                raise bad("must be true or false")
+            return bool(value)
         if self.type is str:
             if value not in self.choices:
                 raise bad(f"is unknown (choose from {', '.join(self.choices)})")
@@ -108,6 +113,9 @@ _ACTIVE = {
     "beta set": lambda p: p.beta is not None,
     "fallback = lowbit": lambda p: p.fallback == "lowbit",
     "prefetch != off": lambda p: p.prefetch != "off",
+    # a drop needs a non-fetched miss (the rule, or a fetch cap) whose fallback is substitute or drop
+    "drops possible": lambda p: p.fallback in ("substitute", "drop") and not (p.rule == "fetch_all"
+                                                                              and p.fetch_cap is None),
 }
 
 
@@ -151,6 +159,15 @@ class PolicyConfig:
     prefetch: str = _p("off", "--prefetch", "prefetch of the next layer's experts", choices=PREFETCHES)
     prefetch_n: int | None = _p(None, "--prefetch-n", "experts prefetched per token-layer (unset: k)", low=1,
                                 nullable=True, active="prefetch != off")
+    pin_fraction: float = _p(0.0, "--pin-fraction", "pin the first floor(pin_fraction * C_l) experts of each layer's "
+                             "warm start (count order): never evicted; needs C_l - P_l >= k and a warm start",
+                             low=0.0, high=1.0, high_open=True)
+    capacity_alloc: str = _p("uniform", "--capacity-alloc", "how the run's total slots are spread over the layers "
+                             "(calibrated: to the layers whose next expert covers the most calibration calls)",
+                             choices=CAPACITY_ALLOCS)
+    drop_renorm: bool = _p(False, "--drop-renorm", "scale the computed experts' gate weights so a dropped miss's "
+                           "weight is shared out (outputs only: no decision or counter changes)",
+                           choices=(False, True), active="drops possible")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -225,6 +242,12 @@ class PolicyConfig:
             parts.append(f"beta={self.beta:g}" + (f",d={self.admission_delay}" if self.admission_delay != 1 else ""))
         if self.prefetch != "off":
             parts.append(f"prefetch={self.prefetch}" + (f"({self.prefetch_n})" if self.prefetch_n else ""))
+        if self.pin_fraction:
+            parts.append(f"pin={self.pin_fraction:g}")
+        if self.capacity_alloc != "uniform":
+            parts.append(f"alloc={self.capacity_alloc}")
+        if self.drop_renorm:
+            parts.append("drop-renorm")
         return " + ".join(parts)
 
     def to_dict(self) -> dict:
@@ -247,13 +270,14 @@ class PolicyConfig:
 
 
 PARAMS: tuple[Param, ...] = tuple(
-    Param(name=f.name, type={"str": str, "int": int, "int | None": int}.get(f.type, float), default=f.default,
+    Param(name=f.name, type={"str": str, "int": int, "int | None": int, "bool": bool}.get(f.type, float),
+          default=f.default,
           **f.metadata["param"])
     for f in fields(PolicyConfig)
 )
 PARAM_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMS)
 # the kernel's policy record: one field per table row with a `kernel` encoding (ints for codes and counts)
-KERNEL_DTYPE = np.dtype([(p.kernel[0], np.int64 if p.type in (str, int) else np.float64) for p in PARAMS if p.kernel])
+KERNEL_DTYPE = np.dtype([(p.kernel[0], np.int64 if p.type in (str, int, bool) else np.float64) for p in PARAMS if p.kernel])
 
 
 def kernel_record(policy: PolicyConfig) -> np.ndarray:
@@ -289,8 +313,9 @@ def add_policy_flags(p: argparse.ArgumentParser, repeatable_preset: bool = False
     g.add_argument("--policy", action="append" if repeatable_preset else "store",
                    help=f"preset{' (repeatable, or all)' if repeatable_preset else ''}: {', '.join(PRESETS)}")
     for prm in PARAMS:
-        conv = {str: str, int: _num(int, prm.flag), float: _num(float, prm.flag)}[prm.type]
-        g.add_argument(prm.flag, dest=f"pol_{prm.name}", type=conv, default=None,
+        conv = {str: str, int: _num(int, prm.flag), float: _num(float, prm.flag), bool: _bool(prm.flag)}[prm.type]
+        more = dict(nargs="?", const=True) if prm.type is bool else {}  # `--drop-renorm` alone means true
+        g.add_argument(prm.flag, dest=f"pol_{prm.name}", type=conv, default=None, **more,
                        help=f"{prm.help}; {prm.range_text()}; default {prm.default!r}; active when {prm.active}")
 
 
@@ -301,6 +326,23 @@ def _num(kind: type, flag: str):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} = {text!r} is not {'an integer' if kind is int else 'a number'}") from None
     return conv
+
+
+def _bool(flag: str):
+    def conv(text: str) -> bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise argparse.ArgumentTypeError(f"{flag} = {text!r} is not true or false")
+    return conv
+
+
+def pinned_count(pin_fraction: float, capacity: int) -> int:
+    """P_l = floor(pin_fraction * C_l) (docs/policies.md, "Pinned hot set"); the product is taken with a 1e-9
+    tolerance so that a decimal fraction such as 0.29 of 100 slots pins 29, not 28."""
+    return int(math.floor(pin_fraction * int(capacity) + 1e-9))
 
 
 def policy_overrides(a: argparse.Namespace) -> dict[str, Any]:

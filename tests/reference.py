@@ -46,14 +46,29 @@ Additions (fallback, band, prefetch; the spec's section "Additions"):
   ``lru`` does.
 - Belady victims of a prefetch look at the next use at or after ``t`` (as for
   an admission).
+
+Additions (2) (``lfuda``, ``pin_fraction``, ``capacity_alloc``; ``fetch_cap``
+above):
+
+- ``lfuda``: when a load evicts, the victim leaves first (``A = max(A, K[v])``,
+  ``c[v] = floor(c[v] / 2)``), then the loaded expert gets ``K[e] = A + c[e]``
+  with that ``A``. Initial residents have ``K = c = 0``.
+- ``pin_fraction``: ``P_l = floor(pin_fraction * C_l)`` computed exactly (the
+  fraction read from its decimal text); the first ``P_l`` ids of the layer's
+  initial residency list are never a victim. Fewer than ``P_l`` initial residents,
+  ``C_l - P_l < k`` or pinning with an empty (cold) start are errors.
+- ``calibrated`` capacities: ``calibrated_capacities_reference`` with exact
+  fractions for the shares.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
 
 RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu", "band")
-EVICTS = ("lfu", "lru", "crf", "belady")
+EVICTS = ("lfu", "lru", "crf", "belady", "lfuda")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
 
@@ -107,6 +122,7 @@ def reference_replay(
     prefetch_n=None,
     lookahead=None,
     fetch_cap=None,
+    pin_fraction=0.0,
 ):
     """Replay a router trace under one policy, literally as docs/policies.md says.
 
@@ -186,6 +202,18 @@ def reference_replay(
                 f"layer {layer}: {len(init[layer])} initial residents > capacity {caps[layer]}"
             )
 
+    pins = []
+    for layer in range(L):
+        # "P_l = floor(pin_fraction * C_l). The first P_l experts of layer l's initial residency ... are pinned"
+        P = int(Fraction(str(pin_fraction)) * caps[layer]) if pin_fraction else 0
+        if P and not any(init):
+            raise ValueError("pin_fraction > 0 with a cold start")
+        if k is not None and caps[layer] - P < k:
+            raise ValueError(f"layer {layer}: C - P = {caps[layer] - P} < k = {k}")
+        if len(init[layer]) < P:
+            raise ValueError(f"layer {layer}: {len(init[layer])} initial residents < P = {P}")
+        pins.append(set(init[layer][:P]))
+
     n_pre = k if prefetch_n is None else int(prefetch_n)
     look = _plain(lookahead) if lookahead is not None else None
 
@@ -227,6 +255,7 @@ def reference_replay(
             tau_high,
             [predicted(t, layer) for t in range(T)],
             fetch_cap,
+            pins[layer],
         )
         for t in range(T):
             kind[t][layer] = out["kind"][t]
@@ -250,15 +279,19 @@ def reference_replay(
 
 def _replay_layer(
     ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d,
-    fallback, tau_high, plists, fetch_cap=None,
+    fallback, tau_high, plists, fetch_cap=None, hot=frozenset(),
 ):
-    """One layer's cache over the whole trace (lists indexed by token t)."""
+    """One layer's cache over the whole trace (lists indexed by token t); `hot`: the pinned hot set."""
     T = len(ids)
     resident = set(init)
     f = [0.0] * E  # LFU count ("all counts f, a at 0")
     a = [0.0] * E  # admission accumulator
     last = [-1] * E  # LRU: "never-used residents count as token -1"
     crf = [0.0] * E  # CRF value c[e]
+    # lfuda: "an inflation value A (starts at 0) and per expert an integer count c[e] and a key K[e] (both 0)"
+    age = {"A": 0}
+    dac = [0] * E
+    dak = [0] * E
     decay = 2.0 ** (-1.0 / half_life) if evict == "crf" else None
     pending = []  # admission batches, oldest first: (t_queued, [experts in queue order])
     log = []
@@ -276,6 +309,19 @@ def _replay_layer(
                 return float(u)
         return float("inf")
 
+    def evicted(v):
+        # lfuda: "Whenever an expert v is evicted ...: A = max(A, K[v]), then c[v] = floor(c[v] / 2)"
+        resident.remove(v)
+        if evict == "lfuda":
+            age["A"] = max(age["A"], dak[v])
+            dac[v] = dac[v] // 2
+
+    def arrived(e):
+        # lfuda: "Whenever an expert e becomes resident ...: K[e] = A + c[e], with the A of that moment"
+        resident.add(e)
+        if evict == "lfuda":
+            dak[e] = age["A"] + dac[e]
+
     def evict_key(e, belady_start):
         if evict == "lfu":
             return f[e]
@@ -283,13 +329,16 @@ def _replay_layer(
             return last[e]
         if evict == "crf":
             return crf[e]
+        if evict == "lfuda":
+            return dak[e]
         # belady: minus the next use; never again = +inf -> key -inf (evicted first)
         return -next_use(e, belady_start)
 
     def pick_victim(options, belady_start):
         # "the resident expert with the smallest eviction key ...; ties go to the lower expert id"
+        # pinned hot set: "never a victim of a fetch, an admission or a prefetch"
         best = None
-        for e in sorted(options):
+        for e in sorted(set(options) - hot):
             if best is None or evict_key(e, belady_start) < evict_key(best, belady_start):
                 best = e
         return best
@@ -322,12 +371,12 @@ def _replay_layer(
                 if len(resident) >= C:
                     # "Each evicts the resident with the smallest eviction key at
                     # that moment, never one admitted in the same batch"
-                    options = [r for r in resident if r not in admitted_in_batch]
+                    options = [r for r in resident if r not in admitted_in_batch and r not in hot]
                     if not options:
                         continue  # design.md: no evictable victim -> skipped
                     victim = pick_victim(options, t)
-                    resident.remove(victim)
-                resident.add(e)
+                    evicted(victim)
+                arrived(e)
                 admitted_in_batch.add(e)
                 admitted_now.add(e)
                 a[e] = 0.0  # "reset to 0 ... whenever e becomes resident"
@@ -347,11 +396,11 @@ def _replay_layer(
                 if e in resident:
                     continue
                 if len(resident) >= C:
-                    options = [r for r in resident if r not in protected]
+                    options = [r for r in resident if r not in protected and r not in hot]
                     if not options:
                         continue
-                    resident.remove(pick_victim(options, t))
-                resident.add(e)
+                    evicted(pick_victim(options, t))
+                arrived(e)
                 loaded.append(e)
 
         # ---- 1. Hits and misses: "e_j is a hit if resident, else a miss." ----
@@ -400,13 +449,13 @@ def _replay_layer(
                 continue
             e = sel[j]
             if len(resident) >= C:  # "If the layer is full"
-                options = [r for r in resident if r not in pinned]
+                options = [r for r in resident if r not in pinned and r not in hot]
                 if not options:
-                    raise AssertionError("no unpinned resident (needs k <= C)")
+                    raise AssertionError("no unpinned resident (needs k <= C - P)")
                 # a fetch at token t: Belady looks strictly after t
                 victim = pick_victim(options, t + 1)
-                resident.remove(victim)
-            resident.add(e)
+                evicted(victim)
+            arrived(e)
             a[e] = 0.0  # "reset to 0 ... whenever e becomes resident (by fetch ...)"
             pinned.add(e)
             used.add(e)
@@ -449,6 +498,10 @@ def _replay_layer(
         # "lru keys are updated by full-precision computes only" (`used` holds exactly those)
         for e in used:
             last[e] = t
+        # lfuda: "At the bookkeeping of each token (step 5), every selected e: c[e] += 1, then K[e] = A + c[e]"
+        for e in sel:
+            dac[e] += 1
+            dak[e] = age["A"] + dac[e]
         if evict == "crf":
             for e in range(E):
                 crf[e] = decay * crf[e] + (1.0 if e in used else 0.0)
@@ -497,7 +550,8 @@ def _replay_layer(
         "mass": mass_out,
         "counters": cnt,
         "resident": set(resident),
-        "state": {"f": list(f), "a": list(a), "last": list(last), "crf": list(crf)},
+        "state": {"f": list(f), "a": list(a), "last": list(last), "crf": list(crf), "K": list(dak), "c": list(dac),
+                  "A": age["A"]},
         "log": log,
     }
 
@@ -519,3 +573,35 @@ def warm_residency_reference(calib_topk_ids, calib_valid, num_experts, capacitie
         order = sorted(range(E), key=lambda e: (-count[e], e))
         out.append(order[: caps[layer]])
     return out
+
+
+def calibrated_capacities_reference(calib_topk_ids, calib_valid, num_experts, capacities, k):
+    """Additions (2), "Per-layer capacities": the total S of `capacities` spread over the layers. "Every
+    layer starts with k slots; then the remaining S - L*k slots are given one at a time to the layer whose
+    next expert in count order (position C_l) has the largest share n_l[e] / sum_e n_l[e] of that layer's
+    calibration calls (ties: lower layer index; a layer stops at E - 1)." Shares as exact fractions."""
+    ids = _plain(calib_topk_ids)
+    ok = _plain(calib_valid)
+    caps_in = [int(c) for c in _plain(capacities)]
+    E, L = int(num_experts), len(caps_in)
+    counts = []
+    for layer in range(L):
+        n = [0] * E
+        for t in range(len(ids)):
+            if ok[t][layer]:
+                for e in ids[t][layer]:
+                    n[int(e)] += 1
+        counts.append(n)
+    order = [sorted(range(E), key=lambda e, n=n: (-n[e], e)) for n in counts]
+    caps = [k] * L
+    for _ in range(sum(caps_in) - L * k):
+        best, best_share = None, None
+        for layer in range(L):
+            if caps[layer] >= E - 1:
+                continue  # "a layer stops at E - 1"
+            total = sum(counts[layer])
+            share = Fraction(counts[layer][order[layer][caps[layer]]], total) if total else Fraction(0)
+            if best is None or share > best_share:  # strictly larger: ties keep the lower layer
+                best, best_share = layer, share
+        caps[best] += 1
+    return caps

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from runtime.errors import InputError
 from runtime.kernel import COUNTER_NAMES, PolicyCache, next_use, predicted_lists, warm_residency
-from runtime.policy import PRESETS, PolicyConfig, resolve_capacities
+from runtime.policy import PRESETS, PolicyConfig, pinned_count, resolve_capacities
 from tests.reference import reference_replay, warm_residency_reference
 
 
@@ -72,7 +72,7 @@ def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks, lookahea
     return cache, kind, served
 
 
-def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap):
+def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap, pin=0.0):
     if evict == "belady":
         rule = "fetch_all"
         cap = None
@@ -82,7 +82,7 @@ def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap):
         tau_high=tau + 0.2 if rule == "band" else None,
         fallback="substitute" if rule == "cpu" else fallback,
         beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d, prefetch=prefetch, prefetch_n=n,
-        fetch_cap=cap)
+        fetch_cap=cap, pin_fraction=pin)
 
 
 policies = st.builds(
@@ -90,7 +90,7 @@ policies = st.builds(
     rule=st.sampled_from(["fetch_all", "threshold", "first_choice", "substitute_all", "cpu", "band"]),
     tau=st.sampled_from([0.0, 0.05, 0.15, 0.3, 0.9]),
     beta=st.sampled_from([None, None, 0.05, 0.2, 0.5, 1.0]),
-    evict=st.sampled_from(["lfu", "lfu", "lru", "crf", "belady"]),
+    evict=st.sampled_from(["lfu", "lfu", "lru", "crf", "belady", "lfuda", "lfuda"]),
     gamma=st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.73]),
     h=st.sampled_from([1.0, 4.0, 32.0]),
     d=st.integers(1, 3),
@@ -98,7 +98,15 @@ policies = st.builds(
     prefetch=st.sampled_from(["off", "off", "lookahead", "oracle"]),
     n=st.sampled_from([None, 1, 2, 5]),
     cap=st.sampled_from([None, None, None, 1, 2]),
+    pin=st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.5, 0.34]),
 )
+
+
+def _pinnable(policy, caps, k):
+    """The policy with pin_fraction 0 where some layer would keep fewer than k free slots (an error)."""
+    if policy.pin_fraction and any(c - pinned_count(policy.pin_fraction, c) < k for c in caps):
+        return replace(policy, pin_fraction=0.0)
+    return policy
 
 
 @settings(max_examples=int(os.environ.get("ES_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,7 +125,10 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
     p_valid = data.draw(st.sampled_from([1.0, 1.0, 0.8]))
     ids, w, ranking, valid = random_case(seed, T, L, E, k, M, p_valid)
     rng = np.random.default_rng(seed + 1)
-    init = [rng.choice(E, size=int(rng.integers(0, c + 1)), replace=False).astype(np.int32) for c in caps]
+    policy = _pinnable(policy, caps, k)
+    # a pinned hot set needs at least P_l initial residents
+    init = [rng.choice(E, size=int(rng.integers(pinned_count(policy.pin_fraction, c), c + 1)), replace=False)
+            .astype(np.int32) for c in caps]
     chunks = data.draw(st.lists(st.integers(1, max(T - 1, 1)), max_size=3))
     look = None
     if policy.prefetch == "lookahead":
@@ -131,6 +142,7 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
         half_life=policy.half_life, admission_delay=policy.admission_delay, fallback=policy.fallback,
         tau_high=policy.tau_high, prefetch=policy.prefetch, prefetch_n=policy.prefetch_n,
         lookahead=None if look is None else look.tolist(), fetch_cap=policy.fetch_cap,
+        pin_fraction=policy.pin_fraction,
     )
     for t in range(T):
         for l_ in range(L):
@@ -257,7 +269,9 @@ def test_scores_decide_like_the_full_ranking(seed, T, E, data, policy):
     np.put_along_axis(rest, ids.astype(np.int64), -np.inf, axis=1)
     tail = np.lexsort((np.broadcast_to(np.arange(E), (T, E)), -rest), axis=1)[:, : E - k]  # [T, E-k]
     ranking = np.concatenate([ids, tail.astype(np.int32)], axis=1)  # [T, E]
-    init = [rng.choice(E, size=int(rng.integers(0, cap + 1)), replace=False).astype(np.int32)]
+    policy = _pinnable(policy, [cap], k)
+    init = [rng.choice(E, size=int(rng.integers(pinned_count(policy.pin_fraction, cap), cap + 1)), replace=False)
+            .astype(np.int32)]
     pred = ids if policy.prefetch != "off" else None
     out = []
     # also both (the full ranking is walked) and a truncated ranking beside the scores (the scores decide)
