@@ -20,7 +20,7 @@ from runtime import hfmodel, stream
 from runtime.adapters import family_of, moe_blocks
 from runtime.engine import Engine
 from runtime.errors import InputError
-from runtime.policy import PRESETS
+from runtime.policy import PRESETS, PolicyConfig
 from runtime.spec import RunSpec
 from tests.tiny_hf import FAMILIES, build_tiny
 
@@ -141,3 +141,154 @@ def test_record_streamed_equals_in_memory(ckpts, text, tmp_path):
                                 max_memory=1e-6))
     for f in ("topk_ids", "topk_weights", "ranking", "lookahead"):
         np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+
+
+# ---------------------------------------------------------------- device mode (--device; stream.LayerPipe)
+
+DEVICE_POLICIES = {  # substitutions, admissions, drops, host compute, low-bit copies, both prefetches
+    "quality-first": PRESETS["quality-first"],
+    "drop": PolicyConfig(rule="threshold", tau=0.3, fallback="drop"),
+    "host": PolicyConfig(rule="threshold", tau=0.3, fallback="host", beta=0.3),
+    "lowbit-4": PolicyConfig(rule="first_choice", fallback="lowbit", lowbit_bits=4, lowbit_group=16, beta=0.5),
+    "lookahead": PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=3),
+    "oracle": PolicyConfig(rule="fetch_all", prefetch="oracle", evict="lru"),
+}
+
+
+def _group(ckpt, text, tmp_path, tag, **fields):
+    import pyarrow.parquet as pq
+
+    from runtime.backends import get_backend
+
+    nll = tmp_path / f"{tag}-nll.parquet"
+    specs = [RunSpec(policy=p, name=n, model=str(ckpt), text=str(text), capacity=3, window=16, max_tokens=128,
+                     record_decisions=True, nll_out=str(nll), **fields) for n, p in DEVICE_POLICIES.items()]
+    return get_backend("emulation").evaluate_many(specs), pq.read_table(nll).to_pandas()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_device_mode_equals_in_memory(ckpts, text, tmp_path, family, monkeypatch):
+    """--device cpu with every layer streamed runs the device path (LayerPipe: staging, copy, bind,
+    release) on the host: every decision and counter identical to the in-memory run, NLL within 1e-5,
+    each layer through the pipe once per pass."""
+    import numpy as np
+
+    acquired = []
+    real_acquire = stream.LayerPipe.acquire
+
+    def acquire(self, i):
+        acquired.append(i)
+        real_acquire(self, i)
+
+    monkeypatch.setattr(stream.LayerPipe, "acquire", acquire)
+    ref, nll_a = _group(ckpts[family], text, tmp_path, "mem")
+    assert not acquired
+    got, nll_b = _group(ckpts[family], text, tmp_path, "dev", max_memory_GiB=1e-6, device="cpu")
+    L = ref[0].num_layers
+    passes = len(acquired) // L
+    assert passes >= 2 and acquired == list(range(L)) * passes  # the held-out calibration pass, the evaluation
+    for a, b in zip(ref, got, strict=True):
+        assert b.extra["streamed"] and not a.extra["streamed"]
+        assert a.counters == b.counters, a.policy
+        for f in ("kind", "served", "slot"):
+            np.testing.assert_array_equal(a.decisions[f], b.decisions[f], err_msg=f"{a.policy} {f}")
+    assert any(r.counters["lowbit_computes"] for r in ref) and any(r.counters["prefetches"] for r in ref)
+    assert list(nll_a.columns) == list(nll_b.columns)
+    for c in nll_a.columns:
+        assert np.abs(nll_a[c].to_numpy() - nll_b[c].to_numpy()).max() <= 1e-5, c
+
+
+def test_device_mode_overlaps_and_releases_each_layer(ckpts, text, monkeypatch):
+    """While layer i computes, layer i + 1's read and copy have been started and layer i - 1's device copy
+    is gone (its parameters back on the meta device); after the pass no layer is loaded and each was read
+    once."""
+    import numpy as np
+
+    pipes = []
+    real_init = stream.LayerPipe.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        pipes.append(self)
+
+    monkeypatch.setattr(stream.LayerPipe, "__init__", init)
+    m = hfmodel.load(ckpts["qwen2_moe"], max_memory=1e-6, device="cpu")
+    assert m.streamed and m.device == torch.device("cpu")
+    layers = m.model.get_decoder().layers
+    seen = []
+
+    def hook(i):
+        def pre(mod, args, kwargs):
+            nxt = i + 1 >= len(layers) or i + 1 in pipes[-1].futures
+            routers = {id(getattr(o, a)) for e in m.weights.units["routers"] for o, a in e.aliases}  # resident
+            seen.append((i, all(not p.is_meta for p in mod.parameters()),
+                         i == 0 or all(p.is_meta for p in layers[i - 1].parameters() if id(p) not in routers), nxt))
+        return pre
+
+    handles = [lay.register_forward_pre_hook(hook(i), with_kwargs=True) for i, lay in enumerate(layers)]
+    try:
+        windows = np.arange(64, dtype=np.int64).reshape(4, 16) % 90
+        nll = hfmodel.run_lanes(m, windows, [hfmodel.Lane()], batch_windows=2)[0]
+    finally:
+        for h in handles:
+            h.remove()
+    assert nll.shape == (4, 15) and np.isfinite(nll).all()
+    assert [s[0] for s in seen] == [0, 0, 1, 1]  # two batches per layer, layer-major
+    assert all(s[1] and s[2] for s in seen), seen
+    assert all(s[3] for s in seen if s[0] == 0), seen  # layer 1 on its way while layer 0 computes
+    units = [u for u in m.weights.units if u.startswith(("layer.", "experts."))]
+    assert all(m.weights.reads[u] == 1 for u in units) and not m.weights.loaded & set(units)
+
+
+def test_record_cli_device_cpu_equals_in_memory(ckpts, text, tmp_path):
+    import numpy as np
+
+    from runtime.record import main as record_main
+    from runtime.trace import load_trace
+
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    common = ["--model", str(ckpts["deepseek_v3"]), "--text", str(text), "--max-tokens", "160", "--window", "16",
+              "--lookahead", "2"]
+    record_main([*common, "--out", str(a)])
+    record_main([*common, "--out", str(b), "--device", "cpu", "--max-memory", "0.000001"])
+    ta, tb = load_trace(a), load_trace(b)
+    for f in ("topk_ids", "topk_weights", "ranking", "lookahead"):
+        np.testing.assert_array_equal(getattr(ta, f), getattr(tb, f), err_msg=f)
+
+
+def test_bad_device_is_a_one_line_error_without_output(ckpts, text, tmp_path):
+    from runtime.record import record_trace
+
+    out = tmp_path / "t.parquet"
+    r = subprocess.run([sys.executable, "-m", "runtime.record", "--model", str(ckpts["qwen3_moe"]), "--text", str(text),
+                        "--out", str(out), "--device", "tpu"], capture_output=True, text=True)
+    assert r.returncode == 2 and not out.exists()
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("expertsweep: error:")]
+    assert len(err) == 1 and "--device = 'tpu' must be cpu or cuda" in err[0], r.stderr
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="--device = cuda: no CUDA device is available"):
+            record_trace(ckpts["qwen3_moe"], text, out, device="cuda")
+        assert not out.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_checks.sh runs it)")
+def test_cuda_streamed_equals_cuda_resident_and_cpu(ckpts, text, tmp_path, monkeypatch):
+    """fp32 on the GPU: every layer streamed through the device (device budget capped) makes the decisions of
+    the model resident on the device and its NLL within 1e-5; against the CPU run the NLL is within 1e-3."""
+    import numpy as np
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ck = ckpts["qwen3_moe"]
+    res, nll_r = _group(ck, text, tmp_path, "resident", device="cuda")
+    monkeypatch.setenv(hfmodel.DEVICE_MEMORY_ENV, "0.000001")
+    got, nll_s = _group(ck, text, tmp_path, "streamed", device="cuda")
+    assert got[0].extra["streamed"] and not res[0].extra["streamed"]
+    for a, b in zip(res, got, strict=True):
+        assert a.counters == b.counters, a.policy
+        for f in ("kind", "served", "slot"):
+            np.testing.assert_array_equal(a.decisions[f], b.decisions[f], err_msg=f"{a.policy} {f}")
+    _, nll_c = _group(ck, text, tmp_path, "cpu")
+    for c in nll_r.columns:
+        assert np.abs(nll_r[c].to_numpy() - nll_s[c].to_numpy()).max() <= 1e-5, c
+    assert np.abs(nll_r["nll_exact"].to_numpy() - nll_c["nll_exact"].to_numpy()).max() <= 1e-3
