@@ -29,10 +29,16 @@ import torch
 from runtime import hfmodel
 from runtime.engine import Engine, cpu_threads, engine_cli, load_engine
 from runtime.errors import ArgumentParser, InputError, atomic_write
-from runtime.hfmodel import add_model_flags
 from runtime.kernel import PolicyCache, warm_residency
 from runtime.policy import PRESETS, preset, resolve_capacities
 from runtime.prefill import prefill
+from runtime.spec import (
+    DEFAULT_CAPACITY_FRACTION,
+    HOST_STORES,
+    RUN_FIELD_BY_NAME,
+    SIZE_FIELDS,
+    add_run_flags,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +93,8 @@ def run_generate(eng: Engine, prompts: list[str], policy_name: str, max_new: int
     else:
         caps = resolve_capacities(capacity, m.num_layers, m.E, m.k, capacity_fraction)
     exact = [greedy(eng, p, max_new, None, chunk) for p in ids]
-    cids, init_src = hfmodel.calibration_ids(m, calib_text, 16384, hfmodel.default_window(m))
+    cids, init_src = hfmodel.calibration_ids(m, calib_text, RUN_FIELD_BY_NAME["calib_max_tokens"].default,
+                                             hfmodel.default_window(m))
     if cids is None:  # never warm from the evaluated prompts (runtime/spec.py)
         log.warning("no calibration text (--calib-text, or calib.txt beside the model): the cache starts cold")
         init_src = "cold"
@@ -140,17 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", default=None)
     src.add_argument("--prompts", default=None, help="text file, one prompt per line")
     p.add_argument("--policy", required=True, help=f"preset: {', '.join(PRESETS)}")
-    cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-fraction", type=float, default=None)
-    cap.add_argument("--capacity", type=int, default=None)
-    cap.add_argument("--vram-budget", type=float, default=None, help="GiB of device memory for the engine")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    add_model_flags(p)
-    p.add_argument("--host-store", default="ram", choices=["ram", "mmap"])
+    # the run-field table's rows (runtime/spec.py): --capacity C or C0,C1,..., --capacity-fraction, --vram-budget,
+    # --device, --dtype, --max-memory, --host-store, --calib-text
+    add_run_flags(p, ("engine",), only=(*SIZE_FIELDS, "device", "dtype", "max_memory_GiB", "host_store", "calib_text"),
+                  size_default=f"--capacity-fraction {DEFAULT_CAPACITY_FRACTION}")
     p.add_argument("--pageable", action="store_true", help="CUDA: keep the host store in pageable memory")
     p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--calib-text", default=None)
     p.add_argument("--threads", type=int, default=1, help="CPU device mode: intra-op threads of the 'device'")
     p.add_argument("--out", default=None, help="write the JSON report here (atomically)")
     p.add_argument("--json", action="store_true")
@@ -161,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
     prompts = read_prompts(a.prompt, a.prompts)
     if a.capacity is None and a.capacity_fraction is None and a.vram_budget is None:
-        a.capacity_fraction = 0.25
+        a.capacity_fraction = DEFAULT_CAPACITY_FRACTION
+    if a.host_store not in HOST_STORES:
+        raise InputError(f"--host-store = {a.host_store!r} must be one of {', '.join(HOST_STORES)}")
     if a.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk = {a.prefill_chunk} must be >= 1")
     eng = load_engine(a.model, a.device, a.dtype, a.host_store, pinned=not a.pageable, max_memory=a.max_memory)

@@ -47,12 +47,11 @@ def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype | None:
 
 
 def add_model_flags(p, dtype_help: str = "the dtype the model runs in") -> None:
-    """`--dtype` and `--max-memory`, the same on every command that loads a checkpoint."""
-    p.add_argument("--dtype", default="auto", help=f"auto (the checkpoint's own: bf16 stays bf16) | fp32 | bf16 | fp16: "
-                   f"{dtype_help}")
-    p.add_argument("--max-memory", default="auto", metavar="GIB",
-                   help="host RAM the model's weights may use (default auto: available memory less max(2 GiB, 10%%)); "
-                        "a model above it is read from its safetensors shards layer by layer (docs/emulation.md)")
+    """`--dtype` and `--max-memory`, the same on every command that loads a checkpoint (the run-field
+    table's rows, runtime/spec.py: default and help written once)."""
+    from runtime.spec import add_run_flags
+
+    add_run_flags(p, ("emulation", "engine"), only=("dtype", "max_memory_GiB"), notes={"dtype": dtype_help})
 
 
 @dataclass

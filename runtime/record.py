@@ -24,6 +24,7 @@ from runtime.hfmodel import (
     record_routing,
     tokenize_file,
 )
+from runtime.spec import add_run_flags
 from runtime.trace import save_trace
 
 
@@ -55,9 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--depth", type=int, default=None, help="ranking depth M (default: E, exact)")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--window", type=int, default=None)
-    p.add_argument("--batch-windows", type=int, default=8)
+    add_run_flags(p, ("emulation",), only=("max_tokens", "window", "batch_windows"))  # RunSpec's rows
     p.add_argument("--lookahead", type=int, default=0,
                    help="also record per token and layer the first P ids of the next layer's router on this "
                         "layer's router input (for --prefetch lookahead); default 0: none")

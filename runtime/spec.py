@@ -98,12 +98,16 @@ class RunField:
             if not vals or any(isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1 for v in vals):
                 raise InputError(f"{label} = {value!r} must be one int for all layers or a list of ints per layer")
             return int(vals[0]) if not isinstance(value, list | tuple | np.ndarray) else tuple(int(v) for v in vals)
-        if self.kind == "memory":
+        if self.kind == "memory":  # runtime.stream.resolve_max_memory turns auto into GiB when a model loads
             if value == "auto":
                 return value
-            from runtime.stream import resolve_max_memory  # torch-side: only for a number
-
-            return resolve_max_memory(value, label)
+            try:
+                v = float(value) if not isinstance(value, bool) else math.nan
+            except (TypeError, ValueError):
+                v = math.nan
+            if not (0 < v < math.inf):
+                raise InputError(f"{label} = {value!r} must be a positive number of GiB or 'auto'")
+            return v
         ok = not isinstance(value, bool) and isinstance(value, int | float | np.integer | np.floating)
         if not ok or not math.isfinite(value) or not (self.low is None or value > self.low) \
                 or not (self.high is None or value < self.high):
@@ -166,9 +170,9 @@ class RunSpec:
         "auto", "--max-memory", "host RAM the model's weights may use (auto: available memory less max(2 GiB, "
         "10%)); a model above it is read from its safetensors shards layer by layer (docs/emulation.md)", _TEXT,
         kind="memory", metavar="GIB")
-    host_store: str = _r("ram", "--host-store", "where the engine's host expert store lives", ("engine",),
+    host_store: str = _r("ram", "--host-store", "ram | mmap: where the engine's host expert store lives", ("engine",),
                          choices=HOST_STORES)
-    substitute_weight: str = _r("missed", "--substitute-weight", "apply a substitute with the missed expert's "
+    substitute_weight: str = _r("missed", "--substitute-weight", "missed | own: apply a substitute with the missed expert's "
                                 "gate weight, or its own", ("emulation",), choices=SUBSTITUTE_WEIGHTS)
     nll_out: str | None = _r(None, "--nll-out", "write the per-token NLLs (Parquet)", _TEXT, output=True)
     trace_out: str | None = _r(None, "--trace-out", "write the router trace seen under the (single) policy",
@@ -180,8 +184,7 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         for f in RUN_FIELDS:
-            if f.kind != "memory":  # max_memory_GiB below, after the input is known
-                object.__setattr__(self, f.name, f.check(getattr(self, f.name)))
+            object.__setattr__(self, f.name, f.check(getattr(self, f.name)))
         if not isinstance(self.policy, PolicyConfig):
             raise InputError(f"RunSpec.policy = {self.policy!r} must be a PolicyConfig")
         sizes = [n for n in SIZE_FIELDS if getattr(self, n) is not None]
@@ -193,7 +196,6 @@ class RunSpec:
             raise InputError("input: give either --trace (simulator) or --model with --text (emulation, engine)")
         if self.text is not None and self.model is None:
             raise InputError(f"--text {self.text}: --model is required with a text")
-        object.__setattr__(self, "max_memory_GiB", RUN_FIELD_BY_NAME["max_memory_GiB"].check(self.max_memory_GiB))
         ir = self.initial_residency
         if ir is not None and not (ir in ("cold", HELD_OUT) or ir.startswith("warm:") or ir.endswith(".npy")):
             raise InputError(f"--initial-residency = {ir!r}: expected warm:TRACE, cold, held-out or a .npy file")
@@ -275,22 +277,26 @@ def _conv(f: RunField):  # noqa: ANN202 - an argparse type
     return conv
 
 
-def add_run_flags(p: argparse.ArgumentParser, backends: tuple[str, ...], *, size_required: bool = False,
-                  size_default: str = "") -> tuple[str, ...]:
-    """One flag per RunSpec field that any of `backends` honours, from the table (help, default, type);
-    the cache-size flags mutually exclusive. Returns the fields added (`run_kwargs` reads them back)."""
-    names = []
-    size = p.add_argument_group("cache size (exactly one)" + (f"; default {size_default}" if size_default else ""))
-    size = size.add_mutually_exclusive_group(required=size_required)
+def add_run_flags(p: argparse.ArgumentParser, backends: tuple[str, ...], *, only: tuple[str, ...] | None = None,
+                  size_required: bool = False, size_default: str = "",
+                  notes: dict[str, str] | None = None) -> tuple[str, ...]:
+    """One flag per RunSpec field that any of `backends` honours (or those of `only`), from the table:
+    flag, type, default and help (plus `notes[field]`); the cache-size flags mutually exclusive.
+    Returns the fields added (`run_kwargs` reads them back)."""
+    names: list[str] = []
+    rows = [f for f in RUN_FIELDS
+            if f.flag is not None and f.backends & set(backends) and (only is None or f.name in only)]
     run = p.add_argument_group("run (runtime/spec.py's RunSpec fields)")
-    for f in RUN_FIELDS:
-        if f.flag is None or not f.backends & set(backends):
-            continue
-        only = "" if f.backends >= set(backends) else f" [{', '.join(b for b in backends if b in f.backends)} only]"
+    if any(f.name in SIZE_FIELDS for f in rows):  # argparse refuses an empty exclusive group
+        size = p.add_argument_group("cache size (exactly one)" + (f"; default {size_default}" if size_default else ""))
+        size = size.add_mutually_exclusive_group(required=size_required)
+    for f in rows:
+        which = "" if f.backends >= set(backends) else f" [{', '.join(b for b in backends if b in f.backends)} only]"
         default = "" if f.default is None else f"; default {f.default}"
+        note = f": {notes[f.name]}" if notes and f.name in notes else ""
         (size if f.name in SIZE_FIELDS else run).add_argument(
             f.flag, dest=f.dest, type=_conv(f), default=f.default, metavar=f.metavar,
-            help=(f.help + default + only).replace("%", "%%"))
+            help=(f.help + note + default + which).replace("%", "%%"))
         names.append(f.name)
     return tuple(names)
 
