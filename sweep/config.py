@@ -3,7 +3,13 @@
 Top-level keys (all optional except `space`):
 
     name: demo                # results go to results/<name>/ unless --out
-    model: demo               # tiny model size (demo | test) or a model folder; records its traces
+    model: demo               # tiny model size (demo | test) or any local Hugging Face checkpoint folder;
+                              #   its traces are recorded once and cached by a checkpoint digest (sweep/data.py)
+    model_resource: null      # NAME: the model's files are on the Ray nodes offering `model:NAME` (paths of
+                              #   model/text/calib_text are paths there); null: on the driver's node
+    max_memory_GiB: auto      # host RAM the model's weights may use in recording and emulation (auto: the
+                              #   node's available memory less a margin); above it passes stream layer by layer
+    dtype: auto               # auto (the checkpoint's own) | fp32 | bf16 | fp16, for recording and emulation
     text: null                # evaluated text (default: the model's eval.txt)
     calib_text: null          # warm-start calibration text (default: the model's calib.txt; without one,
                               #   the held-out last 20% of the evaluated tokens, runtime/spec.py)
@@ -21,7 +27,9 @@ Top-level keys (all optional except `space`):
     task_seconds: 2.0
     max_failures: 2           # retries of a failing trial before it is recorded failed
     baselines: {policies: [fetch-every-miss, ...], capacity_fraction: 0.25}
-    emulation: {rungs: [2048], eta: 3, max_full: 8, engine: true}   # the ladder (sweep/ladder.py); false: off
+    emulation: {rungs: [2048], eta: 3, max_full: 8, engine: true, cpus: auto}   # the ladder (sweep/ladder.py);
+                              #   false: off; cpus: Ray CPUs (= torch threads) of each recording / emulation task,
+                              #   auto: every CPU of the smallest node that holds the model
     ppl_budgets_pct: [0.5, 1, 2]  # the answer: per host and budget, the fastest policy within it
     space: {...}              # sweep/space.py; `vram_budget_GiB: auto` compares every policy at one
                               #   device-memory budget: what fetch-every-miss needs at 25% residency
@@ -41,6 +49,7 @@ import yaml
 
 from runtime.errors import InputError
 from runtime.policy import PRESETS
+from runtime.spec import RUN_FIELD_BY_NAME as RUN
 from sweep.space import Space, parse_space
 
 OBJECTIVES = ("time_per_token_s", "mass_per_token", "device_memory_GiB")
@@ -69,6 +78,7 @@ class Emulation:
     eta: int = 3  # successive halving: about 1/eta of a rung goes on
     max_full: int = 8  # candidates emulated at the full budget (besides the named baselines)
     engine: bool = True  # also decode the full-budget set with the engine on hosts with profile: calibrate
+    cpus: int | None = None  # CPUs (and torch threads) of a recording / emulation task; None: auto (sweep/worker.py)
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,9 @@ class SweepConfig:
     space: Space
     name: str = "sweep"
     model: str | None = None
+    model_resource: str | None = None  # the model's files are on nodes offering `model:<this>`
+    max_memory_GiB: float | str = RUN["max_memory_GiB"].default  # RunSpec's, for every recording and emulation
+    dtype: str = RUN["dtype"].default  # RunSpec's, for every recording and emulation
     text: str | None = None
     calib_text: str | None = None
     trace: str | dict | None = None
@@ -110,6 +123,21 @@ class SweepConfig:
             v = 0.25 if p.contains(0.25) else (p.values()[0] if p.kind == "choice" else (p.low + p.high) / 2)
             return {"capacity_fraction": v}
         return {"vram_budget_GiB": p.values()[0] if p.kind == "choice" else (p.low * p.high) ** 0.5}
+
+
+def _model_keys(source: str, data: dict[str, Any]) -> dict[str, Any]:
+    """model_resource, max_memory_GiB and dtype, validated (each a one-line InputError naming the key)."""
+    kw: dict[str, Any] = {}
+    res = data.get("model_resource")
+    if res is not None:
+        if not isinstance(res, str) or not res or any(c in res for c in ' :/,"{}'):
+            raise InputError(f"{source}: model_resource = {res!r}: use letters, digits, ., - and _ "
+                             f"(the nodes holding the model offer the Ray resource model:NAME)")
+        kw["model_resource"] = res
+    for key in ("max_memory_GiB", "dtype"):  # RunSpec fields: checked by the run-field table's row
+        if key in data:
+            kw[key] = RUN[key].check(data[key], f"{source}: {key}")
+    return kw
 
 
 def _int(where: str, v: Any, lo: int) -> int:
@@ -157,7 +185,8 @@ def _trace(where: str, v: Any) -> str | dict | None:
     raise InputError(f"{where} = {v!r}: expected a trace file or {{synthetic: {{num_tokens, ...}}}}")
 
 
-_KEYS = {"name", "model", "text", "calib_text", "trace", "calib_trace", "model_shape", "max_tokens", "hosts", "trials", "sampler",
+_KEYS = {"name", "model", "model_resource", "max_memory_GiB", "dtype", "text", "calib_text", "trace", "calib_trace",
+         "model_shape", "max_tokens", "hosts", "trials", "sampler",
          "population", "seed", "objectives", "batch", "task_seconds", "max_failures", "baselines",
          "emulation", "ppl_budgets_pct", "space"}
 
@@ -178,7 +207,10 @@ def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
         spec = {**spec, "vram_budget_GiB": 1.0}  # a placeholder until the model's shape is known
     kw["space"] = parse_space(spec, f"{source}: space")
     kw["space_spec"] = spec
-    for key in ("name", "model", "text", "calib_text", "calib_trace", "model_shape"):
+    for key in ("model", "text", "calib_text", "model_shape"):  # RunSpec fields: the run-field table's check
+        if data.get(key) is not None:
+            kw[key] = RUN[key].check(data[key], f"{source}: {key}")
+    for key in ("name", "calib_trace"):
         if data.get(key) is not None:
             if not isinstance(data[key], str) or not data[key]:
                 raise InputError(f"{source}: {key} = {data[key]!r} must be a non-empty string")
@@ -188,12 +220,13 @@ def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
                          f"the evaluated data; leave calib_text out for a held-out part)")
     if "name" in kw and any(c in kw["name"] for c in ' /\\:"'):
         raise InputError(f"{source}: name = {kw['name']!r}: use letters, digits, ., - and _")
+    kw.update(_model_keys(source, data))
     if "trace" in data:
         kw["trace"] = _trace(f"{source}: trace", data["trace"])
     if "hosts" in data:
         kw["hosts"] = _hosts(f"{source}: hosts", data["hosts"])
     if data.get("max_tokens") is not None:
-        kw["max_tokens"] = _int(f"{source}: max_tokens", data["max_tokens"], 2)
+        kw["max_tokens"] = RUN["max_tokens"].check(data["max_tokens"], f"{source}: max_tokens")
     for key, lo in (("trials", 0), ("population", 2), ("seed", 0), ("max_failures", 0)):
         if key in data:
             kw[key] = _int(f"{source}: {key}", data[key], lo)
@@ -267,9 +300,9 @@ def _emulation(where: str, v: Any, max_tokens: int | None) -> Emulation:
         return Emulation(enabled=False)
     if v is True:
         return Emulation()
-    keys = {"rungs", "eta", "max_full", "engine"}
+    keys = {"rungs", "eta", "max_full", "engine", "cpus"}
     if not isinstance(v, dict) or set(v) - keys:
-        raise InputError(f"{where} = {v!r}: expected false or {{rungs: [TOKENS, ...], eta, max_full, engine}}")
+        raise InputError(f"{where} = {v!r}: expected false or {{rungs: [TOKENS, ...], eta, max_full, engine, cpus}}")
     rungs = v.get("rungs", list(Emulation.rungs))
     if not isinstance(rungs, list) or any(isinstance(r, bool) or not isinstance(r, int) or r < 16 for r in rungs) \
             or rungs != sorted(set(rungs)):
@@ -278,8 +311,10 @@ def _emulation(where: str, v: Any, max_tokens: int | None) -> Emulation:
         raise InputError(f"{where}.rungs = {rungs!r}: every rung must be below max_tokens = {max_tokens}")
     if "engine" in v and not isinstance(v["engine"], bool):
         raise InputError(f"{where}.engine = {v['engine']!r} must be true or false")
+    cpus = v.get("cpus", "auto")
     return Emulation(True, tuple(rungs), _int(f"{where}.eta", v.get("eta", 3), 2),
-                     _int(f"{where}.max_full", v.get("max_full", 8), 1), v.get("engine", True))
+                     _int(f"{where}.max_full", v.get("max_full", 8), 1), v.get("engine", True),
+                     None if cpus == "auto" else _int(f"{where}.cpus", cpus, 1))
 
 
 def load_config(path: str | Path) -> SweepConfig:

@@ -1,11 +1,25 @@
-"""The sweep's inputs: the model, its texts and router traces, resolved to absolute paths up front.
+"""The sweep's inputs: the model, its texts and router traces, resolved up front, recorded where the model is.
 
-`prepare` runs in the driver before anything is scheduled, so a missing model, text or trace is a
-one-line error before any trial. A model (`demo` / `test`: `runtime.tinymodel.ensure_model`,
-or a folder with config.json) gets its evaluated text and calibration text recorded as router
-traces (`runtime.record.record_trace`) into `<out>/traces/`, reused while newer than the model
-and the texts. A synthetic trace (`trace: {synthetic: {...}}`) is generated there with its
-calibration twin (the same model draw `seed`, another token draw `sample`), also reused while its
+`locate` runs in the driver before Ray starts, so a missing model, text or trace the driver can
+check is a one-line error before any trial. A model is `demo` / `test` (`runtime.tinymodel.
+ensure_model`), or any local Hugging Face checkpoint folder (config.json + safetensors shards).
+With `model_resource: NAME` the folder (and the texts) are on the Ray nodes offering `model:NAME`
+and the driver does not need to see them; else they are on the driver's node.
+
+`prepare` (after Ray is up) gets the router traces of the evaluated text and of the calibration
+text from `record_on_node`, a Ray task that runs where the model's files are (sweep/worker.py
+`model_placement`): it records with the sweep's `dtype` and `max_memory_GiB` (streamed layer by
+layer above it, runtime/stream.py), or reuses the trace cached on that node under
+`$EXPERTSWEEP_CACHE/traces/` by `trace_key`: the checkpoint digest (`checkpoint_digest`: a hash
+of config.json's bytes and of the name, size and modification time of every other file of the
+folder, the safetensors shards and their index included; no weight is read) plus the recording
+parameters (the text's SHA-256, max_tokens, lookahead, dtype). A second sweep on the same
+checkpoint therefore records nothing. The task returns the trace bytes (and config.json), which
+the driver writes into `<out>/traces/` for the report and hands to the workers through Ray's
+object store (sweep/pareto.py): no node reads the driver's output folder.
+
+A synthetic trace (`trace: {synthetic: {...}}`) is generated in `<out>/traces/` with its
+calibration twin (the same model draw `seed`, another token draw `sample`), reused while its
 parameters are unchanged.
 
 Warm start (never the evaluated data): the calibration text is the config's `calib_text`, else
@@ -17,8 +31,10 @@ evaluated tokens (runtime/spec.py `HELD_OUT_FRACTION`) calibrate the cache and a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,16 +45,31 @@ from sweep.config import SweepConfig
 
 log = logging.getLogger(__name__)
 
+RECORDER_VERSION = 1  # part of every cached trace's key: bump when recording changes what it writes
+
 
 @dataclass(frozen=True)
 class Inputs:
     trace: str
     calib_trace: str | None
-    model_dir: str | None
-    text: str | None
-    calib_text: str | None
+    model_dir: str | None  # on the model's nodes (the driver's node unless model_resource is set)
+    text: str | None  # the same
+    calib_text: str | None  # the same
     dims: tuple[int, int, int]  # L, E, k of the trace
     warm_start: str = ""  # where the warm start comes from, in words (summary.md, MLflow)
+    model_config: str | None = None  # the model's config.json as copied into <out>/traces/ (a cost-model shape)
+    digest: str | None = None  # checkpoint_digest of the model
+
+
+@dataclass(frozen=True)
+class Located:
+    """What the driver knows before Ray starts: the model folder (local or on a model:NAME node) and
+    the trace files it can check."""
+
+    model_dir: str | None
+    local: bool  # the driver sees the model folder (then the model's tasks run on the driver's node)
+    text: str | None
+    calib_text: str | None
 
 
 def _abs(path: str, where: str, kind: str = "file") -> Path:
@@ -63,31 +94,133 @@ def resolve_model(model: str) -> Path:
     return p
 
 
-def _fresh(target: Path, sources: list[Path]) -> bool:
-    return target.is_file() and all(target.stat().st_mtime >= s.stat().st_mtime for s in sources)
+def checkpoint_digest(model_dir: str | os.PathLike) -> str:
+    """A cheap digest of a checkpoint folder: SHA-256 of config.json's bytes and of the relative name,
+    size and modification time (ns) of every other file in it (the safetensors shards and their index,
+    the tokenizer), no weight read. A rewritten or touched shard changes it; a copy of the folder to
+    another disk (new mtimes) records once more."""
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    h.update((root / "config.json").read_bytes())
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != "config.json" and not p.name.startswith("."):
+            st = p.stat()
+            h.update(f"\0{p.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
-def _record(model_dir: Path, text: Path, dest: Path, max_tokens: int | None, lookahead: int = 0) -> Path:
-    if _fresh(dest, [model_dir / "config.json", text]):
-        return dest
+def _sha_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def trace_key(digest: str, text: Path, max_tokens: int | None, lookahead: int, dtype: str) -> str:
+    """The cache key of a recorded trace: the checkpoint, the text's bytes and the recording parameters
+    (max_memory_GiB is not one: a streamed recording equals the in-memory one, runtime/stream.py)."""
+    parts = [str(RECORDER_VERSION), digest, _sha_file(text), str(max_tokens), str(lookahead), dtype]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def cache_root() -> Path:
+    """`$EXPERTSWEEP_CACHE`, default `~/.cache/expertsweep` (runtime.tinymodel's; no torch import here)."""
+    env = os.environ.get("EXPERTSWEEP_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "expertsweep"
+
+
+def recorded_trace(model_dir: Path, text: Path, digest: str, max_tokens: int | None, lookahead: int,
+                   dtype: str, max_memory: float | str) -> tuple[Path, bool]:
+    """The trace of `text` on this node's cache (recorded now unless cached): (path, was cached)."""
+    dest = cache_root() / "traces" / f"{model_dir.name}-{trace_key(digest, text, max_tokens, lookahead, dtype)}.parquet"
+    if dest.is_file():
+        log.info("router trace of %s: cached %s", text, dest)
+        return dest, True
     from runtime.record import record_trace
 
-    log.info("recording the router trace of %s", text)
-    return Path(record_trace(model_dir, text, dest, max_tokens=max_tokens, progress=True, lookahead=lookahead))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.stem}.tmp{os.getpid()}.parquet")
+    log.info("recording the router trace of %s (dtype %s, max_memory_GiB %s)", text, dtype, max_memory)
+    try:
+        record_trace(model_dir, text, tmp, max_tokens=max_tokens, progress=False, lookahead=lookahead, dtype=dtype,
+                     max_memory=max_memory)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest, False
 
 
-def lookahead_width(cfg: SweepConfig, model_dir: Path) -> int:
-    """The lookahead column a space needs (0 when it never draws prefetch lookahead): the widest
-    prefetch_n it can draw, at least the model's top-k (prefetch_n unset means k)."""
+def lookahead_need(cfg: SweepConfig) -> int | None:
+    """None when the space never draws prefetch lookahead; else the widest prefetch_n it can draw (0 if
+    none: prefetch_n unset means k). The lookahead column recorded is max(k, this)."""
     names = cfg.space.names
     if "prefetch" not in names or "lookahead" not in cfg.space["prefetch"].values():
-        return 0
-    k = int(json.loads((model_dir / "config.json").read_text()).get("num_experts_per_tok", 8))
+        return None
     n = 0
     if "prefetch_n" in names:
         p = cfg.space["prefetch_n"]
         n = int(max(v for v in p.values() if v is not None) if p.kind in ("fixed", "choice") else p.high)
-    return max(k, n)
+    return n
+
+
+def record_on_node(model: str, text: str | None, calib_text: str | None, max_tokens: int | None,
+                   look_need: int | None, dtype: str, max_memory: float | str) -> dict[str, Any]:
+    """Body of the recording task (sweep/worker.py `record_task`), on a node holding the model: resolve
+    the texts beside the model, record (or reuse) their traces, return them as bytes."""
+    model_dir = resolve_model(model)
+    text_p = _abs(text, "text") if text else model_dir / "eval.txt"
+    if not text_p.is_file():
+        raise InputError(f"model = {model}: {text_p} is missing (give text: FILE)")
+    calib_p = _abs(calib_text, "calib_text") if calib_text else (
+        model_dir / "calib.txt" if (model_dir / "calib.txt").is_file() else None)
+    if calib_p is not None and calib_p == text_p:
+        raise InputError(f"calib_text = {calib_text}: the evaluated text itself (a warm start must not "
+                         f"see the evaluated data; leave calib_text out for a held-out part)")
+    config_json = (model_dir / "config.json").read_text()
+    k = int(json.loads(config_json).get("num_experts_per_tok", 8))
+    look = 0 if look_need is None else max(k, look_need)
+    digest = checkpoint_digest(model_dir)
+    out: dict[str, Any] = {"model_dir": str(model_dir), "text": str(text_p), "digest": digest,
+                           "calib_text": str(calib_p) if calib_p else None, "config_json": config_json,
+                           "model_name": model_dir.name}
+    tag = f"{model_dir.name}-{digest[:12]}-{max_tokens or 'all'}" + (f"-look{look}" if look else "")
+    for role, src in (("eval", text_p), ("calib", calib_p)):
+        if src is None:
+            out[role] = None
+            continue
+        path, cached = recorded_trace(model_dir, src, digest, max_tokens, look, dtype, max_memory)
+        name = f"eval-{tag}.parquet" if role == "eval" else f"calib-{src.stem}-{tag}.parquet"
+        out[role] = {"name": name, "data": path.read_bytes(), "cached": cached, "cache": str(path)}
+    return out
+
+
+def locate(cfg: SweepConfig) -> Located:
+    """What the driver can check before Ray starts (every problem an InputError)."""
+    if cfg.model is None:
+        if cfg.calib_text:
+            raise InputError(f"{cfg.source}: calib_text = {cfg.calib_text} needs model: "
+                             f"(a trace sweep takes calib_trace)")
+        return Located(None, False, None, None)
+    if cfg.model_resource:
+        if cfg.model in ("demo", "test") or not Path(cfg.model).is_absolute():
+            raise InputError(f"{cfg.source}: model = {cfg.model}: with model_resource = {cfg.model_resource} give "
+                             f"the checkpoint folder's absolute path on the nodes offering model:{cfg.model_resource}")
+        for key in ("text", "calib_text"):
+            v = getattr(cfg, key)
+            if v and not Path(v).is_absolute():
+                raise InputError(f"{cfg.source}: {key} = {v}: with model_resource give an absolute path "
+                                 f"(on the nodes offering model:{cfg.model_resource})")
+        return Located(cfg.model, False, cfg.text, cfg.calib_text)
+    model_dir = resolve_model(cfg.model)
+    text = _abs(cfg.text, "text") if cfg.text else model_dir / "eval.txt"
+    if not text.is_file():
+        raise InputError(f"model = {cfg.model}: {text} is missing (give text: FILE)")
+    calib_text = _abs(cfg.calib_text, "calib_text") if cfg.calib_text else None
+    if calib_text is not None and calib_text == text:
+        raise InputError(f"calib_text = {cfg.calib_text}: the evaluated text itself (a warm start must not "
+                         f"see the evaluated data; leave calib_text out for a held-out part)")
+    return Located(str(model_dir), True, str(text), str(calib_text) if calib_text else None)
 
 
 def _synthetic(spec: dict[str, Any], folder: Path) -> tuple[Path, Path]:
@@ -106,38 +239,41 @@ def _synthetic(spec: dict[str, Any], folder: Path) -> tuple[Path, Path]:
     return paths
 
 
-def prepare(cfg: SweepConfig, out: Path) -> Inputs:
-    """Resolve and, where needed, build the traces; every problem is an InputError."""
+def _write(path: Path, data: bytes | str) -> Path:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+    os.replace(tmp, path)
+    return path
+
+
+def prepare(cfg: SweepConfig, out: Path, loc: Located, record: Any = None) -> Inputs:
+    """Resolve and, where needed, build the traces; every problem is an InputError. `record(**kw)` runs
+    `record_on_node` where the model is (sweep/worker.py `record_task`; default: in this process)."""
     folder = out / "traces"
     folder.mkdir(parents=True, exist_ok=True)
-    model_dir = text = calib_text = None
-    if cfg.model is not None:
-        model_dir = resolve_model(cfg.model)
-        text = _abs(cfg.text, "text") if cfg.text else model_dir / "eval.txt"
-        if not text.is_file():
-            raise InputError(f"model = {cfg.model}: {text} is missing (give text: FILE)")
-        if cfg.calib_text:
-            calib_text = _abs(cfg.calib_text, "calib_text")
-        elif (model_dir / "calib.txt").is_file():
-            calib_text = model_dir / "calib.txt"
-        if calib_text is not None and calib_text == text:
-            raise InputError(f"calib_text = {cfg.calib_text}: the evaluated text itself (a warm start must not "
-                             f"see the evaluated data; leave calib_text out for a held-out part)")
-    elif cfg.calib_text:
-        raise InputError(f"{cfg.source}: calib_text = {cfg.calib_text} needs model: (a trace sweep takes calib_trace)")
-    calib = _abs(cfg.calib_trace, "calib_trace") if cfg.calib_trace else None
+    model_dir, text, calib_text = loc.model_dir, loc.text, loc.calib_text
+    model_config = digest = None
+    calib = str(_abs(cfg.calib_trace, "calib_trace")) if cfg.calib_trace else None
     if isinstance(cfg.trace, dict):
-        trace, synth_calib = _synthetic(cfg.trace["synthetic"], folder)
+        trace, synth_calib = (str(p) for p in _synthetic(cfg.trace["synthetic"], folder))
         calib = calib or synth_calib
     elif cfg.trace is not None:
-        trace = _abs(cfg.trace, "trace")
+        trace = str(_abs(cfg.trace, "trace"))
     elif model_dir is not None:
-        look = lookahead_width(cfg, model_dir)
-        tag = f"{model_dir.name}-{cfg.max_tokens or 'all'}" + (f"-look{look}" if look else "")
-        trace = _record(model_dir, text, folder / f"eval-{tag}.parquet", cfg.max_tokens, look)
-        if calib is None and calib_text is not None:
-            ctag = f"{calib_text.stem}-{tag}"
-            calib = _record(model_dir, calib_text, folder / f"calib-{ctag}.parquet", cfg.max_tokens, look)
+        got = (record or record_on_node)(model=model_dir, text=text, calib_text=calib_text,
+                                         max_tokens=cfg.max_tokens, look_need=lookahead_need(cfg), dtype=cfg.dtype,
+                                         max_memory=cfg.max_memory_GiB)
+        model_dir, text, calib_text, digest = got["model_dir"], got["text"], got["calib_text"], got["digest"]
+        conf_dir = folder / got["model_name"]
+        conf_dir.mkdir(exist_ok=True)
+        model_config = str(_write(conf_dir / "config.json", got["config_json"]))
+        for role in ("eval", "calib"):
+            if got[role] is not None:
+                log.info("router trace %s: %s on the model's node (%s)", got[role]["name"],
+                         "cached" if got[role]["cached"] else "recorded", got[role]["cache"])
+        trace = str(_write(folder / got["eval"]["name"], got["eval"]["data"]))
+        if calib is None and got["calib"] is not None:
+            calib = str(_write(folder / got["calib"]["name"], got["calib"]["data"]))
     else:
         raise InputError(f"{cfg.source}: give model: (demo, test or a folder) or trace: (a file or synthetic)")
     t: Trace = load_trace(trace)
@@ -154,8 +290,7 @@ def prepare(cfg: SweepConfig, out: Path) -> Inputs:
         sim = f"calibration trace {calib}" if calib else "held-out 20% of the trace"
         emu = f"calibration text {calib_text}" if calib_text else "held-out 20% of the text"
         warm = f"simulator: {sim}; emulation: {emu}" if model_dir is not None else f"simulator: {sim}"
-    return Inputs(str(trace), str(calib) if calib else None, str(model_dir) if model_dir else None,
-                  str(text) if text else None, str(calib_text) if calib_text else None, (t.L, t.E, t.k), warm)
+    return Inputs(trace, calib, model_dir, text, calib_text, (t.L, t.E, t.k), warm, model_config, digest)
 
 
 def check_capacity(cfg: SweepConfig, dims: tuple[int, int, int], expert_bytes: int) -> None:

@@ -101,8 +101,8 @@ def prepare_ray_auth(address: str) -> None:
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
-def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = False  # noqa: ANN001
-                ) -> tuple[bool, str | None]:
+def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = False,  # noqa: ANN001
+                extra_resources: dict[str, float] | None = None) -> tuple[bool, str | None]:
     """Join or start Ray: (True when this driver started and owns an embedded cluster, the session folder).
 
     Quiet unless `verbose`: the workers' output stays in Ray's session logs (linked from
@@ -132,7 +132,8 @@ def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = 
         log.warning("embedded Ray without token authentication (RAY_AUTH_MODE=disabled): anyone who reaches "
                     "this machine's Ray ports can run code on it")
     # address="local": always a new cluster, never one another user left running on this machine
-    ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), resources=hosts.local_resources(host_specs),
+    resources = {**hosts.local_resources(host_specs), **(extra_resources or {})}  # its one node holds the model
+    ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), resources=resources,
                    include_dashboard=False, object_store_memory=256 * 2**20, **quiet)
     return True, ctx.address_info.get("session_dir")
 
@@ -218,20 +219,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     logs = setup_logging(out, args.verbose)
-    inputs = data.prepare(cfg, out)
-    from runtime import costmodel
-    from runtime.simulate import shape_for_trace
-    from runtime.trace import load_trace
-
-    if cfg.model_shape is None and inputs.model_dir and not all(hosts.simulated(h) for h in cfg.hosts):
-        # a calibrated profile is measured at the model's own shape: simulate every host with it
-        cfg = dataclasses.replace(cfg, model_shape=str(Path(inputs.model_dir) / "config.json"))
-    shape = shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
-    if cfg.vram_budget_auto:  # equal device memory: fetch-every-miss's at 25% residency, for every policy
-        cfg = sweep_config.resolve_vram_budget(cfg, shape)
-        log.info("equal device memory: vram_budget_GiB = %g for every policy", cfg.space_spec["vram_budget_GiB"])
-    else:
-        data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
+    loc = data.locate(cfg)  # what the driver can check itself, before Ray starts
+    inputs = None
+    if loc.model_dir is None:  # a trace sweep: every input is checked here
+        inputs = data.prepare(cfg, out, loc)
+        cfg = _check_inputs(cfg, inputs)
     uri = tracking.resolve_uri(args.mlflow_uri or state.get("mlflow_uri"))
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "10")  # the ledger covers the gap
@@ -241,17 +233,60 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)  # no result.json: by design
     import ray
 
-    owns_ray, session_dir = connect_ray(args.ray_address, cfg.hosts, args.num_cpus, args.verbose)
+    extra = {f"model:{cfg.model_resource}": 1.0} if cfg.model_resource else {}
+    owns_ray, session_dir = connect_ray(args.ray_address, cfg.hosts, args.num_cpus, args.verbose, extra)
     setup_logging(out, args.verbose)  # ray.init installs its own handlers: route them again
     _link_ray_logs(logs, session_dir)
     try:
         hosts.check_cluster(cfg.hosts, ray.cluster_resources())
+        placement = None
+        if loc.model_dir is not None:  # the traces recorded (or reused) where the model's files are
+            from sweep.worker import model_placement
+
+            placement = model_placement(cfg.model_resource, cfg.emulation.cpus,
+                                        ray.get_runtime_context().get_node_id())
+            inputs = data.prepare(cfg, out, loc, record=_record_where_the_model_is(placement))
+            cfg = _check_inputs(cfg, inputs)
         profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir)
-        return _sweep(args, cfg, out, inputs, uri, profiles, state)
+        return _sweep(args, cfg, out, inputs, uri, profiles, state, placement)
     finally:
         ray.shutdown()
         if owns_ray:
             log.info("embedded Ray stopped")
+
+
+def _check_inputs(cfg: sweep_config.SweepConfig, inputs: data.Inputs) -> sweep_config.SweepConfig:
+    """The cost-model shape, the equal-memory budget and the capacity range, checked on the trace."""
+    from runtime import costmodel
+    from runtime.simulate import shape_for_trace
+    from runtime.trace import load_trace
+
+    if cfg.model_shape is None and inputs.model_dir and not all(hosts.simulated(h) for h in cfg.hosts):
+        # a calibrated profile is measured at the model's own shape: simulate every host with it
+        cfg = dataclasses.replace(cfg, model_shape=inputs.model_config)
+    shape = shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
+    if cfg.vram_budget_auto:  # equal device memory: fetch-every-miss's at 25% residency, for every policy
+        cfg = sweep_config.resolve_vram_budget(cfg, shape)
+        log.info("equal device memory: vram_budget_GiB = %g for every policy", cfg.space_spec["vram_budget_GiB"])
+    else:
+        data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
+    return cfg
+
+
+def _record_where_the_model_is(placement: dict[str, Any]):  # noqa: ANN202 - data.prepare's `record`
+    """`data.record_on_node` as a Ray task on a node holding the model (its error as one line here)."""
+    def record(**kw: Any) -> dict[str, Any]:
+        import ray
+
+        from sweep.worker import record_task
+
+        log.warning("router traces of %s: recording (or reusing the cached ones) on the model's node",
+                    kw["model"])
+        try:
+            return ray.get(ray.remote(record_task).options(max_retries=0, **placement).remote(**kw))
+        except InputError as exc:  # Ray's error of the task's InputError: its own line
+            raise InputError(str(getattr(exc, "cause", exc)).strip().splitlines()[-1]) from None
+    return record
 
 
 def _link_ray_logs(logs: Path, session_dir: str | None) -> None:
@@ -263,13 +298,14 @@ def _link_ray_logs(logs: Path, session_dir: str | None) -> None:
         link.symlink_to(Path(session_dir) / "logs")
 
 
-def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # noqa: ANN001
+def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict[str, Any]:  # noqa: ANN001
     import ray
     from ray import tune
 
     from sweep.ledger import Ledger, LedgerCallback, Session
     from sweep.search import HostSearch, HostStudy, journal_storage, make_sampler
-    from sweep.worker import TraceStore, run_task, trial_name, trial_resources
+    from sweep.storage import tune_filesystem
+    from sweep.worker import run_task, shipped, trial_name, trial_resources
 
     host_names = [h.name for h in cfg.hosts]
     gpus = {h: profiles[h]["gpu"] for h in host_names}
@@ -278,7 +314,9 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
         cfg.name, params={"config": args.config, "trace": inputs.trace, "model": inputs.model_dir,
                           "hosts": ",".join(host_names), "trials": cfg.trials, "sampler": cfg.sampler,
                           "objectives": ",".join(cfg.objectives), "warm_start": inputs.warm_start,
-                          "calib_text": inputs.calib_text, "calib_trace": inputs.calib_trace, "space": json.dumps(
+                          "calib_text": inputs.calib_text, "calib_trace": inputs.calib_trace,
+                          "model_digest": inputs.digest, "model_resource": cfg.model_resource, "dtype": cfg.dtype,
+                          "max_memory_GiB": cfg.max_memory_GiB, "space": json.dumps(
                               {p.name: p.kind for p in cfg.space.params})},
         tags={"sweep": cfg.name, "fidelity": "sweep", "hosts": ",".join(host_names)},
         run_id=state.get("parent_run_id"))
@@ -290,17 +328,18 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
     session = Session(out, ledger, tracker, host_names, gpus, cfg.objectives,
                       totals={h: cfg.trials + len(cfg.baseline_policies) for h in host_names})
 
-    # nodes on other machines may not see the trace files: serve them from a named actor
-    store_name = store = None
-    here = ray.util.get_node_ip_address()
-    if any(n["Alive"] and n["NodeManagerAddress"] != here for n in ray.nodes()):
-        store_name = f"expertsweep-traces-{cfg.name}"  # stable: a resumed sweep's trials name it too
-        store = ray.remote(TraceStore).options(name=store_name, num_cpus=0).remote(
-            [p for p in (inputs.trace, inputs.calib_trace) if p])
-    ctx = {"trace": inputs.trace, "calib_trace": inputs.calib_trace, "model_shape": cfg.model_shape,
-           "profiles": profiles, "max_failures": cfg.max_failures,
-           "evaluator": EVALUATOR, "evaluator_args": EVALUATOR_ARGS,
-           "ledger": str(ledger.path), "report_s": 1.0, "store": store_name}
+    # no shared disk: the workers get the trace files (and a model_shape file) through Ray's object store,
+    # report their rows through Tune, and keep their retry checkpoints in an actor (sweep/storage.py)
+    shape_arg = cfg.model_shape
+    if shape_arg and Path(shape_arg).is_file():
+        p = Path(shape_arg)
+        shape_arg = shipped(str(p), f"{p.parent.name}/{p.name}" if p.name == "config.json" else p.name)
+    ctx = {"trace": shipped(inputs.trace), "calib_trace": shipped(inputs.calib_trace) if inputs.calib_trace else None,
+           "model_shape": shape_arg, "profiles": profiles, "max_failures": cfg.max_failures,
+           "evaluator": EVALUATOR, "evaluator_args": EVALUATOR_ARGS, "report_s": 1.0,
+           "done": sorted(r["key"] for r in ledger.rows if r.get("fidelity") == "simulator")}
+    driver_node = ray.get_runtime_context().get_node_id()
+    fs, files_actor = tune_filesystem(f"expertsweep-tune-{cfg.name}-{os.getpid()}", driver_node)
     # the context goes to the object store once, not into every trial's config
     trainable = tune.with_resources(tune.with_parameters(run_task, ctx=ctx), trial_resources)
     exp_dir = out / "tune"
@@ -309,7 +348,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
     if args.resume and tune.Tuner.can_restore(str(exp_dir)):
         log.warning("resuming the sweep in %s", out)
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True,
-                                   resume_errored=False, restart_errored=False)
+                                   resume_errored=False, restart_errored=False, storage_filesystem=fs)
     else:
         storage = journal_storage(out / "optuna.journal")
         searchers = {h: HostStudy(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i, cfg.population),
@@ -325,8 +364,9 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
             trainable,
             tune_config=tune.TuneConfig(search_alg=search, num_samples=-1, reuse_actors=True,
                                         trial_name_creator=trial_name, trial_dirname_creator=trial_name),
-            run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=0,
+            run_config=tune.RunConfig(name="tune", storage_path=str(out), storage_filesystem=fs, verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                                       callbacks=[LedgerCallback(str(out))]))
     status = "FAILED"
     try:
@@ -341,7 +381,8 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
         session.close_bars()
         session.refresh()
         t_ladder = time.time()
-        notes, ladder_stats = _ladder(cfg, inputs, session, ledger, enabled=not args.no_emulation)
+        notes, ladder_stats = _ladder(cfg, inputs, session, ledger, enabled=not args.no_emulation,
+                                      placement=placement)
         ladder_stats["seconds"] = time.time() - t_ladder
         ladder_stats["screening"] = {"trials": session.new_rows, "seconds": sweep_s}
         meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
@@ -380,11 +421,11 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state) -> dict[str, Any]:  # n
     finally:
         tracker.close(status)
         ledger.close()
-        if store is not None:
-            ray.kill(store)
+        ray.kill(files_actor)
 
 
-def _ladder(cfg, inputs, session, ledger, enabled: bool) -> tuple[list[str], dict[str, Any]]:  # noqa: ANN001
+def _ladder(cfg, inputs, session, ledger, enabled: bool,  # noqa: ANN001
+            placement: dict[str, Any] | None = None) -> tuple[list[str], dict[str, Any]]:
     """The multi-fidelity ladder (sweep/ladder.py) and the engine on calibrated hosts; (notes, stats)."""
     from sweep import ladder
     from sweep.remeasure import Measurer
@@ -398,7 +439,8 @@ def _ladder(cfg, inputs, session, ledger, enabled: bool) -> tuple[list[str], dic
                 "only the simulator's screening (mass view)."], {}
     cands = ladder.screening_candidates(ledger.rows, session.hosts)
     bases = ladder.baseline_params(list(cfg.baseline_policies), cfg.baseline_capacity())
-    measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.add_rows)
+    measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.add_rows,
+                       placement=placement, run_fields={"dtype": cfg.dtype, "max_memory_GiB": cfg.max_memory_GiB})
     stats = ladder.run_ladder(cands, bases, ledger.rows, session.hosts, list(cfg.emulation.rungs), cfg.emulation.eta,
                               cfg.emulation.max_full, cfg.max_tokens, list(cfg.ppl_budgets_pct), measure)
     full_params = {report.policy_key(p): p for p in cands + bases}

@@ -30,31 +30,25 @@ ROW_FIELDS = ("perplexity", "exact_perplexity", "ppl_change_pct", "ppl_ci_low", 
               "capacity") + COUNTER_NAMES
 
 
-def _evaluate_task(spec_dicts: list[dict[str, Any]], backend: str) -> list[dict[str, Any]]:
-    """Ray task body: RunSpecs through one backend (`evaluate_many`), results as flat dicts."""
-    import os
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from runtime.backends import get_backend
-
-    specs = [RunSpec.from_dict(d) for d in spec_dicts]
-    return [r.to_dict() for r in get_backend(backend).evaluate_many(specs)]
-
-
 def emulation_spec(params: dict[str, Any], model_dir: str, text: str, tokens: int | None,
-                   calib_text: str | None) -> RunSpec:
-    """The RunSpec of one policy config on the sweep's text at a token budget."""
+                   calib_text: str | None, **run_fields: Any) -> RunSpec:
+    """The RunSpec of one policy config on the sweep's text at a token budget (`run_fields`: the
+    sweep's dtype and max_memory_GiB)."""
     size = {k: params[k] for k in ("capacity_fraction", "vram_budget_GiB") if params.get(k) is not None}
     return RunSpec(policy=policy_of(params), model=model_dir, text=text, max_tokens=tokens, calib_text=calib_text,
-                   initial_residency=None if calib_text else HELD_OUT, **size)
+                   initial_residency=None if calib_text else HELD_OUT, **size, **run_fields)
 
 
 class Measurer:
     """Emulation (and engine) measurements of policy configs, recorded in the ledger once each."""
 
     def __init__(self, model_dir: str, text: str, calib_text: str | None, ledger, add_rows,  # noqa: ANN001
-                 progress: bool = True):
+                 progress: bool = True, placement: dict[str, Any] | None = None,
+                 run_fields: dict[str, Any] | None = None):
         self.model_dir, self.text, self.calib_text = model_dir, text, calib_text
+        # emulation tasks run where the model's files are, with their CPUs as torch threads (sweep/worker.py)
+        self.placement = placement or {"num_cpus": 1}
+        self.run_fields = run_fields or {}
         self.ledger, self.add_rows = ledger, add_rows
         self.progress = progress
         self.tasks_seconds = 0.0
@@ -68,20 +62,22 @@ class Measurer:
         import ray
 
         from sweep.hosts import HOST_SLIVER, resource
+        from sweep.worker import evaluate_task
 
         keys = {policy_key(p): emulation_key(p, budget, host) for p in params_list}
         todo = [p for p in params_list if keys[policy_key(p)] not in self.ledger.keys]
         if todo:
-            opts: dict[str, Any] = {"num_cpus": 1, "max_retries": 1}
-            if host:
-                opts.update(num_gpus=gpus, resources={resource(host): HOST_SLIVER})
+            opts: dict[str, Any] = {**self.placement, "max_retries": 1}
+            if host:  # the engine on the calibrated host's node, one CPU as in its calibration
+                opts = {"num_cpus": 1, "max_retries": 1, "num_gpus": gpus, "resources": {resource(host): HOST_SLIVER}}
             what = f"engine {host}" if host else f"emulation {budget}"
             log.info("%s: %d policies", what, len(todo))
-            specs = [emulation_spec(p, self.model_dir, self.text, tokens, self.calib_text).to_dict() for p in todo]
+            specs = [emulation_spec(p, self.model_dir, self.text, tokens, self.calib_text, **self.run_fields).to_dict()
+                     for p in todo]
             t0 = time.time()
             bar = _bar(len(todo), what) if self.progress else None
             try:
-                results, err = ray.get(ray.remote(_evaluate_task).options(**opts).remote(
+                results, err = ray.get(ray.remote(evaluate_task).options(**opts).remote(
                     specs, "engine" if host else "emulation")), None
             except Exception as exc:  # noqa: BLE001 - recorded as failed rows
                 results, err = [None] * len(todo), f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -97,7 +93,8 @@ class Measurer:
                 if r is None:
                     row.update(status="failed", error=err or "no result")
                 else:
-                    row.update(status="ok", **{k: r.get(k) for k in ROW_FIELDS if k in r}, seconds=r.get("seconds"))
+                    row.update(status="ok", **{k: r.get(k) for k in ROW_FIELDS if k in r}, seconds=r.get("seconds"),
+                               torch_threads=r.get("torch_threads"), node=r.get("node"))
                 rows.append(row)
             self.add_rows(rows)
         return self._rows(keys)

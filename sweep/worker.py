@@ -1,20 +1,34 @@
-"""Trial execution on the Ray workers: one Ray Tune trial evaluates a batch of policies on one host.
+"""Trial execution on the Ray workers: one Ray Tune trial evaluates a batch of policies on one host;
+the model's recording and emulation tasks run on the node that holds the model.
 
 `run_task` is the Tune trainable. Its config holds the host, the batch (`items`: Optuna trial
 numbers or named baselines with their policy config and capacity) and the sweep context `ctx`
-(absolute trace paths, the host profile, retry and report settings). Every trial is a RunSpec
+(the trace files as Ray object references, the host profile, retry and report settings). Every trial is a RunSpec
 evaluated by `runtime.backends`' simulator; the worker keeps one backend per process (`_EVALUATORS`):
 with `reuse_actors` a Tune actor serves many trials, and the backend keeps the loaded trace, the warm
 starts and the fetch-every-miss / host-compute replays (the same for every policy at one capacity). Results go back with `tune.report` every `report_s` seconds, so the
 driver records them as they finish and a killed task loses only what it had not reported.
 
+No shared disk: a worker never opens the driver's output folder. The trace files (and a
+model_shape file) come through Ray's object store (`shipped` in the driver, `local_file` here:
+a copy in this node's cache named by its SHA-256); results go back through `tune.report`; a
+retried task (its process or node died) resumes from its Tune checkpoint (`tune.get_checkpoint()`:
+the keys it had reported), and a resumed sweep's tasks skip the keys the driver's ledger already
+holds (`ctx["done"]`, sent through Ray).
+
 An item that raises is retried in place up to `max_failures` times, then reported failed (an
 `InputError`, a bad configuration, fails at once; a policy whose staging and low-bit copies leave
 fewer than k slots in the sweep's `vram_budget_GiB`, `costmodel.BudgetTooSmall`, is reported
 `infeasible` at once, with the slots it would have had). A task whose process dies is retried by Tune
-(`FailureConfig`); on a retry, items already in the driver's ledger are skipped when the ledger
-file is reachable from this node. `ctx["evaluator"]` ("module:Class") replaces `Evaluator` (the
+(`FailureConfig`). `ctx["evaluator"]` ("module:Class") replaces `Evaluator` (the
 tests' fault injection, tests/sweep_faults.py, lives there, outside this module).
+
+The model's tasks (`record_task`, `evaluate_task`) are placed by `model_placement`: on the nodes
+offering the custom resource `model:NAME` (the config's `model_resource`; infra/start_host.sh
+`--model NAME`), else on the driver's own node (where the driver found the model folder), with
+`num_cpus` = the config's `emulation.cpus` (auto: every CPU of the smallest such node) and torch
+threads set to the CPUs Ray gave the task (`task_threads`; Ray itself sets OMP_NUM_THREADS=1 for
+a one-CPU task).
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ import importlib
 import json
 import logging
 import os
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -88,48 +103,58 @@ class Evaluator:
 _EVALUATORS: dict[tuple, Evaluator] = {}
 
 
+def _file_arg(v: Any) -> str | None:
+    """A shipped file (`shipped`) -> its copy on this node; a plain string (a preset name) as it is."""
+    return local_file(v) if isinstance(v, dict) else v
+
+
 def evaluator(ctx: dict[str, Any]) -> Evaluator:
-    key = (ctx["trace"], ctx.get("calib_trace"), ctx.get("model_shape"), ctx.get("evaluator"))
+    def ident(v: Any) -> Any:
+        return v["sha256"] if isinstance(v, dict) else v
+
+    key = (ident(ctx["trace"]), ident(ctx.get("calib_trace")), ident(ctx.get("model_shape")), ctx.get("evaluator"))
     if key not in _EVALUATORS:
-        trace = local_copy(ctx["trace"], ctx.get("store"))
-        calib = local_copy(ctx["calib_trace"], ctx.get("store")) if ctx.get("calib_trace") else None
+        trace, calib, shape = (_file_arg(ctx.get(k)) for k in ("trace", "calib_trace", "model_shape"))
         cls = Evaluator
         if ctx.get("evaluator"):
             module, name = ctx["evaluator"].split(":")
             cls = getattr(importlib.import_module(module), name)
         _EVALUATORS.clear()  # one sweep per process at a time; free the previous trace
-        _EVALUATORS[key] = cls(trace, calib, ctx.get("model_shape"), **({"args": ctx["evaluator_args"]}
-                                                                          if ctx.get("evaluator_args") else {}))
+        _EVALUATORS[key] = cls(trace, calib, shape, **({"args": ctx["evaluator_args"]}
+                                                       if ctx.get("evaluator_args") else {}))
     return _EVALUATORS[key]
 
 
-def local_copy(path: str, store: str | None) -> str:
-    """`path` if this node sees it, else a cached copy fetched from the driver's TraceStore actor."""
-    if os.path.exists(path) or not store:
-        return path
+def shipped(path: str, name: str | None = None) -> dict[str, Any]:
+    """In the driver: a file put into Ray's object store once, as workers receive it (`local_file`).
+    `name` keeps the file's last path parts (a model's `<folder>/config.json` names its shape)."""
     import ray
 
-    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-    dest = Path.home() / ".cache" / "expertsweep" / "traces" / f"{digest}-{Path(path).name}"
-    if not dest.exists():
-        data = ray.get(ray.get_actor(store).get.remote(path))
+    data = Path(path).read_bytes()
+    return {"name": name or Path(path).name, "sha256": hashlib.sha256(data).hexdigest(), "ref": ray.put(data),
+            "source": path}
+
+
+def inputs_cache() -> Path:
+    """This node's cache of shipped files: `$EXPERTSWEEP_CACHE/sweep-inputs` (default ~/.cache/expertsweep)."""
+    env = os.environ.get("EXPERTSWEEP_CACHE")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "expertsweep") / "sweep-inputs"
+
+
+def local_file(f: dict[str, Any]) -> str:
+    """A shipped file's copy on this node (fetched from the object store once, by content hash)."""
+    dest = inputs_cache() / f["sha256"][:16] / f["name"]
+    if not dest.is_file():
+        import ray
+
+        data = ray.get(f["ref"])
+        if hashlib.sha256(data).hexdigest() != f["sha256"]:
+            raise RuntimeError(f"shipped file {f['name']}: content hash mismatch")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_suffix(dest.suffix + f".{os.getpid()}.tmp")
+        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, dest)
     return str(dest)
-
-
-class TraceStore:
-    """Serves the sweep's trace files to nodes that do not share the driver's file system."""
-
-    def __init__(self, paths: list[str]):
-        self._paths = set(paths)
-
-    def get(self, path: str) -> bytes:
-        if path not in self._paths:
-            raise KeyError(path)
-        return Path(path).read_bytes()
 
 
 def run_item(ev: Evaluator, item: dict[str, Any], profile: Any, ctx: dict[str, Any],
@@ -175,37 +200,6 @@ def _node_id() -> str:
     return _NODE[0]
 
 
-def ledger_keys(path: str | None) -> set[str]:
-    """Keys already recorded by the driver (when its ledger is visible from this node)."""
-    if not path or not os.path.exists(path):
-        return set()
-    keys = set()
-    with open(path) as f:
-        for line in f:
-            try:
-                keys.add(json.loads(line)["key"])
-            except (ValueError, KeyError):
-                continue  # a line cut short by a killed driver
-    return keys
-
-
-def _is_retry(ledger: str | None) -> bool:
-    """True when this Tune trial ran before (a Tune retry or a resumed sweep): its marker exists.
-
-    Markers live next to the driver's ledger (`<out>/started/<trial id>`), so they are seen only
-    where the output folder is; elsewhere a retried task simply evaluates its batch again."""
-    from ray import tune
-
-    if not ledger or not os.path.isdir(os.path.dirname(ledger)):
-        return False
-    marker = Path(ledger).parent / "started" / tune.get_context().get_trial_id()
-    if marker.exists():
-        return True
-    marker.parent.mkdir(exist_ok=True)
-    marker.touch()
-    return False
-
-
 def trial_resources(config: dict[str, Any]) -> dict[str, float]:
     """A trial's Ray resources: one CPU on a node of its host."""
     from sweep.hosts import HOST_SLIVER, resource
@@ -217,23 +211,126 @@ def trial_name(trial) -> str:  # noqa: ANN001 - a Tune Trial
     return f"{trial.config['host']}-{trial.trial_id}"
 
 
+def _checkpointed_keys() -> set[str]:
+    """Keys this Tune trial reported before it was retried (its latest Tune checkpoint), else none."""
+    from ray import tune
+
+    ckpt = tune.get_checkpoint()
+    if ckpt is None:
+        return set()
+    try:
+        with ckpt.as_directory() as d:
+            return set(json.loads((Path(d) / "done.json").read_text()))
+    except (OSError, ValueError) as exc:  # e.g. a checkpoint of a driver that was killed: start over
+        log.warning("could not read the trial's checkpoint (%s): evaluating its whole batch", exc)
+        return set()
+
+
+def _report(rows: list[dict[str, Any]], host: str, final: bool, done: set[str]) -> None:
+    """`tune.report` the rows; a report before the last carries a Tune checkpoint of the keys done so
+    far, so a retry of this trial skips them."""
+    from ray import tune
+
+    metrics = {"items": rows, "host": host, "final": final}
+    if final:
+        tune.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="expertsweep-ckpt-") as d:
+        (Path(d) / "done.json").write_text(json.dumps(sorted(done)))
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+
+
 def run_task(config: dict[str, Any], ctx: dict[str, Any]) -> None:
     """The Ray Tune trainable: evaluate `config['items']` on `config['host']`, reporting as it goes.
 
     `ctx` (the sweep context) comes through `tune.with_parameters`."""
-    from ray import tune
-
     host = config["host"]
     ev = evaluator(ctx)
     profile = ev.profile(ctx["profiles"][host])
-    done = ledger_keys(ctx.get("ledger")) if _is_retry(ctx.get("ledger")) else set()
+    done = set(ctx.get("done") or ()) | _checkpointed_keys()
     out: list[dict[str, Any]] = []
     last = time.monotonic()
     for item in config["items"]:
         if item["key"] in done:
             continue
         out.append(run_item(ev, item, profile, ctx, host))
+        done.add(item["key"])
         if time.monotonic() - last >= ctx.get("report_s", 1.0):
-            tune.report({"items": out, "host": host, "final": False})
+            _report(out, host, False, done)
             out, last = [], time.monotonic()
-    tune.report({"items": out, "host": host, "final": True})
+    _report(out, host, True, done)
+
+
+# --------------------------------------------------------------------------- the model's tasks
+
+MODEL_SLIVER = 0.001  # of model:NAME per task; a node offers model:NAME = 1
+
+
+def model_resource(name: str) -> str:
+    return f"model:{name}"
+
+
+def model_nodes(resource: str | None, driver_node: str) -> list[dict[str, Any]]:
+    """Alive Ray nodes that hold the model: those offering `model:NAME`, else the driver's own."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if resource:
+        return [n for n in alive if n["Resources"].get(model_resource(resource), 0) > 0]
+    return [n for n in alive if n["NodeID"] == driver_node]
+
+
+def model_placement(resource: str | None, cpus: int | None, driver_node: str) -> dict[str, Any]:
+    """Ray task options of a recording / emulation task: where the model's files are, with `cpus`
+    CPUs (None: every CPU of the smallest node holding the model). A one-line InputError when no
+    node holds it or `cpus` exceeds every such node."""
+    nodes = model_nodes(resource, driver_node)
+    where = f"model_resource {resource}" if resource else "the driver's node"
+    if not nodes:
+        raise InputError(f"{where}: no alive Ray node offers the resource {model_resource(resource)} (start the "
+                         f"node holding the model with infra/start_host.sh ... --model {resource})")
+    most = max(int(n["Resources"].get("CPU", 0)) for n in nodes)
+    n_cpus = cpus or max(1, min(int(n["Resources"].get("CPU", 0)) for n in nodes))
+    if n_cpus > most:
+        raise InputError(f"emulation.cpus = {cpus}: no node holding the model ({where}) has that many CPUs "
+                         f"(at most {most})")
+    opts: dict[str, Any] = {"num_cpus": n_cpus}
+    if resource:
+        opts["resources"] = {model_resource(resource): MODEL_SLIVER}
+    else:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(driver_node, soft=False)
+    return opts
+
+
+def task_threads() -> int:
+    """torch threads = the CPUs Ray assigned this task (Ray sets OMP_NUM_THREADS=1 for one-CPU tasks)."""
+    import ray
+    import torch
+
+    try:
+        n = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
+    except Exception:  # noqa: BLE001 - outside a Ray task
+        n = 1
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+def record_task(**kw: Any) -> dict[str, Any]:
+    """Ray task body: the sweep's traces recorded (or reused) on this node (sweep/data.py `record_on_node`)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from sweep.data import record_on_node
+
+    threads = task_threads()
+    return {**record_on_node(**kw), "torch_threads": threads, "node": _node_id()}
+
+
+def evaluate_task(spec_dicts: list[dict[str, Any]], backend: str) -> list[dict[str, Any]]:
+    """Ray task body: RunSpecs through one backend (`evaluate_many`), results as flat dicts, each with
+    the torch threads it ran with and the node it ran on."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    threads = task_threads()
+    specs = [RunSpec.from_dict(d) for d in spec_dicts]
+    return [{**r.to_dict(), "torch_threads": threads, "node": _node_id()}
+            for r in get_backend(backend).evaluate_many(specs)]

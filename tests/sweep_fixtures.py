@@ -1,8 +1,8 @@
 """Helpers for the sweep tests: small inputs, a real local multi-node Ray cluster, a real MLflow server.
 
 The cluster is `ray start --block` processes (a head and worker nodes, each in its own session,
-on 127.0.0.1 with free ports and a private temp dir), stopped by their process ids; nothing here
-runs `ray stop`. The MLflow server is `mlflow/start.sh` (the project's script) on a free port
+on 127.0.0.1 with free ports, a private temp dir and its own working directory), stopped by their
+process ids; nothing here runs `ray stop`. The MLflow server is `mlflow/start.sh` (the project's script) on a free port
 with a SQLite store in a temp dir, stopped by its process group.
 """
 
@@ -33,6 +33,9 @@ SPACE = {
     "beta": {"choices": ["off", 0.5]},
     "capacity_fraction": {"low": 0.15, "high": 0.4},
 }
+
+
+MODEL_RESOURCE = "model:sweepmicro"  # the session cluster's first worker holds the micro model
 
 
 def free_port() -> int:
@@ -148,7 +151,9 @@ class LocalCluster:
                    f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
                    f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
             path = self.root / f"node{index}.{attempt}.log"
-            proc = subprocess.Popen(cmd, stdout=open(path, "w"), stderr=subprocess.STDOUT, env=env(),
+            cwd = self.root / f"cwd{index}"  # each node (and the workers it starts) in a folder of its own
+            cwd.mkdir(exist_ok=True)
+            proc = subprocess.Popen(cmd, stdout=open(path, "w"), stderr=subprocess.STDOUT, env=env(), cwd=cwd,
                                     start_new_session=True)
             # one node at a time: nodes started together in one session folder race for socket names
             while "Ray runtime started" not in path.read_text():
@@ -198,11 +203,12 @@ class LocalCluster:
 
 @pytest.fixture(scope="session", name="ray_cluster")
 def ray_cluster_fixture():
-    """Head (host:rtx4090, dashboard for jobs) + two workers (host:rtx3090 each), one CPU per node."""
+    """Head (host:rtx4090, dashboard for jobs) + two workers (host:rtx3090 each; the first also holds the
+    micro model: `model:sweepmicro`), one CPU per node."""
     c = LocalCluster()
     try:
         c.start_head({"host:rtx4090": 1})
-        c.add_worker({"host:rtx3090": 1})
+        c.add_worker({"host:rtx3090": 1, MODEL_RESOURCE: 1})
         c.add_worker({"host:rtx3090": 1})
         nodes = c.node_ids()
         assert len(nodes) == 3, f"cluster did not come up: {nodes}; logs in {c.root}"

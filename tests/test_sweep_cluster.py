@@ -1,8 +1,9 @@
 """The sweep on a real local multi-node Ray cluster: `ray job submit`, a real MLflow server, and faults.
 
 One session cluster (tests/sweep_fixtures.py): a head with `host:rtx4090` and the job server,
-two workers with `host:rtx3090`, one CPU each, all on 127.0.0.1 and stopped by pid. The node-loss
-test adds and kills a third worker of its own.
+two workers with `host:rtx3090` (the first also `model:sweepmicro`), one CPU each, each node in its
+own working directory, all on 127.0.0.1 and stopped by pid. The node-loss test adds and kills a
+third worker of its own.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.sweep_fixtures import (  # noqa: F401 - the fixtures are used by name
+    MODEL_RESOURCE,
+    PY,
     RAY,
     REPO,
     driver_cmd,
@@ -184,3 +188,61 @@ def test_worker_node_lost_mid_sweep_costs_only_its_running_trials(ray_cluster, t
     failed = [r for r in rows if r["status"] != "ok"]
     assert len(failed) <= 2, failed  # at most the batch that was running there (it is retried elsewhere)
     assert os.path.exists(out / "summary.md")
+
+
+def test_no_worker_touches_the_output_folder(ray_cluster, micro_model, tmp_path):
+    """No shared disk: a sweep submitted as a Ray job, whose model sits on one worker node
+    (`model_resource`), with every Ray worker process under an audit hook that makes any Python open,
+    listing, mkdir, remove or rename of a path under the output folder raise (tests/sweep_audit.py).
+    The traces are recorded and the ladder emulated on the model's node, the trials get the traces
+    through the object store and report through Tune, and a trial killed after a Tune checkpoint is
+    retried from it (what it reported is not evaluated again)."""
+    out, audit, cache = tmp_path / "out", tmp_path / "audit", tmp_path / "nodecache"
+    audit.mkdir()
+    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=512,
+                       model_resource=MODEL_RESOURCE.split(":", 1)[1], trials=2, batch=3,
+                       baselines={"policies": ["fetch-every-miss", "rule-0.15", "first-choice"]},
+                       emulation={"rungs": [128], "max_full": 1, "engine": False},
+                       space={"rule": {"choices": ["threshold", "substitute_all"]}, "tau": {"low": 0.1, "high": 0.4},
+                              "capacity_fraction": 0.25})
+    # rtx3090's baselines are one Tune trial of 3 items, 0.6 s each: a report (with a checkpoint) after the
+    # second, then the process dies on the third (first-choice), twice
+    faults = [{"match": {"rule": "first_choice", "host": "rtx3090"}, "action": "kill"},
+              {"match": {}, "action": "sleep", "seconds": 0.6}]
+    renv = {"worker_process_setup_hook": "tests.sweep_audit.install",
+            "env_vars": {"EXPERTSWEEP_AUDIT_ROOT": str(out), "EXPERTSWEEP_AUDIT_LOG": str(audit),
+                         "EXPERTSWEEP_CACHE": str(cache)}}
+    entry = [PY, "-m", "tests.sweep_faults", json.dumps(faults), "--config", str(cfg), "--out", str(out),
+             "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]
+    cmd = [RAY, "job", "submit", "--address", ray_cluster.dashboard, "--working-dir", ".",
+           "--runtime-env-json", json.dumps(renv), "--", *entry]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "succeeded" in proc.stdout.lower(), (proc.stdout[-4000:], proc.stderr[-2000:])
+
+    installed = sorted(audit.glob("installed-*"))
+    violations = {p.name: p.read_text() for p in audit.glob("violations-*")}
+    assert len(installed) >= 3, installed  # the hook ran in the trial actors and the model's tasks
+    assert not violations, violations
+    assert not list(out.rglob("checkpoint_*"))  # the trials' Tune checkpoints never reached the output folder
+
+    rows = ledger(out)
+    model_node = _node_of(ray_cluster, MODEL_RESOURCE)
+    emu = [r for r in rows if r["fidelity"] == "emulation"]
+    assert emu and all(r["status"] == "ok" and r["node"] in model_node for r in emu)
+    assert list((cache / "traces").glob("*.parquet"))  # recorded into the model node's cache, not --out
+    base = {r["baseline"]: r for r in rows if r["host"] == "rtx3090" and r["baseline"]}
+    assert base["fetch-every-miss"]["status"] == base["rule-0.15"]["status"] == "ok"
+    assert base["first-choice"]["status"] == "failed" and "failed 2 time(s)" in base["first-choice"]["error"]
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["trials_evaluated_twice"] == 0  # the retries resumed from the checkpoint after item 2
+
+    # the hook is real: a task under the same runtime_env that opens a file of the output folder fails
+    code = ("import json, ray, sys; ray.init(address=sys.argv[1], runtime_env=json.loads(sys.argv[2]), "
+            "logging_level='ERROR')\n"
+            "@ray.remote(num_cpus=0)\ndef peek(p):\n    return open(p).read()[:10]\n"
+            "try:\n    ray.get(peek.remote(sys.argv[3])); print('READ')\n"
+            "except Exception as e:\n    print('REFUSED', type(e).__name__)\n")
+    probe = subprocess.run([PY, "-c", code, ray_cluster.address, json.dumps(renv), str(out / "summary.md")],
+                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in probe.stdout, (probe.stdout[-2000:], probe.stderr[-2000:])
+    assert any(Path(p).read_text() for p in audit.glob("violations-*"))

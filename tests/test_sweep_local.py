@@ -169,6 +169,8 @@ def test_ladder_fronts_in_perplexity_and_the_answer(tmp_path, micro_model):
     full = {r["key"]: r for r in rows if r["fidelity"] == "emulation" and r["budget"] == "full"}
     short = [r for r in rows if r["fidelity"] == "emulation" and r["budget"] == "256"]
     assert short and all(r["status"] == "ok" for r in list(full.values()) + short)
+    # emulation.cpus auto: every CPU of the model's node (the embedded one: 2), as torch threads (Ray alone: 1)
+    assert {r["torch_threads"] for r in list(full.values()) + short} == {2}
     assert len(full) <= 4 + 7  # max_full survivors + the named baselines
     stats = json.loads((out / "stats.json").read_text())
     rungs = stats["ladder"]["rungs"]
