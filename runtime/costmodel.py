@@ -2,11 +2,12 @@
 
 Pieces (the formulas are fixed in docs/cost_model.md; keep the two in step):
 
-- `HostProfile`: a GPU host (link, device, host-CPU figures), stored as YAML in `hosts/`.
-  Presets `rtx3090`, `rtx4090`, `rtx5090` are read from `<repo>/hosts/<name>.yaml`
-  (the repository root is this file's parent's parent; `EXPERTSWEEP_HOSTS_DIR` overrides it).
-- `ModelShape`: the MoE geometry that sets expert and dense bytes, stored as YAML in
-  `models/` (`EXPERTSWEEP_MODELS_DIR` overrides), or derived from a Hugging Face
+- `HostProfile`: a GPU host (link, device, host-CPU figures), stored as YAML. Presets `rtx3090`,
+  `rtx4090`, `rtx5090` are package data, `runtime/data/hosts/<name>.yaml`, found with
+  `importlib.resources` (in a checkout and in an installed wheel alike; `EXPERTSWEEP_HOSTS_DIR`
+  names another folder of presets instead).
+- `ModelShape`: the MoE geometry that sets expert and dense bytes, stored as YAML: presets in
+  `runtime/data/models/` (`EXPERTSWEEP_MODELS_DIR` instead), or derived from a Hugging Face
   `config.json` (`model_shape_from_hf_config`).
 - `CostParams`: the per-(host, shape) times in seconds (`cost_params`).
 - `capacities_for_budget`: THE meaning of a VRAM budget (slots per layer that the engine can
@@ -30,6 +31,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +46,6 @@ log = logging.getLogger(__name__)
 EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
 N_EV = 5  # columns every event array has; EV_LOWBIT and EV_PREFETCH are read when present (kernel: 7)
 N_EV_FULL = 7
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Bits per weight of each storage format (ggml block layouts, see docs/cost_model.md):
 #   bf16   : 2 bytes per weight.
@@ -139,7 +139,12 @@ def _read_yaml(path: Path) -> Any:
 
 
 def _preset_dir(env: str, sub: str) -> Path:
-    return Path(os.environ[env]) if os.environ.get(env) else REPO_ROOT / sub
+    """The folder of `sub` presets: `$env` when set, else the package data `runtime/data/<sub>`
+    (`importlib.resources`: the checkout's folder, or the installed package's; a zipped install is
+    not supported)."""
+    if os.environ.get(env):
+        return Path(os.environ[env])
+    return Path(str(resources.files("runtime") / "data" / sub))
 
 
 def _resolve(name_or_path: str | os.PathLike, env: str, sub: str, what: str) -> Path:
@@ -234,12 +239,12 @@ def host_profile_from_dict(data: Any, source: str | None = None) -> HostProfile:
 
 
 def list_host_profiles() -> list[str]:
-    """Names of the host presets in `hosts/`."""
+    """Names of the host presets (`runtime/data/hosts/`, or `$EXPERTSWEEP_HOSTS_DIR`)."""
     return _list_presets("EXPERTSWEEP_HOSTS_DIR", "hosts")
 
 
 def load_host_profile(name_or_path: str | os.PathLike) -> HostProfile:
-    """A preset name (`rtx3090`, `rtx4090`, `rtx5090`: `<repo>/hosts/<name>.yaml`) or a YAML path."""
+    """A preset name (`rtx3090`, `rtx4090`, `rtx5090`: `runtime/data/hosts/<name>.yaml`) or a YAML path."""
     path = _resolve(name_or_path, "EXPERTSWEEP_HOSTS_DIR", "hosts", "host profile")
     prof = host_profile_from_dict(_read_yaml(path), str(path))
     log.debug("host profile %s from %s", prof.name, path)
@@ -431,12 +436,12 @@ def model_shape_from_hf_config(config: dict, weight_format: str = "bf16",
 
 
 def list_model_shapes() -> list[str]:
-    """Names of the model-shape presets in `models/`."""
+    """Names of the model-shape presets (`runtime/data/models/`, or `$EXPERTSWEEP_MODELS_DIR`)."""
     return _list_presets("EXPERTSWEEP_MODELS_DIR", "models")
 
 
 def load_model_shape(name_or_path: str | os.PathLike) -> ModelShape:
-    """A preset name (`<repo>/models/<name>.yaml`), a ModelShape YAML path, or an HF config.json.
+    """A preset name (`runtime/data/models/<name>.yaml`), a ModelShape YAML path, or an HF config.json.
 
     A file whose mapping has `hidden_size` is read as an HF config (bf16; the name is the
     config's `_name_or_path`, else the file's folder name for `config.json`, else its stem).

@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DB = REPO / "mlflow" / "mlflow.db"
+# a checkout keeps its runs in its mlflow/ folder; an installed package (no mlflow/ beside it, only the
+# mlflow library's own folder) in ./mlflow/ of the working directory, like results/
+DEFAULT_DB = (REPO if (REPO / "mlflow" / "start.sh").is_file() else Path.cwd()) / "mlflow" / "mlflow.db"
 EXPERIMENT = "expertsweep"
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 ENV_URI = "MLFLOW_TRACKING_URI"
