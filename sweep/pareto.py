@@ -29,6 +29,7 @@ import os  # noqa: E402
 import secrets  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
+from importlib import resources  # noqa: E402
 from typing import Any  # noqa: E402
 
 from runtime.errors import ArgumentParser, InputError, atomic_write, cli_main  # noqa: E402
@@ -39,8 +40,8 @@ from sweep.space import complete  # noqa: E402
 
 log = logging.getLogger("sweep.pareto")
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO / "search_spaces" / "demo.yaml"
+# search_spaces/ is package data (sweep/search_spaces links to it): found in a checkout and an installed wheel
+DEFAULT_CONFIG = Path(str(resources.files("sweep") / "search_spaces" / "demo.yaml"))
 STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json", "logs")
 
 
