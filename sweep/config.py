@@ -50,7 +50,7 @@ import yaml
 from runtime.errors import InputError
 from runtime.policy import PRESETS
 from runtime.spec import RUN_FIELD_BY_NAME as RUN
-from sweep.space import Space, parse_space
+from sweep.space import Space, feasible_spec, parse_space, policy_of
 
 OBJECTIVES = ("time_per_token_s", "mass_per_token", "device_memory_GiB")
 SAMPLERS = ("tpe", "nsga2")
@@ -110,6 +110,7 @@ class SweepConfig:
     ppl_budgets_pct: tuple[float, ...] = (0.5, 1.0, 2.0)
     source: str = "<config>"
     vram_budget_auto: bool = False  # space.vram_budget_GiB: auto, resolved by resolve_vram_budget
+    budget_notes: tuple[str, ...] = ()  # what fit_to_budget removed from the space (the summary lists it)
     space_spec: Any = field(default=None, compare=False, repr=False)  # the space mapping as given
 
     def baseline_capacity(self) -> dict[str, float]:
@@ -293,6 +294,30 @@ def resolve_vram_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
     spec = {**cfg.space_spec, "vram_budget_GiB": gib}
     return replace(cfg, space=parse_space(spec, f"{cfg.source}: space"), space_spec=spec, vram_budget_auto=False,
                    baseline_capacity_fraction=None)
+
+
+def fit_to_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
+    """A space at one fixed `vram_budget_GiB` (given, or `auto` once resolved): the categorical values
+    with which no policy fits the budget on `shape` (fewer than k slots whatever the other parameters,
+    e.g. the low-bit copies of every expert) are removed from the space (`sweep.space.feasible_spec`),
+    each named in `budget_notes`; unchanged for any other capacity. A trial that still does not fit
+    (a range's upper end) is recorded `infeasible`."""
+    from runtime import costmodel
+
+    p = cfg.space[cfg.space.capacity_field]
+    if p.name != "vram_budget_GiB" or p.kind != "fixed" or cfg.vram_budget_auto:
+        return cfg
+    gib, k = p.value, shape.top_k
+
+    def fits(params: dict[str, Any]) -> bool:
+        return costmodel.budget_breakdown(shape, gib, policy_of(params)).slots_per_layer >= k
+
+    where = f"{cfg.source}: space (vram_budget_GiB = {gib:g})"
+    spec, notes = feasible_spec(cfg.space_spec, fits, where)
+    if not notes:
+        return cfg
+    return replace(cfg, space=parse_space(spec, where), space_spec=spec,
+                   budget_notes=tuple(f"{n} at vram_budget_GiB = {gib:g}" for n in notes))
 
 
 def _emulation(where: str, v: Any, max_tokens: int | None) -> Emulation:

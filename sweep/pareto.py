@@ -271,7 +271,7 @@ def _check_inputs(cfg: sweep_config.SweepConfig, inputs: data.Inputs) -> sweep_c
         log.info("equal device memory: vram_budget_GiB = %g for every policy", cfg.space_spec["vram_budget_GiB"])
     else:
         data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
-    return cfg
+    return sweep_config.fit_to_budget(cfg, shape)  # at one budget: values no policy with which fits, left out
 
 
 def _record_where_the_model_is(placement: dict[str, Any]):  # noqa: ANN202 - data.prepare's `record`
@@ -388,7 +388,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
         ladder_stats["screening"] = {"trials": session.new_rows, "seconds": sweep_s}
         meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
                 "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
-                "gpus": gpus, "notes": notes, "warm_start": inputs.warm_start, "ladder": ladder_stats,
+                "gpus": gpus, "notes": notes + list(cfg.budget_notes), "warm_start": inputs.warm_start, "ladder": ladder_stats,
                 "budgets": cfg.ppl_budgets_pct}
         rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
         tracker.log_children(report.policy_records(ledger.rows, rep["fronts"], host_names), gpus)

@@ -90,6 +90,38 @@ def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     df = pd.DataFrame(recs)
     if not df.empty:
         df["time_per_token_ms"] = df.get("time_per_token_s", np.nan) * 1e3
+        df = equal_memory_ratios(df)
+    return df
+
+
+def equal_memory_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """Speed ratios at equal device memory for rows sized by `vram_budget_GiB`.
+
+    The simulator divides by fetch-every-miss (and host-compute) on the trial's own slots; a policy
+    whose staging or low-bit copies are charged to the budget holds fewer slots than fetch-every-miss
+    does in that budget, so that ratio flatters it. Here, per host and budget, the reference is the
+    baselines' time on the most slots any ok trial of that budget got (what a policy without staging,
+    fetch-every-miss itself, holds): `speed_ratio_vs_fetch_all` / `_vs_host_compute` become ratios at
+    the same budget (`ratio_basis` "same device memory"), the simulator's are kept as
+    `speed_ratio_vs_fetch_all_same_slots` / `speed_ratio_vs_host_compute_same_slots`. Rows sized by
+    `capacity_fraction` keep the simulator's ("same capacity")."""
+    df = df.copy()
+    df["ratio_basis"] = "same capacity"
+    if "vram_budget_GiB" not in df or "capacity_slots" not in df or "fetch_all_time_per_token_s" not in df:
+        return df
+    for name in ("fetch_all", "host_compute"):
+        df[f"speed_ratio_vs_{name}_same_slots"] = df.get(f"speed_ratio_vs_{name}", np.nan)
+    ok = df[(df["status"] == "ok") & df["vram_budget_GiB"].notna() & df["capacity_slots"].notna()]
+    if ok.empty:
+        return df
+    slots = ok["capacity_slots"].map(lambda c: int(np.sum(c)))  # slots over all layers
+    for (host, gib), g in ok.groupby(["host", "vram_budget_GiB"]):
+        most = g[slots[g.index] == slots[g.index].max()]
+        rows = (df["host"] == host) & (df["vram_budget_GiB"] == gib) & (df["status"] == "ok")
+        for name in ("fetch_all", "host_compute"):
+            ref = float(most[f"{name}_time_per_token_s"].median())
+            df.loc[rows, f"speed_ratio_vs_{name}"] = ref / df.loc[rows, "time_per_token_s"]
+        df.loc[rows, "ratio_basis"] = "same device memory"
     return df
 
 
@@ -231,6 +263,7 @@ def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFram
                 r = ok.sort_values(["time_per_token_s", "ppl_ci_high"]).iloc[0]
                 rec.update(policy=_label(r), family=r["family"], capacity=_capacity_text(r),
                            device_memory_GiB=r.get("device_memory_GiB", np.nan),
+                           vram_budget_GiB=r.get("vram_budget_GiB", np.nan), ratio_basis=r.get("ratio_basis"),
                            time_per_token_ms=r["time_per_token_ms"], speed_ratio_vs_fetch_all=r["speed_ratio_vs_fetch_all"],
                            ppl_change_pct=r["ppl_change_pct"], ppl_ci_low=r["ppl_ci_low"], ppl_ci_high=r["ppl_ci_high"],
                            policy_key=r["policy_key"])
@@ -292,6 +325,15 @@ def policy_by_host_text(pbh: pd.DataFrame, hosts: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _basis_text(ans: pd.DataFrame) -> str:
+    """What the answer's speed ratios compare at: one device-memory budget, or one capacity."""
+    if "ratio_basis" in ans and (ans["ratio_basis"] == "same device memory").any():
+        gib = sorted({round(float(v), 4) for v in ans["vram_budget_GiB"].dropna()})
+        return (f"at the same device memory ({', '.join(f'{g:g}' for g in gib)} GiB for every policy: low-bit "
+                "copies, prefetch and admission buffers and staging are charged to it)")
+    return "at the same capacity (slots per layer; a policy's low-bit copies and staging come on top)"
+
+
 def answer_text(ans: pd.DataFrame) -> str:
     lines = ["| host | perplexity budget | fastest policy within it (upper 95% bound) | family | device GiB | "
              "ms/token | x fetch-every-miss | ppl change % [95% CI] |", "|---|---|---|---|---|---|---|---|"]
@@ -306,9 +348,29 @@ def answer_text(ans: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _edge_limits(panels: dict[str, dict[str, Any]], budgets: list[float]) -> tuple[float, float] | None:
+    """The perplexity axis' limits when a measured policy lies far beyond the budgets (its interval
+    reaches past 4x the largest): linear from just left of the measured points to 3x the largest
+    budget, so the budgets' region fills a third of the panel; None when everything fits as it is."""
+    ms = [p["measured"] for p in panels.values() if not p["measured"].empty]
+    if not budgets or not ms:
+        return None
+    lo_all = float(min(np.nanmin(m["ppl_ci_low"].to_numpy(dtype=float)) for m in ms))
+    hi_all = float(max(np.nanmax(np.abs(m["ppl_ci_high"].to_numpy(dtype=float))) for m in ms))
+    b = max(budgets)
+    if not hi_all > 4 * b:
+        return None
+    hi = 3 * b
+    return max(min(-0.25 * b, lo_all - 0.1 * b), -hi), hi
+
+
 def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: list[float]) -> str:
     """Left: ms/token against perplexity change (interval bars, front drawn, baselines labelled) over
-    the full-budget policies; right: the screening fidelity's mass view. One colour per host."""
+    the full-budget policies; right: the screening fidelity's mass view. One colour per host.
+
+    A policy far beyond the budgets would squeeze their region into a few pixels: then the axis ends
+    at 3x the largest budget (`_edge_limits`) and such a policy is drawn at the edge as a triangle
+    pointing out, labelled with its perplexity change. Returns "linear" or "clipped at X%"."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,8 +378,13 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    zoom = False  # far-off policies: a symmetric-log axis, linear across the budgets
+    lim = _edge_limits(panels, budgets)
+
+    def clip(v: Any) -> Any:
+        return v if lim is None else np.clip(np.asarray(v, dtype=float), lim[0], lim[1])
+
     one = len(panels) == 1
+    edge_n = 0
     for i, (host, p) in enumerate(panels.items()):
         c = colors[i % len(colors)]
         m, fr, trials, scr = p["measured"], p["front"], p["trials"], p["screening"]
@@ -330,28 +397,42 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
                            xycoords=("axes fraction", "data"), fontsize=7, color=c, xytext=(0, 2),
                            textcoords="offset points")
         if not m.empty:
-            err = np.vstack([m["ppl_change_pct"] - m["ppl_ci_low"], m["ppl_ci_high"] - m["ppl_change_pct"]])
-            ax.errorbar(m["ppl_change_pct"], m["time_per_token_ms"], xerr=np.clip(err, 0, None), fmt="o", ms=4,
-                        color=c, alpha=0.45 if not one else 0.6, elinewidth=0.8, capsize=2,
-                        label=f"{host}: measured ({len(m)})")
+            x = m["ppl_change_pct"].to_numpy(dtype=float)
+            inside = np.ones(len(m), bool) if lim is None else (x >= lim[0]) & (x <= lim[1])
+            mi = m[inside]
+            if not mi.empty:
+                lo_e = clip(mi["ppl_ci_low"])
+                hi_e = clip(mi["ppl_ci_high"])
+                err = np.vstack([mi["ppl_change_pct"] - lo_e, hi_e - mi["ppl_change_pct"]])
+                ax.errorbar(mi["ppl_change_pct"], mi["time_per_token_ms"], xerr=np.clip(err, 0, None), fmt="o", ms=4,
+                            color=c, alpha=0.45 if not one else 0.6, elinewidth=0.8, capsize=2,
+                            label=f"{host}: measured ({len(m)})")
+            for _, r in m[~inside].iterrows():  # far off: at the edge, pointing out, with its value
+                right = r["ppl_change_pct"] > 0
+                ax.scatter([lim[1] if right else lim[0]], [r["time_per_token_ms"]], marker=">" if right else "<",
+                           s=40, color=c, edgecolor="k", zorder=3, clip_on=False)
+                ax.annotate(f"{r['ppl_change_pct']:+.3g}%", (lim[1] if right else lim[0], r["time_per_token_ms"]),
+                            fontsize=7, color=c, ha="right" if right else "left", va="center",
+                            xytext=(-7 if right else 7, 0), textcoords="offset points",
+                            annotation_clip=False)
+                edge_n += 1
             if not fr.empty:
                 st = fr.sort_values(["ppl_change_pct", "time_per_token_ms"])
-                ax.step(st["ppl_change_pct"], st["time_per_token_ms"], where="post", color=c, lw=1.5)
-                ax.scatter(fr["ppl_change_pct"], fr["time_per_token_ms"], s=36, color=c, edgecolor="k", zorder=3,
-                           label=f"{host}: front ({len(fr)})")
+                ax.step(clip(st["ppl_change_pct"]), st["time_per_token_ms"], where="post", color=c, lw=1.5)
+                ax.scatter(clip(fr["ppl_change_pct"]), fr["time_per_token_ms"], s=36, color=c, edgecolor="k",
+                           zorder=3, label=f"{host}: front ({len(fr)})")
             for _, r in m[m["baseline"].notna()].iterrows() if "baseline" in m else []:
                 if one or i == 0:
-                    ax.annotate(r["baseline"], (r["ppl_change_pct"], r["time_per_token_ms"]), fontsize=7,
-                                xytext=(3, 3), textcoords="offset points")
+                    ax.annotate(r["baseline"], (float(clip(r["ppl_change_pct"])), r["time_per_token_ms"]),
+                                fontsize=7, xytext=(3, 3), textcoords="offset points",
+                                ha="right" if lim is not None and r["ppl_change_pct"] > lim[1] else "left")
             picked = m[m["policy_key"].isin(p.get("answer_keys", ()))]
             for _, r in picked.iterrows():  # the answer's policies, labelled in bold
-                ax.scatter([r["ppl_change_pct"]], [r["time_per_token_ms"]], s=90, facecolor="none", edgecolor=c,
+                px = float(clip(r["ppl_change_pct"]))
+                ax.scatter([px], [r["time_per_token_ms"]], s=90, facecolor="none", edgecolor=c,
                            lw=1.6, zorder=4)
-                ax.annotate(f"answer: {_label(r)}", (r["ppl_change_pct"], r["time_per_token_ms"]), fontsize=7,
+                ax.annotate(f"answer: {_label(r)}", (px, r["time_per_token_ms"]), fontsize=7,
                             fontweight="bold", color=c, xytext=(4, -10), textcoords="offset points")
-            spread = float(np.nanmax(np.abs(m["ppl_ci_high"].to_numpy(dtype=float)))) if len(m) else 0.0
-            if budgets and spread > 4 * max(budgets):
-                zoom = True
         if one and not trials.empty:
             bx.scatter(trials["mass_per_token"], trials["time_per_token_ms"], s=10, alpha=0.3, color=c,
                        label=f"{host}: screened ({len(trials)})")
@@ -366,10 +447,12 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
                             xytext=(3, 3), textcoords="offset points")
     for b in budgets:
         ax.axvline(b, color="grey", ls=":", lw=0.8)
-    if zoom:  # the budgets' region stays linear and readable; policies far beyond it are compressed
-        ax.set_xscale("symlog", linthresh=2 * max(budgets), linscale=2.0)
-    ax.set_xlabel("perplexity change % (exact emulation, full budget; bars: 95% CI; dotted: budgets"
-                  + ("; symlog beyond " + f"{2 * max(budgets):g}%" if zoom else "") + ")")
+    if budgets:  # the budgets' region shaded: where the answer lives
+        ax.axvspan(min(0.0, lim[0] if lim else 0.0), max(budgets), color="grey", alpha=0.07, lw=0)
+    if lim is not None:
+        ax.set_xlim(*lim)
+    ax.set_xlabel("perplexity change % (exact emulation, full budget)\nbars: 95% CI; dotted: budgets (shaded: within)"
+                  + (f"; triangles: beyond {lim[1]:g}%, value beside" if lim is not None and edge_n else ""))
     ax.set_ylabel("time per token (ms, simulated)")
     ax.set_title(f"{title}: speed vs perplexity")
     bx.set_xlabel("substituted mass per token (simulator)")
@@ -382,7 +465,7 @@ def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: li
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    return ax.get_xscale()
+    return "linear" if lim is None else f"clipped at {lim[1]:g}%"
 
 
 def write_tables(out: Path, rows: list[dict[str, Any]], hosts: list[str],
@@ -410,6 +493,10 @@ def policy_records(rows: list[dict[str, Any]], fronts: dict[str, pd.DataFrame], 
            if r.get("fidelity") == "emulation" and r.get("budget") == "full" and r["status"] == "ok"}
     eng = {(r["host"], policy_key(r["params"])): r for r in rows
            if r.get("fidelity") == "engine" and r["status"] == "ok"}
+    df = trials_frame(rows)  # the speed ratios at equal device memory (equal_memory_ratios)
+    ratio_cols = [c for c in df.columns if c.startswith("speed_ratio_vs_") or c == "ratio_basis"]
+    ratios = ({} if df.empty else df[df["status"] == "ok"].drop_duplicates(["host", "policy_key"])
+              .set_index(["host", "policy_key"])[ratio_cols].to_dict("index"))
     out = []
     for host in hosts:
         on_front = set(fronts[host]["policy_key"]) if host in fronts and not fronts[host].empty else set()
@@ -423,7 +510,8 @@ def policy_records(rows: list[dict[str, Any]], fronts: dict[str, pd.DataFrame], 
             seen.add(pk)
             rec = {k: v for k, v in r.items() if k not in ("key", "number", "node", "pid")}
             rec.update(key=f"{host}:{hashlib.sha1(pk.encode()).hexdigest()[:16]}", on_front=pk in on_front,
-                       policy=r.get("policy") or policy_of(r["params"]).label(), family=family(r["params"]))
+                       policy=r.get("policy") or policy_of(r["params"]).label(), family=family(r["params"]),
+                       **ratios.get((host, pk), {}))
             if pk in emu:
                 e = emu[pk]
                 rec.update(fidelity="emulation", **{k: e.get(k) for k in (
@@ -554,9 +642,9 @@ def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[
     if not ans.empty:
         lines += ["## The answer", "",
                   "Per host and perplexity budget: the fastest policy whose upper 95% bound of the perplexity "
-                  "change (exact emulation at the full token budget) stays within the budget, and its speed "
-                  "ratio over fetch-every-miss at the same capacity (simulated time per token).", "",
-                  answer_text(ans), ""]
+                  "change (exact emulation at the full token budget) stays within the budget, the device memory "
+                  "it uses, and its speed ratio over fetch-every-miss " + _basis_text(ans) +
+                  " (simulated time per token).", "", answer_text(ans), ""]
     else:
         lines += ["No perplexity was measured (emulation off or no model), so there is no answer in perplexity; "
                   "the tables below are the simulator's screening fronts (time and substituted mass).", ""]
@@ -578,10 +666,12 @@ def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[
         lines.append(f"- MLflow: `{meta['mlflow_uri']}`, parent run `{meta.get('parent_run_id')}`")
     lines.append("")
     if not df.empty:
-        lines += ["| host | trials ok | failed | front size |", "|---|---|---|---|"]
+        lines += ["| host | trials ok | infeasible at the budget | failed | front size |", "|---|---|---|---|---|"]
         for host, fr in fronts.items():
             d = df[df["host"] == host]
-            lines.append(f"| {host} | {(d['status'] == 'ok').sum()} | {(d['status'] != 'ok').sum()} | {len(fr)} |")
+            inf = int((d["status"] == "infeasible").sum())
+            lines.append(f"| {host} | {(d['status'] == 'ok').sum()} | {inf} | "
+                         f"{(~d['status'].isin(['ok', 'infeasible'])).sum()} | {len(fr)} |")
         lines.append("")
     kind = "perplexity" if not ans.empty else "screening"
     lines += [f"## Fronts ({kind})", "",
@@ -589,8 +679,10 @@ def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[
                "the full budget." if kind == "perplexity" else
                "Each host's (time, mass) front within each family (mass ranks policies only among those that "
                "fetch the same way)."),
-              "Speed ratios compare each policy with fetch-every-miss, with computing misses on the host, "
-              "and with the all-resident bound, on the same host at the same capacity (>1 = faster).", ""]
+              "Speed ratios compare each policy with fetch-every-miss and with computing misses on the host "
+              "on the same host " + ("at the same device memory" if "ratio_basis" in df and
+                                     (df["ratio_basis"] == "same device memory").any() else "at the same capacity")
+              + ", and with the all-resident bound (>1 = faster).", ""]
     for host, fr in fronts.items():
         lines += [host_table_text(host, fr, meta.get("gpus", {}).get(host, "")), ""]
     if bd is not None and not bd.empty:

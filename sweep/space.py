@@ -20,8 +20,10 @@ define-by-run draw on an Optuna trial; it returns the full, canonical policy con
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -312,3 +314,59 @@ def parse_space(spec: Any, where: str = "space") -> Space:
     if not space.searched():
         raise InputError(f"{where}: nothing to search (every parameter is fixed)")
     return space
+
+
+def feasible_spec(spec: dict[str, Any], fits: Callable[[dict[str, Any]], bool], where: str = "space",
+                  limit: int = 50_000) -> tuple[dict[str, Any], list[str]]:
+    """The `space:` mapping without the categorical values that no point of the space with that value
+    `fits` (at a fixed device-memory budget: leaves at least k slots), and without the parameters
+    that are then never active; returns (mapping, one note per removed value or parameter).
+
+    Enumerated over every combination of the categorical values, each range at its least demanding
+    point (`low`, and unset where `off: true`): staging grows with `admission_delay` and `prefetch_n`,
+    so a value infeasible there is infeasible everywhere. A point of a range that does not fit is
+    left to the trial (the sweep records it `infeasible`). No point fitting at all is an InputError;
+    more than `limit` combinations: the mapping is returned as it is (a warning)."""
+    space = parse_space(spec, where)
+    axes = [(p.name, p.values() if p.kind in ("fixed", "choice") else (p.low,) + ((None,) if p.off else ()))
+            for p in space.params if p.name not in CAPACITY_FIELDS]
+    if math.prod(len(v) for _, v in axes) > limit:
+        log.warning("%s: more than %d combinations; values that never fit the budget are left to the trials",
+                    where, limit)
+        return spec, []
+    used: set[tuple[str, Any]] = set()  # (name, value) active in a point that fits
+    active: set[str] = set()  # names active in some point (fitting or not)
+    for combo in itertools.product(*(v for _, v in axes)):
+        cfg = dict(zip((n for n, _ in axes), combo, strict=True))
+        on = [n for n in cfg if _active(n, cfg)]
+        active.update(on)
+        try:
+            ok = fits(complete({n: cfg[n] for n in on}))
+        except InputError:  # not a valid policy (e.g. belady with a rule that substitutes)
+            continue
+        if ok:
+            used.update((n, _key(cfg[n])) for n in on)
+    if not used:
+        raise InputError(f"{where}: no policy of the space fits the budget (every one leaves fewer than k slots)")
+    out, notes = {}, []
+    for name, given in spec.items():
+        p = space[name]
+        if name in CAPACITY_FIELDS or name not in active:
+            out[name] = given
+        elif not any(n == name for n, _ in used):
+            notes.append(f"{name}: never used, as no policy that uses it fits the budget")
+        elif p.kind == "choice":
+            keep = [v for v in p.choices if (name, _key(v)) in used]
+            notes += [f"{name} = {OFF if v is None else v}: no policy with it fits the budget"
+                      for v in p.choices if (name, _key(v)) not in used]
+            vals = [OFF if v is None else v for v in keep]
+            out[name] = vals[0] if len(vals) == 1 else {"choices": vals}
+        else:
+            out[name] = given
+    for note in notes:
+        log.warning("%s.%s", where, note)
+    return out, notes
+
+
+def _key(v: Any) -> Any:
+    return ("float", float(v)) if isinstance(v, int | float) and not isinstance(v, bool) else v

@@ -204,3 +204,58 @@ def test_ladder_fronts_in_perplexity_and_the_answer(tmp_path, micro_model):
     assert summary.index("## The answer") < summary.index("## Fronts (perplexity)")
     tail = proc.stdout[proc.stdout.index("The answer"):]  # printed last
     assert all(f"| {h} | {b:g}% |" in tail for h in ("rtx3090", "rtx4090") for b in budgets)
+
+
+@pytest.mark.slow
+def test_equal_memory_answer(tmp_path, micro_model):
+    """`vram_budget_GiB: auto` end to end on a micro model: one device-memory budget for every policy.
+    The low-bit fallback, whose copies of every expert leave fewer than k slots in that budget, is left
+    out of the search (named in the summary); an admission delay whose staging does not fit is an
+    `infeasible` trial, not a failure; every answer row uses at most the budget, gives its device
+    memory, is no offline bound, and its speed ratio is over fetch-every-miss at the same budget."""
+    budgets = [0.5, 1.0, 2.0, 50.0]
+    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=768, trials=12,
+                       emulation={"rungs": [256], "eta": 2, "max_full": 3}, ppl_budgets_pct=budgets,
+                       baselines={"policies": ["fetch-every-miss", "rule-0.15", "substitute-all", "quality-first"]},
+                       space={"rule": {"choices": ["threshold", "first_choice", "substitute_all"]},
+                              "tau": {"low": 0.05, "high": 0.5, "log": True},
+                              "fallback": {"choices": ["substitute", "lowbit"]}, "lowbit_bits": {"choices": [4, 2]},
+                              "beta": {"choices": ["off", 0.5]}, "admission_delay": {"low": 1, "high": 4},
+                              "prefetch": {"choices": ["off", "oracle"]}, "vram_budget_GiB": "auto"})
+    out = tmp_path / "out"
+    proc = run_driver(cfg, out, "--ray-address", "local", "--num-cpus", "2", "--mlflow-uri",
+                      f"sqlite:///{tmp_path / 'm.db'}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = ledger(out)
+    sim = [r for r in rows if r["fidelity"] == "simulator"]
+    gib = {r["params"]["vram_budget_GiB"] for r in sim}
+    assert len(gib) == 1  # one budget for every trial and baseline
+    gib = gib.pop()
+    assert not any(r["params"]["fallback"] == "lowbit" for r in sim)  # left out of the space: never drawn
+    bad = [r for r in sim if r["status"] not in ("ok", "infeasible")]
+    assert not bad, bad[:2]
+    infeasible = [r for r in sim if r["status"] == "infeasible"]
+    # the budget is fetch-every-miss's 16 slots; admission staging takes L x k x delay buffers (8 slots per layer
+    # per token of delay), an oracle prefetch L x k (8 more): admission fits only with delay 1 and no prefetch
+    assert infeasible and all(r["params"]["beta"] is not None and "fewer than k = 8" in r["error"]
+                              and (r["params"]["admission_delay"] >= 2 or r["params"]["prefetch"] != "off")
+                              and r["capacity_slots"] < 8 for r in infeasible)
+    ok = [r for r in sim if r["status"] == "ok"]
+    assert all(r["params"]["admission_delay"] == 1 and r["params"]["prefetch"] == "off"
+               for r in ok if r["params"]["beta"] is not None)
+    assert all(r["device_memory_GiB"] <= gib * (1 + 1e-9) for r in ok)
+    ans = pd.read_csv(out / "answer.csv")
+    assert "device_memory_GiB" in ans and ans["policy"].notna().any()
+    chosen = ans[ans["policy"].notna()]
+    assert (chosen["device_memory_GiB"] <= 1.01 * gib).all() and (chosen["vram_budget_GiB"] == gib).all()
+    assert set(chosen["ratio_basis"]) == {"same device memory"}
+    assert not chosen["policy_key"].str.contains('"oracle"|"belady"').any()
+    # the ratio is over fetch-every-miss at the same budget: its own time / the answer's time, per host
+    for _, a in chosen.iterrows():
+        fe = next(r for r in ok if r["host"] == a["host"] and r["baseline"] == "fetch-every-miss")
+        assert a["speed_ratio_vs_fetch_all"] == pytest.approx(fe["time_per_token_s"] * 1e3 / a["time_per_token_ms"])
+    summary = (out / "summary.md").read_text()
+    assert "at the same device memory" in summary and "fallback = lowbit: no policy with it fits" in summary
+    assert "| host | trials ok | infeasible at the budget | failed | front size |" in summary
+    tail = proc.stdout[proc.stdout.index("The answer"):]
+    assert "device GiB" in tail

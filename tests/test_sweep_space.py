@@ -472,7 +472,7 @@ def test_offline_bounds_are_drawn_never_answered(tmp_path):
     assert "## Offline bounds" in summary and summary.index("## The answer") < summary.index("## Offline bounds")
     assert not rep["bounds"].empty and (tmp_path / "pareto_a.png").stat().st_size > 0
     assert rep["plot_xscale"] == {"a": "linear"}  # every measured policy within 4x the largest budget
-    # a policy far beyond the budgets (+120%): the perplexity axis turns symmetric-log, linear over the budgets
+    # a policy far beyond the budgets (+120%): the perplexity axis ends at 3x the largest budget, the far one at its edge
     far = rows[6]
     rows.append({"key": f"emulation:full:{far['key']}", "params": far["params"], "host": "all", "fidelity": "emulation",
                  "budget": "full", "status": "ok", "ppl_change_pct": 120.0, "ppl_ci_low": 110.0, "ppl_ci_high": 130.0,
@@ -480,7 +480,7 @@ def test_offline_bounds_are_drawn_never_answered(tmp_path):
     (tmp_path / "far").mkdir()
     rep2 = write_report(tmp_path / "far", rows, ["a"], ("time_per_token_s", "mass_per_token"),
                         {"name": "t", "objectives": ("time_per_token_s", "mass_per_token"), "budgets": [1.0]})
-    assert rep2["plot_xscale"] == {"a": "symlog"}
+    assert rep2["plot_xscale"] == {"a": "clipped at 3%"}  # ends at 3x the largest budget; +120% drawn at the edge
 
 
 def test_vram_budget_auto_is_fetch_every_miss_at_a_quarter_residency():
@@ -512,3 +512,107 @@ def test_vram_budget_auto_is_fetch_every_miss_at_a_quarter_residency():
     tight = dc_replace(shape, num_experts=16, top_k=8)  # 25% of 16 experts is fewer than k: k slots
     with pytest.raises(InputError, match=r"space\.vram_budget_GiB = auto .*baseline quality-first"):
         sweep_config.resolve_vram_budget(dc_replace(cfg, baseline_policies=("quality-first",)), tight)
+
+
+def _demo_shape():
+    from dataclasses import replace as dc_replace
+
+    from runtime import costmodel
+
+    return dc_replace(costmodel.load_model_shape("qwen3-next-80b-a3b"), num_layers=4, num_experts=64, top_k=8)
+
+
+def test_fit_to_budget_drops_the_values_no_policy_fits():
+    """At one budget, a value with which no policy leaves k slots is taken out of the space (and named);
+    a range's infeasible upper end is left to the trial, which the cost model refuses (BudgetTooSmall)."""
+    from runtime import costmodel
+
+    shape = _demo_shape()
+    space = {"rule": {"choices": ["threshold", "first_choice"]}, "tau": {"low": 0.1, "high": 0.4},
+             "fallback": {"choices": ["substitute", "lowbit"]}, "lowbit_bits": {"choices": [8, 2]},
+             "lowbit_group": {"choices": [32, 128]}, "beta": {"choices": ["off", 0.5]},
+             "admission_delay": {"low": 1, "high": 4}, "vram_budget_GiB": "auto"}
+    base = {"name": "t", "hosts": ["rtx3090"], "baselines": {"policies": ["fetch-every-miss", "rule-0.15"]},
+            "space": space}
+    # fetch-every-miss's 16 slots: a copy of every expert, even at 2 bits in groups of 128 (9 slots' worth), leaves < 8
+    cfg = sweep_config.resolve_vram_budget(sweep_config.from_dict(base, "x.yaml"), shape)
+    fit = sweep_config.fit_to_budget(cfg, shape)
+    assert fit.space["fallback"].kind == "fixed" and fit.space["fallback"].value == "substitute"
+    assert "lowbit_bits" not in fit.space.names and "lowbit_group" not in fit.space.names
+    assert any("fallback = lowbit" in n for n in fit.budget_notes)
+    assert fit.space["admission_delay"].high == 4  # a range is not cut: its upper end is the trial's to refuse
+    gib = fit.space["vram_budget_GiB"].value
+    late = policy_of({"rule": "threshold", "tau": 0.2, "beta": 0.5, "admission_delay": 4})
+    with pytest.raises(costmodel.BudgetTooSmall, match="fewer than k = 8"):
+        costmodel.capacities_for_budget(shape, gib, late)
+    # a budget with room for the 2-bit copies at group 128 and 16 slots: lowbit stays, 8-bit copies (32 slots' worth) go
+    two = policy_of({"rule": "threshold", "tau": 0.2, "fallback": "lowbit", "lowbit_bits": 2, "lowbit_group": 128})
+    roomy = round(costmodel.budget_for_capacities(shape, 16, two) + 1e-3, 4)
+    cfg = sweep_config.from_dict({**base, "space": {**space, "vram_budget_GiB": roomy}}, "x.yaml")
+    fit = sweep_config.fit_to_budget(cfg, shape)
+    assert fit.space["fallback"].values() == ("substitute", "lowbit")
+    assert fit.space["lowbit_bits"].values() == (2,) and fit.space["lowbit_group"].values() == (32, 128)
+    assert [n for n in fit.budget_notes if "lowbit_bits" in n] == [f"lowbit_bits = 8: no policy with it fits the budget "
+                                                                 f"at vram_budget_GiB = {roomy:g}"]
+    # a capacity fraction (low-bit copies on top of the slots) is left as it is
+    by_fraction = {k: v for k, v in space.items() if k != "vram_budget_GiB"} | {"capacity_fraction": 0.25}
+    frac = sweep_config.from_dict({**base, "space": by_fraction}, "x.yaml")
+    assert sweep_config.fit_to_budget(frac, shape) is frac
+    # nothing fits at all: one line naming the space and the budget
+    small = dict(space, rule="first_choice", fallback="lowbit", lowbit_bits=8, lowbit_group=32,
+                 vram_budget_GiB=2.3)
+    small.pop("tau")
+    with pytest.raises(InputError, match=r"x\.yaml: space \(vram_budget_GiB = 2\.3\): no policy of the space fits"):
+        sweep_config.fit_to_budget(sweep_config.from_dict({**base, "space": small}, "x.yaml"), shape)
+
+
+def test_the_main_job_compares_policies_at_equal_memory():
+    """search_spaces/demo.yaml (make pareto) and smoke.yaml run every policy at one device-memory budget;
+    every shipped config parses."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "search_spaces"
+    for f in sorted(root.glob("*.yaml")):
+        sweep_config.load_config(f)
+    for name in ("demo", "smoke"):
+        cfg = sweep_config.load_config(root / f"{name}.yaml")
+        assert cfg.vram_budget_auto and cfg.space.capacity_field == "vram_budget_GiB", name
+    demo = sweep_config.fit_to_budget(sweep_config.resolve_vram_budget(
+        sweep_config.load_config(root / "demo.yaml"), _demo_shape()), _demo_shape())
+    assert demo.space["vram_budget_GiB"].value == pytest.approx(2.4713)
+    assert "lowbit" not in demo.space["fallback"].values()  # its copies of every expert do not fit 2.47 GiB
+
+
+def test_speed_ratios_at_equal_memory_divide_by_fetch_every_miss_in_the_same_budget(tmp_path):
+    """In one budget an admission policy holds fewer slots (its staging is charged to it): its ratio is over
+    fetch-every-miss on the budget's most slots, not over fetch-every-miss on its own, smaller, cache."""
+    gib = 2.5
+
+    def row(key, params, slots, t, t_fetch_own):  # t_fetch_own: fetch-every-miss on this row's slots
+        return {"key": key, "number": None, "baseline": "fetch-every-miss" if key == "a:fe" else None,
+                "params": complete({**params, "vram_budget_GiB": gib}), "host": "a", "fidelity": "simulator",
+                "status": "ok", "time_per_token_s": t, "mass_per_token": 0.1, "capacity_slots": [slots] * 4,
+                "fetch_all_time_per_token_s": t_fetch_own, "host_compute_time_per_token_s": 2 * t_fetch_own,
+                "speed_ratio_vs_fetch_all": t_fetch_own / t, "speed_ratio_vs_host_compute": 2 * t_fetch_own / t,
+                "speed_ratio_vs_all_resident": 0.5, "device_memory_GiB": gib * 0.99, "policy": "p"}
+
+    rows = [row("a:fe", {"rule": "fetch_all"}, 16, 4e-3, 4e-3),
+            row("a:rule", {"rule": "threshold", "tau": 0.15}, 16, 2e-3, 4e-3),
+            # 8 slots after its staging: the simulator compares it with fetch-every-miss on 8 slots (8 ms)
+            row("a:adm", {"rule": "threshold", "tau": 0.15, "beta": 0.5}, 8, 3e-3, 8e-3),
+            {"key": "a:low", "number": 3, "baseline": None, "host": "a", "fidelity": "simulator",
+             "params": complete({"rule": "first_choice", "fallback": "lowbit", "vram_budget_GiB": gib}),
+             "status": "infeasible", "error": "leaves 7 expert slots per layer, fewer than k = 8", "capacity_slots": 7}]
+    df = trials_frame(rows).set_index("key")
+    assert df.loc["a:adm", "speed_ratio_vs_fetch_all_same_slots"] == pytest.approx(8 / 3)
+    assert df.loc["a:adm", "speed_ratio_vs_fetch_all"] == pytest.approx(4 / 3)  # 4 ms: fetch-every-miss's own
+    assert df.loc["a:adm", "speed_ratio_vs_host_compute"] == pytest.approx(8 / 3)
+    assert df.loc["a:rule", "speed_ratio_vs_fetch_all"] == pytest.approx(2.0)
+    assert set(df.loc[["a:fe", "a:rule", "a:adm"], "ratio_basis"]) == {"same device memory"}
+    # a capacity-fraction sweep keeps the simulator's ratio at the same capacity
+    frac = trials_frame(_rows("b", 3)).set_index("key")
+    assert set(frac["ratio_basis"]) == {"same capacity"} and (frac.loc[frac["status"] == "ok",
+                                                                      "speed_ratio_vs_fetch_all"] == 1.5).all()
+    # the summary counts the infeasible trial as such, not as failed
+    write_report(tmp_path, rows, ["a"], ("time_per_token_s", "mass_per_token"), {"name": "t", "budgets": [1.0]})
+    assert "| a | 3 | 1 | 0 |" in (tmp_path / "summary.md").read_text()
