@@ -293,7 +293,7 @@ SIM_FLAGS = tuple(sorted(n for n in honoured_by("simulator") if n != "record_dec
 def build_parser() -> argparse.ArgumentParser:
     """The simulator's flags: the policy table's, the run-field table's rows the simulator honours
     (runtime/spec.py: flag, default and help written once), --num-experts, --json and --out."""
-    p = ArgumentParser(prog="python -m runtime.simulate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.simulate", description=__doc__.splitlines()[0], allow_abbrev=False)
     add_policy_flags(p)
     add_run_flags(p, ("simulator",), size_required=True)
     p.add_argument("--num-experts", type=int, default=None, help="E for .npz files without num_experts")
