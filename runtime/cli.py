@@ -76,7 +76,8 @@ def build_emulate_parser() -> argparse.ArgumentParser:
     from runtime.policy import add_policy_flags
     from runtime.spec import DEFAULT_CAPACITY_FRACTION, add_run_flags
 
-    p = ArgumentParser(prog="python -m runtime.emulate", description=emulate.__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.emulate", description=emulate.__doc__.splitlines()[0],
+                       allow_abbrev=False)  # --model is not --model-shape
     add_policy_flags(p, repeatable_preset=True)
     add_run_flags(p, EMULATE_BACKENDS, size_default=f"--capacity-fraction {DEFAULT_CAPACITY_FRACTION}")
     p.add_argument("--backend", default="emulation", help=" | ".join(EMULATE_BACKENDS))

@@ -393,7 +393,7 @@ def resolve_capacities(
         if arr.size == 1:
             arr = np.full(num_layers, arr.item())
         if arr.shape != (num_layers,):
-            raise InputError(f"{flag} = {list(arr)} has {arr.size} entries, the model has {num_layers} MoE layers")
+            raise InputError(f"{flag} = {arr.tolist()} has {arr.size} entries, the model has {num_layers} MoE layers")
         caps = arr.astype(np.int64)
     for l_, c in enumerate(caps):
         if not (top_k <= c < num_experts):

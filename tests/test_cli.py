@@ -1,0 +1,155 @@
+"""The run-field table and the command lines built on it: one flag per RunSpec field, every CLI takes
+every flag its backend honours, defaults written once, refusals from the table, one --capacity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+import pytest
+
+from runtime import cli, simulate
+from runtime.backends import BACKENDS, get_backend
+from runtime.errors import InputError, cli_main
+from runtime.policy import PARAMS, PRESETS
+from runtime.spec import FLAGS, RUN_FIELD_BY_NAME, RUN_FIELDS, SIZE_FIELDS, RunSpec, honoured_by
+from runtime.trace import save_trace, synthetic_pair
+
+# a command-line value per field kind, and what the parser must turn it into
+SAMPLE = {"str": ("x.y", "x.y"), "int": ("7", 7), "float": ("0.5", 0.5), "capacity": ("3,4", (3, 4)),
+          "memory": ("8", "8")}
+# a RunSpec value per field that a backend may be asked for (valid for RunSpec, so only the backend objects)
+SPEC_VALUE = {"capacity": 4, "trace": "t.parquet", "model": "M", "text": "T", "max_tokens": 64, "window": 16,
+              "batch_windows": 2, "initial_residency": "cold", "calib_text": "c.txt", "calib_max_tokens": 100,
+              "host": "rtx3090", "model_shape": "s.yaml", "weight_format": "q8_0", "device": "cpu", "dtype": "bf16",
+              "max_memory_GiB": 8.0, "host_store": "mmap", "substitute_weight": "own", "nll_out": "n.parquet",
+              "trace_out": "t2.parquet", "residency_out": "r.npy", "record_decisions": True}
+# each CLI: its parser, the backends whose fields it takes, the arguments it needs besides the one tested
+CLIS = {"simulate": (simulate.build_parser, ("simulator",), ["--trace", "t.parquet", "--policy", "rule-0.15"]),
+        "emulate": (cli.build_emulate_parser, ("emulation", "engine"),
+                    ["--model", "M", "--text", "T", "--policy", "rule-0.15"])}
+
+
+def test_every_run_field_has_exactly_one_flag():
+    table = {f.name for f in RUN_FIELDS}
+    assert table == {f.name for f in fields(RunSpec)} - {"policy", "name"}  # policy: its own table
+    flags = [f.flag for f in RUN_FIELDS if f.flag] + [p.flag for p in PARAMS]
+    assert len(flags) == len(set(flags)), sorted(f for f in flags if flags.count(f) > 1)
+    assert {f.name for f in RUN_FIELDS if f.flag is None} == {"record_decisions"}  # library only: decision arrays
+    assert all(FLAGS[f.name] == f.flag for f in RUN_FIELDS if f.flag)
+    for f in RUN_FIELDS:  # a default is the dataclass field's, once
+        assert f.default == next(d.default for d in fields(RunSpec) if d.name == f.name)
+
+
+@pytest.mark.parametrize("name", list(CLIS))
+def test_every_cli_accepts_every_flag_its_backend_honours(name):
+    build, backends, base = CLIS[name]
+    p = build()
+    honoured = set().union(*(honoured_by(b) for b in backends))
+    assert honoured, backends
+    for fld in sorted(honoured):
+        f = RUN_FIELD_BY_NAME[fld]
+        if f.flag is None:
+            continue
+        text, value = SAMPLE[f.kind]
+        argv = [a for a in base if a not in (f.flag,)]
+        if f.flag in base:  # the base argument itself: replace its value
+            i = base.index(f.flag)
+            argv = base[:i] + base[i + 2:]
+        extra = [] if f.name in SIZE_FIELDS or name != "simulate" else ["--capacity", "4"]
+        a = p.parse_args(argv + extra + [f.flag, text])
+        assert getattr(a, f.dest) == value, (name, f.flag)
+    # and nothing it does not honour: a flag of another backend's field is a usage error
+    for f in RUN_FIELDS:
+        if f.flag and f.name not in honoured:
+            with pytest.raises(InputError, match="unrecognized arguments"):
+                p.parse_args(base + ["--capacity", "4", f.flag, SAMPLE[f.kind][0]])
+
+
+@pytest.mark.parametrize("name", list(CLIS))
+def test_cli_defaults_are_the_runspec_defaults(name):
+    build, backends, _ = CLIS[name]
+    p = build()
+    for f in RUN_FIELDS:
+        if f.flag and f.backends & set(backends):
+            assert p.get_default(f.dest) == f.default, f.flag
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_refusals_follow_the_table(backend):
+    """A backend refuses exactly the fields whose row does not name it (one line naming the flag)."""
+    inputs = {"trace": "t.parquet"} if backend == "simulator" else {"model": "M", "text": "T"}
+    assert get_backend(backend).honours == honoured_by(backend)
+    for f in RUN_FIELDS:
+        if f.name in ("trace", "model", "text", *SIZE_FIELDS):
+            continue
+        spec = RunSpec(policy=PRESETS["rule-0.15"], capacity=4, **inputs, **{f.name: SPEC_VALUE[f.name]})
+        if backend in f.backends:
+            assert f.name in spec.requested()
+            continue
+        with pytest.raises(InputError, match=f"backend {backend}: cannot honour {f.flag or FLAGS[f.name]}") as e:
+            get_backend(backend).check(spec)
+        assert "\n" not in str(e.value)
+
+
+def _run(fn, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(lambda: fn(argv))
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    ev, _ = synthetic_pair(120, 2, 16, 2, 16, seed=3)
+    p = tmp_path_factory.mktemp("t") / "t.parquet"
+    save_trace(ev, p)
+    return p
+
+
+def test_capacity_means_the_same_in_every_cli(trace, capsys):
+    """`--capacity C` and `--capacity C,C,...` are the same run; anything else is one line, exit 2, in
+    the simulator's, the emulation's and the `expertsweep` command lines alike."""
+    base = ["--trace", str(trace), "--policy", "rule-0.15", "--initial-residency", "cold", "--json"]
+    one = _run(simulate.main, base + ["--capacity", "4"], capsys)
+    per = _run(simulate.main, base + ["--capacity", "4,4"], capsys)
+    assert one[0] == per[0] == 0
+    a, b = json.loads(one[1]), json.loads(per[1])
+    assert a["capacity"] == b["capacity"] == [4, 4] and a["fetches"] == b["fetches"]
+    uneven = json.loads(_run(simulate.main, base + ["--capacity", "3,6"], capsys)[1])
+    assert uneven["capacity"] == [3, 6]
+    for run, argv in ((simulate.main, base), (cli.emulate_main, ["--model", "M", "--text", "T", "--policy", "rule-0.15"]),
+                      (lambda v: cli.main(["simulate", *v]), base)):
+        for bad in ("4,x", "four", "4;4"):
+            code, out, err = _run(run, argv + ["--capacity", bad], capsys)
+            assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+            assert f"--capacity = {bad!r} must be one int for all layers or a comma list" in err
+    code, _, err = _run(simulate.main, base + ["--capacity", "4,4,4"], capsys)  # 3 entries, 2 layers
+    assert code == 2 and "--capacity = [4, 4, 4] has 3 entries, the model has 2 MoE layers" in err
+
+
+def test_expertsweep_command_dispatches(trace, capsys):
+    argv = ["--trace", str(trace), "--policy", "quality-first", "--capacity", "5", "--initial-residency", "cold",
+            "--host", "rtx5090", "--json"]
+    direct = json.loads(_run(simulate.main, argv, capsys)[1])
+    code, out, _ = _run(cli.main, ["simulate", *argv], capsys)
+    via = json.loads(out)
+    assert code == 0 and via["host"] == "rtx5090"
+    for k in ("fetches", "substitutions", "admissions", "time_per_token_s", "capacity"):
+        assert via[k] == direct[k], k
+    code, out, err = _run(cli.main, ["simulat"], capsys)
+    assert code == 2 and "invalid choice: 'simulat'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_every_subcommand_has_help(command, capsys):
+    code, out, _ = _run(cli.main, [command, "--help"], capsys)
+    assert code == 0 and out.startswith("usage:"), out[:200]
+
+
+def test_top_level_help_lists_the_subcommands(capsys):
+    code, out, _ = _run(cli.main, ["--help"], capsys)
+    assert code == 0 and all(c in out for c in cli.COMMANDS)
+    assert isinstance(cli.build_parser(), argparse.ArgumentParser)
