@@ -16,7 +16,9 @@ Decisions to tensors: HIT/FETCH/HOST compute the selected expert with `w_j` (exa
 computes the substitute with `w_j` (or, with `substitute_weight="own"`, with the weight the
 router would have given the substitute: `w_j * p[sub] / p[e_j]`); DROP computes nothing
 (the slot's weight is 0); LOWBIT computes the missed expert from its low-precision copy
-(runtime/lowbit.py, built once per layer and (bits, group)) with `w_j`.
+(runtime/lowbit.py, built once per layer and (bits, group)) with `w_j`. With `drop_renorm` every computed
+slot's weight of a token with drops is scaled by runtime.kernel.drop_renorm_scale (the engine's executor
+gets the scaled weights too), so the dropped weight is shared out; no decision changes.
 
 Prefetch: with `prefetch = lookahead` layer l forms the predicted list of layer l + 1 from layer
 l + 1's router applied to layer l's router input (top prefetch_n by score, ties lower id) and the
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from runtime.errors import InputError
-from runtime.kernel import DROP, LOWBIT, SUB, PolicyCache
+from runtime.kernel import DROP, LOWBIT, SUB, PolicyCache, drop_renorm_scale
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,10 @@ class PolicyExperts(nn.Module):
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:
             ctx.decisions[self.layer].append((res.kind, res.served, res.slot))
+        if pol.drop_renorm:  # a dropped miss's weight shared out over the computed experts (outputs only)
+            scale = drop_renorm_scale(res.kind, w_np)  # [N] or None (no drop)
+            if scale is not None:
+                w = w * torch.from_numpy(scale).to(device=w.device, dtype=w.dtype)[:, None]
         if ctx.executor is not None and ctx.substitute_weight == "missed":
             # the engine applies the plan itself (DROP computes nothing, LOWBIT from its copies): no
             # decision tensors on the device, no further host-device synchronisation

@@ -47,7 +47,7 @@ from runtime.hfmodel import (  # noqa: F401 - re-exported for callers of runtime
     to_windows,
     tokenize_file,
 )
-from runtime.kernel import PolicyCache, warm_residency
+from runtime.kernel import PolicyCache, residency_array, warm_start
 from runtime.policy import PolicyConfig, resolve_capacities
 from runtime.spec import GROUP_FIELDS, HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
 from runtime.trace import load_trace, save_trace
@@ -159,9 +159,9 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
     T = int(windows.size)
     lanes, setups = [], []
     for spec in specs:
-        caps = capacities_of(m, spec)
-        init = ex.init_file if ex.init_file is not None else (
-            warm_residency(ex.calib_ids, None, m.E, caps) if ex.calib_ids is not None else None)
+        # slots per layer (capacity_alloc = calibrated: spread by the calibration counts) and the warm start
+        caps, init = warm_start(spec.policy, capacities_of(m, spec), m.k, m.E, ex.calib_ids, None, given=ex.init_file,
+                                source=ex.init_source)
         cache = PolicyCache(spec.policy, m.E, m.k, caps, init)
         lane = Lane(cache=cache, substitute_weight=spec.substitute_weight, desc=spec.label,
                     decisions=[[] for _ in range(m.num_layers)] if spec.record_decisions else None)
@@ -211,9 +211,7 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
                           ppl_ci_low=lo, ppl_ci_high=hi, extra=extra, decisions=decisions))
         nll_cols[f"nll_{spec.label}"] = nll.ravel()
         if spec.residency_out is not None:
-            if init is None or len(set(caps.tolist())) != 1:
-                raise InputError(f"--residency-out {spec.residency_out}: needs a warm start and the same capacity in every layer")
-            arr = np.stack([np.asarray(x, np.int64) for x in init])
+            arr = residency_array(init, caps, f"--residency-out {spec.residency_out}")  # [L, max C_l], -1 padded
             atomic_write(spec.residency_out, lambda tmp, arr=arr: np.save(open(tmp, "wb"), arr))
     if first.nll_out is not None:
         _write_nll(first.nll_out, windows, nll_cols)

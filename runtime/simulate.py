@@ -21,7 +21,15 @@ import numpy as np
 
 from runtime import costmodel
 from runtime.errors import ArgumentParser, InputError, atomic_write, check_output_path, cli_main
-from runtime.kernel import N_EV, PolicyCache, next_use, predicted_lists, warm_residency, warmup
+from runtime.kernel import (
+    N_EV,
+    PolicyCache,
+    next_use,
+    predicted_lists,
+    residency_array,
+    warm_start,
+    warmup,
+)
 from runtime.policy import (
     PRESETS,
     PolicyConfig,
@@ -85,21 +93,26 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
 
 
 def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray,
-                          flag: str = "--initial-residency") -> tuple[list | None, Trace, str]:
-    """Warm start of a replay: (per-layer resident ids or None for cold, the trace to evaluate, source).
+                          flag: str = "--initial-residency", policy: PolicyConfig | None = None,
+                          ) -> tuple[list | None, Trace, str, np.ndarray]:
+    """Warm start of a replay: (per-layer resident ids or None for cold, the trace to evaluate, source,
+    slots per layer: `capacities`, or with the policy's `capacity_alloc = calibrated` the same total spread
+    by the calibration counts, runtime.kernel.warm_start).
 
     'warm:TRACE' | 'cold' | FILE.npy (int [L, C]) | 'held-out' (runtime/spec.py: the last 20% of the
     trace calibrates and is not evaluated). Unset: held-out, with a warning (never the evaluated rows)."""
+    policy = PRESETS["fetch-every-miss"] if policy is None else policy
+    caps = np.asarray(capacities, np.int64)
     if spec is None:
         log.warning("no --initial-residency: warm start from the held-out last %d%% of the trace (not evaluated)",
                     round(HELD_OUT_FRACTION * 100))
         spec = HELD_OUT
     if spec == "cold":
-        return None, trace, "cold"
+        return None, trace, "cold", warm_start(policy, caps, trace.k, trace.E, source="cold")[0]
     if spec == HELD_OUT:
         evaluated, calib = calibration_split(trace, 1.0 - HELD_OUT_FRACTION)
-        return (warm_residency(calib.topk_ids, calib.valid, trace.E, capacities), evaluated,
-                f"held-out: trace tokens {evaluated.T}..{trace.T - 1}")
+        caps, init = warm_start(policy, caps, trace.k, trace.E, calib.topk_ids, calib.valid)
+        return init, evaluated, f"held-out: trace tokens {evaluated.T}..{trace.T - 1}", caps
     if spec.startswith("warm:"):
         calib = load_trace(spec[5:], num_experts=trace.E if spec.endswith(".npz") else None)
         known = {calib.meta.model, trace.meta.model}.isdisjoint({"", "unknown"})
@@ -109,7 +122,8 @@ def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray
         if (calib.E, calib.k, calib.L) != (trace.E, trace.k, trace.L):
             raise InputError(f"{flag}: calibration trace {spec[5:]} has E={calib.E}, k={calib.k}, L={calib.L}; "
                              f"the trace has E={trace.E}, k={trace.k}, L={trace.L}")
-        return warm_residency(calib.topk_ids, calib.valid, trace.E, capacities), trace, spec
+        caps, init = warm_start(policy, caps, trace.k, trace.E, calib.topk_ids, calib.valid)
+        return init, trace, spec, caps
     path = Path(spec)
     try:
         arr = np.load(path, allow_pickle=False)
@@ -117,13 +131,15 @@ def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray
         raise InputError(f"{flag}: cannot read {spec}: {str(exc).splitlines()[0]}") from None
     if arr.ndim != 2 or arr.shape[0] != trace.L or not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"{flag}: {spec} has shape {arr.shape} dtype {arr.dtype}; expected int [L={trace.L}, C]")
-    if arr.shape[1] > capacities.max() or np.any((arr < 0) | (arr >= trace.E)):
+    if arr.shape[1] > capacities.max() or np.any((arr < -1) | (arr >= trace.E)):
         raise InputError(f"{flag}: {spec} has shape {arr.shape} with ids in [{arr.min()}, {arr.max()}]; "
-                         f"expected ids in [0, {trace.E}) and at most C={int(capacities.max())} columns")
-    for l_ in range(trace.L):
-        if arr.shape[1] > capacities[l_] or len(np.unique(arr[l_])) != arr.shape[1]:
+                         f"expected ids in [0, {trace.E}) (-1: an empty slot) and at most C={int(capacities.max())} columns")
+    rows = [arr[l_][arr[l_] >= 0] for l_ in range(trace.L)]  # -1 pads a layer with fewer slots
+    for l_, row in enumerate(rows):
+        if len(row) > capacities[l_] or len(np.unique(row)) != len(row):
             raise InputError(f"{flag}: {spec} row {l_} = {arr[l_].tolist()[:12]} repeats an id or exceeds C={capacities[l_]}")
-    return [arr[l_] for l_ in range(trace.L)], trace, spec
+    warm_start(policy, caps, trace.k, trace.E, source=spec)  # calibrated capacities: an error here
+    return rows, trace, spec, caps
 
 
 class ReplayCache:
@@ -196,12 +212,14 @@ def simulate(
     memo = cache is not None and trace_key is not None
     if isinstance(initial_residency, str | None):
         if memo:
-            init, trace, source = cache.get(("warm", trace_key, initial_residency, tuple(caps.tolist())),
-                                            lambda: initial_residency_for(initial_residency, trace, caps))
+            init, trace, source, caps = cache.get(
+                ("warm", trace_key, initial_residency, tuple(caps.tolist()), policy.capacity_alloc),
+                lambda: initial_residency_for(initial_residency, trace, caps, policy=policy))
         else:
-            init, trace, source = initial_residency_for(initial_residency, trace, caps)
+            init, trace, source, caps = initial_residency_for(initial_residency, trace, caps, policy=policy)
     else:
         init, source = initial_residency, "given"
+        caps = warm_start(policy, caps, trace.k, trace.E, given=init, source="given per-layer ids")[0]
     if max_tokens is not None:
         trace = trace.slice_tokens(0, max_tokens)
     profile = cache.host(host) if cache is not None else (
@@ -255,16 +273,14 @@ def evaluate(spec: RunSpec, trace: Trace | None = None, cache: ReplayCache | Non
                    model_shape=shape, max_tokens=spec.max_tokens, record_decisions=spec.record_decisions,
                    cache=cache, trace_key=key)
     if spec.residency_out is not None:
-        init = initial_residency_for(spec.initial_residency, trace, np.asarray(res.capacity))[0]
+        init = initial_residency_for(spec.initial_residency, trace, np.asarray(res.capacity))[0]  # (uniform: C_l kept)
         save_residency(spec.residency_out, init, res.capacity)
     return res
 
 
 def save_residency(path: str, init: list | None, caps: list[int]) -> None:
-    """The initial residency used, as .npy int [L, C] (the same capacity in every layer)."""
-    if init is None or len(set(caps)) != 1:
-        raise InputError(f"--residency-out {path}: needs a warm start and the same capacity in every layer")
-    arr = np.stack([np.asarray(x, np.int64) for x in init])
+    """The initial residency used, as .npy int [L, max C_l] (rows padded with -1 where a layer has fewer slots)."""
+    arr = residency_array(init, caps, f"--residency-out {path}")
     atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), arr))
 
 

@@ -185,3 +185,59 @@ def test_emulation_trace_out_has_the_lookahead_and_replays_in_the_simulator(ckpt
         for key in ("hits", "fetches", "substitutions", "drops", "admissions", "prefetches", "prefetch_used"):
             assert sim["per_layer"][l_][key] == emu["per_layer"][l_][key], (l_, key)
     assert emu["prefetches"] > 0 and emu["substitutions"] > 0
+
+
+@pytest.fixture(scope="module")
+def last_layer_drops(tmp_path_factory):
+    """Capacities (7, 2) and a warm start of 7 experts in layer 0 (experts 0..6; a residency file row padded
+    with -1 for layer 1's 2 slots): under fetch_all + fetch_cap 1 + drop, layer 0 misses at most one expert
+    per token and fetches it, so only the last MoE layer drops. Layer 0's routing never depends on a policy
+    (its router sees the embeddings through attention only), so layer 1's routing is the same under any
+    output change there: the counters cannot move, by construction, while the logits do."""
+    p = tmp_path_factory.mktemp("lastdrop") / "init.npy"
+    np.save(p, np.array([[0, 1, 2, 3, 4, 5, 6], [0, 1, -1, -1, -1, -1, -1]], np.int64))
+    return str(p), PolicyConfig(rule="fetch_all", fetch_cap=1, fallback="drop")
+
+
+def test_drop_renorm_changes_perplexity_and_no_counter(ckpts, text, last_layer_drops):
+    """`drop_renorm` (Additions (2)) changes outputs only: the perplexity of a run with drops moves (about an
+    eighth of layer 1's calls are dropped here, and the kept weight of such a token-layer is scaled by up to
+    2x at k = 2), no counter does. Without a drop nothing changes at all."""
+    from dataclasses import replace
+
+    from runtime.kernel import COUNTER_NAMES
+
+    init, drop = last_layer_drops
+    exact = PolicyConfig(rule="fetch_all")
+    res = emulate.emulate(ckpts["qwen3_moe"], text, {"drop": drop, "renorm": replace(drop, drop_renorm=True),
+                                                     "exact": exact, "exact_renorm": replace(exact, drop_renorm=True)},
+                          initial_residency=init, **{**RUN, "capacity": (7, 2)})
+    a, b = res["drop"], res["renorm"]
+    assert a["per_layer"][0]["drops"] == 0 and a["per_layer"][1]["drops"] > a["calls"] / 20
+    for key in COUNTER_NAMES:
+        assert a[key] == b[key], key
+    assert a["per_layer"] == b["per_layer"]
+    # the emulation is deterministic (the two exact runs below agree to the bit), so any change is renorm's
+    assert b["perplexity"] != a["perplexity"]
+    assert b["policy_config"]["drop_renorm"] and not a["policy_config"]["drop_renorm"]
+    assert res["exact_renorm"]["perplexity"] == res["exact"]["perplexity"]  # no drop: the same outputs
+
+
+def test_drop_renorm_engine_equals_emulation(ckpts, text, last_layer_drops):
+    """The engine (CPU device mode) gets the renormalised weights from the same adapters: its perplexity
+    equals the emulation's under drop_renorm, and differs from its own without it (same counters)."""
+    from dataclasses import replace
+
+    from runtime.backends import get_backend
+    from runtime.spec import RunSpec
+
+    init, drop = last_layer_drops
+    spec = RunSpec(policy=replace(drop, drop_renorm=True), model=str(ckpts["qwen3_moe"]), text=str(text),
+                   initial_residency=init, capacity=(7, 2), window=32, max_tokens=128)
+    emu, eng = get_backend("emulation").evaluate(spec), get_backend("engine").evaluate(spec)
+    plain = get_backend("engine").evaluate(replace(spec, policy=drop))
+    assert emu.counters["drops"] > 0 and eng.counters == plain.counters
+    for key, val in emu.counters.items():  # the engine's own router kernels: masses equal to float rounding
+        assert eng.counters[key] == (pytest.approx(val, rel=1e-5) if isinstance(val, float) else val), key
+    assert eng.perplexity == pytest.approx(emu.perplexity, rel=1e-4)
+    assert plain.perplexity != eng.perplexity

@@ -290,3 +290,129 @@ def test_scores_shape_is_checked():
     cache = PolicyCache(PRESETS["rule-0.15"], 6, 2, np.array([3]))
     with pytest.raises(InputError, match="router scores: shape"):
         cache.step(0, np.array([[0, 1]]), np.array([[0.6, 0.4]]), scores=np.zeros((1, 5)))
+
+
+# ---- Additions (2): every combination the issue's checks list, run by run against the reference ----
+ADDITIONS2 = {
+    "lfuda": dict(rule="threshold", tau=0.1, evict="lfuda"),
+    "lfuda+admission": dict(rule="first_choice", evict="lfuda", beta=0.2),
+    "pin+lfu": dict(rule="threshold", tau=0.1, evict="lfu", pin_fraction=0.5),
+    "pin+lru": dict(rule="first_choice", evict="lru", pin_fraction=0.5, beta=0.2),
+    "cap+substitute": dict(rule="fetch_all", fetch_cap=1, fallback="substitute"),
+    "cap+drop": dict(rule="fetch_all", fetch_cap=1, fallback="drop"),
+    "cap+host": dict(rule="fetch_all", fetch_cap=1, fallback="host"),
+    "calibrated+lfuda": dict(rule="first_choice", evict="lfuda", beta=0.2, capacity_alloc="calibrated"),
+    "calibrated+pin": dict(rule="threshold", tau=0.1, evict="lfu", pin_fraction=0.25, capacity_alloc="calibrated"),
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", list(ADDITIONS2))
+def test_additions2_combinations_match_reference(name, seed):
+    """The kernel's decisions, counters, residency and lfuda state equal the reference's for each
+    combination of the issue's checks; the warm start and (calibrated) capacities come from a calibration
+    part of the stream, computed by both sides independently. Each case is checked to exercise its feature."""
+    from runtime.kernel import calibrated_capacities, calibration_counts, warm_start
+    from tests.reference import calibrated_capacities_reference
+
+    pol = PolicyConfig(**ADDITIONS2[name])
+    E, k, L, T_cal = 12, 3, 3, 60
+    ids, w, ranking, valid = random_case(seed, 160 + T_cal, L, E, k, E, 1.0)
+    cids, cvalid = ids[:T_cal], valid[:T_cal]
+    ids, w, ranking, valid = ids[T_cal:], w[T_cal:], ranking[T_cal:], valid[T_cal:]
+    uniform = np.full(L, 6)
+    caps, init = warm_start(pol, uniform, k, E, cids, cvalid)
+    if pol.capacity_alloc == "calibrated":
+        ref_caps = calibrated_capacities_reference(cids.tolist(), cvalid.tolist(), E, uniform.tolist(), k)
+        assert caps.tolist() == ref_caps and caps.sum() == uniform.sum()
+        assert calibrated_capacities(calibration_counts(cids, cvalid, E), uniform, k).tolist() == ref_caps
+    else:
+        assert caps.tolist() == uniform.tolist()
+    ref_init = warm_residency_reference(cids.tolist(), cvalid.tolist(), E, caps.tolist())
+    assert [x.tolist() for x in init] == ref_init  # count order: the pinned hot set is its head
+    cache, kind, served = drive_kernel(pol, ids, w, ranking, valid, E, caps, init, [50, 100])
+    ref = reference_replay(ids.tolist(), w.tolist(), ranking.tolist(), valid.tolist(), E, caps.tolist(), ref_init,
+                           pol.rule, tau=pol.tau, beta=pol.beta, evict=pol.evict, fallback=pol.fallback,
+                           fetch_cap=pol.fetch_cap, pin_fraction=pol.pin_fraction)
+    for t in range(len(ids)):
+        for l_ in range(L):
+            assert list(kind[t, l_]) == ref["kind"][t][l_], (t, l_)
+            assert list(served[t, l_]) == ref["served"][t][l_], (t, l_)
+    rows = cache.per_layer()
+    for l_, row in enumerate(rows):
+        for key, val in ref["counters"][l_].items():
+            assert row[key] == pytest.approx(val, rel=1e-9), (l_, key)
+        assert set(cache.resident(l_).tolist()) == ref["final_resident"][l_]
+        assert row["capacity"] == caps[l_] and row["pinned"] == pinned_count(pol.pin_fraction, caps[l_])
+        if pol.evict == "lfuda":  # the aging state itself: K, c and A
+            assert cache.key[l_].tolist() == ref["final_state"][l_]["K"]
+            assert cache.age_count[l_].tolist() == ref["final_state"][l_]["c"]
+            assert int(cache.qstate[l_, 4]) == ref["final_state"][l_]["A"]
+    tot = cache.counter_totals()
+    assert tot["fetches"] > 0
+    if pol.evict == "lfuda":
+        assert max(int(cache.qstate[l_, 4]) for l_ in range(L)) > 0  # evictions raised A
+    if pol.pin_fraction:
+        for l_ in range(L):  # the hot set never left
+            assert set(init[l_][: rows[l_]["pinned"]].tolist()) <= set(cache.resident(l_).tolist())
+        assert sum(r["pinned"] for r in rows) > 0
+    if pol.fetch_cap:  # the cap turned fetches into the fallback
+        assert tot["substitutions"] + tot["drops"] + tot["host_computes"] > 0
+    if pol.beta is not None:
+        assert tot["admissions"] > 0
+
+
+def test_calibrated_capacities_follow_the_counts():
+    """By construction: layer 0's router uses 4 experts, layer 1 spreads over all 12; calibrated gives layer 1
+    the slots (every layer keeps at least k) and keeps the total."""
+    from runtime.kernel import calibrated_capacities
+
+    counts = np.zeros((2, 12), np.int64)
+    counts[0, :4] = 100
+    counts[1, :] = 10
+    caps = calibrated_capacities(counts, np.array([6, 6]), 2)
+    assert caps.tolist() == [4, 8]  # layer 0: its 5th expert has share 0, so it stops at 4 (all its calls covered)
+
+
+def test_simulate_reports_calibrated_capacities_per_layer(tmp_path):
+    """The simulator's JSON: per_layer[l].capacity is C_l (calibrated: the reference's allocation of the same
+    total), and the counters equal the reference replay at those capacities from the same warm start."""
+    from runtime.simulate import simulate
+    from runtime.trace import calibration_twin, save_trace, synthetic_trace
+    from tests.reference import calibrated_capacities_reference
+
+    tr, cal = synthetic_trace(120, 3, 16, 2, 16, seed=3), calibration_twin(200, 3, 16, 2, 16, seed=3)
+    save_trace(cal, tmp_path / "cal.parquet")
+    pol = PolicyConfig(rule="threshold", tau=0.2, evict="lfuda", pin_fraction=0.25, capacity_alloc="calibrated")
+    res = simulate(tr, pol, 6, initial_residency=f"warm:{tmp_path / 'cal.parquet'}", baselines=False).to_dict()
+    caps = calibrated_capacities_reference(cal.topk_ids.tolist(), cal.valid.tolist(), 16, [6, 6, 6], 2)
+    assert res["capacity"] == caps == [r["capacity"] for r in res["per_layer"]] and sum(caps) == 18
+    init = warm_residency_reference(cal.topk_ids.tolist(), cal.valid.tolist(), 16, caps)
+    ref = reference_replay(tr.topk_ids.tolist(), tr.topk_weights.tolist(), tr.ranking.tolist(), tr.valid.tolist(), 16,
+                           caps, init, "threshold", tau=0.2, evict="lfuda", pin_fraction=0.25)
+    for l_, row in enumerate(res["per_layer"]):
+        for key, val in ref["counters"][l_].items():
+            assert row[key] == pytest.approx(val, rel=1e-6), (l_, key)
+    uniform = simulate(tr, replace(pol, capacity_alloc="uniform"), 6, initial_residency=f"warm:{tmp_path / 'cal.parquet'}",
+                       baselines=False)
+    assert uniform.capacity == [6, 6, 6] and [r["capacity"] for r in uniform.per_layer] == [6, 6, 6]
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (dict(pin_fraction=0.6), "pins P=3 of C=5 slots at layer 0, leaving 2 < k=3"),
+    (dict(pin_fraction=0.25, cold=True), "needs a warm start"),
+])
+def test_pinning_errors(bad, needle):
+    cold = bad.get("cold", False)
+    with pytest.raises(InputError, match=needle) as exc:
+        PolicyCache(PolicyConfig(pin_fraction=bad["pin_fraction"]), 12, 3, np.array([5, 5]), None if cold else [np.arange(5), np.arange(5)])
+    assert "\n" not in str(exc.value)
+
+
+def test_calibrated_capacities_need_counts():
+    from runtime.kernel import warm_start
+
+    pol = PolicyConfig(capacity_alloc="calibrated")
+    for ids, source in ((None, "cold"), ([np.arange(4)], "res.npy")):
+        with pytest.raises(InputError, match=f"--capacity-alloc = 'calibrated' needs calibration counts.*{source}"):
+            warm_start(pol, np.array([4]), 2, 8, given=ids, source=source)
