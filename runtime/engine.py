@@ -54,6 +54,9 @@ from runtime.policy import PolicyConfig
 log = logging.getLogger(__name__)
 
 
+STALL_MIN_S = 5e-6  # CUDA: a shorter wait between two timing events is their own spacing, not a stall
+
+
 def resolve_device(device: str | None, flag: str = "--device") -> torch.device:
     """'cuda' | 'cpu' | None (cuda when available, else CPU device mode)."""
     if device in (None, "auto"):
@@ -477,9 +480,14 @@ class Engine:
         return late
 
     def _collect_stalls(self) -> None:
-        """CUDA: add the device-side stalls measured since the last call (after a synchronize)."""
+        """CUDA: add the device-side stalls measured since the last call (after a synchronize). A stall is
+        counted from its measured time: a wait of at least STALL_MIN_S (the host saw the copy unfinished
+        when it queued the wait, but the device may have got there after the copy landed)."""
         for a, b, key in self._stall_events:
-            self.stats[key] += a.elapsed_time(b) / 1e3
+            dt = a.elapsed_time(b) / 1e3
+            self.stats[key] += dt
+            if dt >= STALL_MIN_S:
+                self.stats[key.replace("_stall_s", "_stalls")] += 1
         self._stall_events = []
 
     # ------------------------------------------------------------------ pools
@@ -625,7 +633,7 @@ class Engine:
         if p is None:
             raise RuntimeError(f"engine: MoE layer {layer}: the kernel admitted expert {e}, whose copy the engine "
                                "never started (its plan's queued rows were not applied)")
-        if self.wait_copy(p.handle, timed="admission_stall_s"):
+        if self.wait_copy(p.handle, timed="admission_stall_s") and not self.cuda:  # CUDA: counted from the measured wait
             self.stats["admission_stalls"] += 1
         old = self.slots[layer][s]
         self.slots[layer][s] = p.buf
@@ -650,7 +658,7 @@ class Engine:
         if p is None:
             self.fetch(layer, e, s, prefetch_load=True)
             return
-        if self.wait_copy(p.handle, timed="prefetch_stall_s"):
+        if self.wait_copy(p.handle, timed="prefetch_stall_s") and not self.cuda:  # CUDA: counted from the measured wait
             self.stats["prefetch_stalls"] += 1
         old = self.slots[layer][s]
         self.slots[layer][s] = p.buf

@@ -16,6 +16,10 @@
    Reports measured and simulated time per token, their difference, and the measured speedups of
    quality-first and speed-first over fetch-every-miss and over host-compute at the same capacity.
 The target is |simulated - measured| / measured <= 15% for fetch-every-miss, rule-0.15, quality-first.
+`--out` is rewritten after EVERY round (with `rounds_done` and `complete`), so a run stopped by a
+timeout keeps what it measured. On CUDA the VRAM budget (`--budget-for-fraction`, `--vram-budget`)
+is sized with the CUDA context the engine measured after start (torch.cuda.mem_get_info), not the
+cost model's 512 MiB guess; admission stalls are the device time measured between CUDA events.
 `--clock thread` (CPU device mode) times calibration and decoding with the main thread's CPU time
 (time.thread_time) instead of the wall clock, which leaves out the turns other processes take on a
 shared host (it also leaves out time blocked on the link thread: admission stalls).
@@ -210,12 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with cpu_threads(eng.device, a.threads):
             shape = costmodel.model_shape_from_hf_config(m.model.config.to_dict(), name="bench")
+            # the CUDA context measured after the engine started (CPU device mode: none), not a guess
+            ctx = {"context_bytes": eng.context_bytes} if eng.cuda else {}
             if a.budget_for_fraction is not None:
                 c = resolve_capacities(None, m.num_layers, m.E, m.k, a.budget_for_fraction)
-                a.vram_budget = costmodel.budget_for_capacities(eng.shape, c, [POLICIES[n] for n in names]) * (1 + 1e-9)
+                a.vram_budget = costmodel.budget_for_capacities(eng.shape, c, [POLICIES[n] for n in names],
+                                                                **ctx) * (1 + 1e-9)
             if a.vram_budget is not None:
-                caps = eng.capacities_for_budget(a.vram_budget, [POLICIES[n] for n in names])
+                caps = costmodel.capacities_for_budget(eng.shape, a.vram_budget, [POLICIES[n] for n in names], **ctx)
                 results["vram_budget_GiB"] = a.vram_budget
+                results["budget_context_bytes"] = ctx.get("context_bytes", costmodel.CUDA_CONTEXT_BYTES)
             else:
                 caps = resolve_capacities(None, m.num_layers, m.E, m.k, a.capacity_fraction or 0.25)
             results["capacity"] = caps.tolist()
@@ -224,37 +232,55 @@ def main(argv: list[str] | None = None) -> int:
             init = warm_residency(cids, None, m.E, caps)
             recorded = {n: record_policy(eng, n, windows, caps, init, sha) for n in names}
             rounds = []
-            for _ in range(a.rounds):  # calibration and every policy close together in time: load drifts
+            pinned = not (eng.cuda and not eng.store.pinned)
+            for r_ in range(a.rounds):  # calibration and every policy close together in time: load drifts
                 prof, det = calibrate(eng, a.repeats)
                 rounds.append({"profile": prof, "calibration": det,
                                "measured": {n: timed_run(eng, n, windows, caps, init, recorded[n]) for n in names}})
+                if a.out and r_ + 1 < a.rounds:  # a timeout later keeps the rounds measured so far
+                    results["cuda_context_bytes"] = eng.context_bytes
+                    write_results(a.out, finish(results, rounds, recorded, names, caps, init, shape, pinned, a.rounds),
+                                  quiet=True)
     finally:
         eng.close()
     results["cuda_context_bytes"] = eng.context_bytes  # the largest measured during the runs (CUDA)
     costmodel.save_host_profile(rounds[-1]["profile"], work / "host.yaml")
+    results = finish(results, rounds, recorded, names, caps, init, shape, pinned, a.rounds)
+    write_results(a.out, results)
+    return 0
+
+
+def finish(results: dict, rounds: list[dict], recorded: dict, names, caps, init, shape, pinned: bool,
+           planned: int) -> dict:
+    """The results over the rounds measured so far (`complete` once all `planned` rounds are in)."""
+    results = dict(results, rounds_done=len(rounds), rounds_planned=planned, complete=len(rounds) == planned)
     results["calibration_rounds"] = [r["calibration"] for r in rounds]
-    pinned = not (eng.cuda and not eng.store.pinned)
     rows = {n: summarize(n, recorded[n], rounds, caps, init, shape, pinned) for n in names}
-    for n, r in rows.items():
-        print(f"{n:17s} measured {r['measured_time_per_token_s'] * 1e3:7.3f} ms/token  simulated "
-              f"{r['simulated_time_per_token_s'] * 1e3:7.3f}  error {r['rel_error'] * 100:+6.1f}% (rounds "
-              f"{', '.join(f'{e * 100:+.0f}%' for e in r['rounds_rel_error'])})  fetches {r['counters']['fetches']}  "
-              f"admissions {r['counters']['admissions']} (stalls {r['admission_stalls']})")
     results["policies"] = rows
     pairs = [(a_, b_) for a_ in ("quality-first", "speed-first") for b_ in ("fetch-every-miss", "host-compute")]
     for what, key in (("measured", "rounds_measured_s"), ("simulated", "rounds_simulated_s")):
         results[f"speedups_{what}"] = {f"{a_} vs {b_}": float(np.median(np.divide(rows[b_][key], rows[a_][key])))
                                        for a_, b_ in pairs}  # median over rounds of the same-round ratio
     results["target_met"] = all(abs(rows[n]["rel_error"]) <= TARGET for n in AGREEMENT_POLICIES)
-    for k_, v in results["speedups_measured"].items():
-        print(f"speedup {k_}: measured {v:.2f}x, simulated {results['speedups_simulated'][k_]:.2f}x")
-    for i, r in enumerate(results["calibration_rounds"]):
-        print(f"calibration round {i}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in r.items() if k_.endswith("_us")))
-    print(f"target |error| <= {TARGET:.0%} for {', '.join(AGREEMENT_POLICIES)}: "
-          f"{'met' if results['target_met'] else 'NOT met'}")
-    if a.out:
-        atomic_write(a.out, lambda tmp: Path(tmp).write_text(json.dumps(results, indent=2) + "\n"))
-    return 0
+    return results
+
+
+def write_results(out: str | None, results: dict, quiet: bool = False) -> None:
+    if not quiet:
+        rows = results["policies"]
+        for n, r in rows.items():
+            print(f"{n:17s} measured {r['measured_time_per_token_s'] * 1e3:7.3f} ms/token  simulated "
+                  f"{r['simulated_time_per_token_s'] * 1e3:7.3f}  error {r['rel_error'] * 100:+6.1f}% (rounds "
+                  f"{', '.join(f'{e * 100:+.0f}%' for e in r['rounds_rel_error'])})  fetches "
+                  f"{r['counters']['fetches']}  admissions {r['counters']['admissions']} (stalls {r['admission_stalls']})")
+        for k_, v in results["speedups_measured"].items():
+            print(f"speedup {k_}: measured {v:.2f}x, simulated {results['speedups_simulated'][k_]:.2f}x")
+        for i, r in enumerate(results["calibration_rounds"]):
+            print(f"calibration round {i}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in r.items() if k_.endswith("_us")))
+        print(f"target |error| <= {TARGET:.0%} for {', '.join(AGREEMENT_POLICIES)}: "
+              f"{'met' if results['target_met'] else 'NOT met'}")
+    if out:
+        atomic_write(out, lambda tmp: Path(tmp).write_text(json.dumps(results, indent=2) + "\n"))
 
 
 if __name__ == "__main__":
