@@ -192,7 +192,7 @@ def simulate(
     capacity_fraction: float | None = None,
     vram_budget_GiB: float | None = None,
     initial_residency: str | list | None = None,
-    host: str | costmodel.HostProfile = "rtx4090",
+    host: str | costmodel.HostProfile = RunSpec.host,  # the run-field table's default (rtx4090)
     model_shape: str | costmodel.ModelShape | None = None,
     max_tokens: int | None = None,
     baselines: bool = True,
