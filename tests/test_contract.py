@@ -12,7 +12,9 @@ the warm start it used (so it hands the kernel the sorted candidate ranking); th
 - the engine (CPU device mode) decodes the same text token by token,
 and each must give the identical decision kind, served expert and slot at every token, layer and
 top-k slot, for the presets and LRU, LFU aging, admission delays, every fallback (substitute,
-drop, host, lowbit), the band rule and both prefetches. Also: every backend refuses, with a
+drop, host, lowbit), the band rule, both prefetches, and the spec's Additions (2): lfuda with a pinned
+hot set, calibrated per-layer capacities (the simulator replays them as explicit per-layer capacities
+from the emulation's -1-padded residency file), a fetch cap with renormalised drops. Also: every backend refuses, with a
 one-line InputError, a field it cannot honour.
 """
 
@@ -46,6 +48,10 @@ POLICIES = {
     "band": PolicyConfig(rule="band", tau=0.1, tau_high=0.4),
     "lookahead": PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=3),
     "oracle": PolicyConfig(rule="fetch_all", prefetch="oracle", evict="lru"),
+    # Additions (2): lfuda with a pinned hot set, calibrated per-layer capacities, a fetch cap with renormalised drops
+    "lfuda-pin": PolicyConfig(rule="threshold", tau=0.15, evict="lfuda", pin_fraction=0.34, beta=0.3),
+    "calibrated": PolicyConfig(rule="first_choice", evict="lfuda", capacity_alloc="calibrated", beta=0.3),
+    "cap-renorm": PolicyConfig(rule="fetch_all", fetch_cap=1, fallback="drop", drop_renorm=True),
 }
 ENGINE_FAMILIES = {f for f in FAMILIES if f != "gpt_oss"}  # the engine needs bias-free fused experts
 CAPACITY, WINDOW, TOKENS = 3, 16, 96
@@ -84,8 +90,10 @@ def test_same_decisions_as_emulation(inputs, backend, family, name):
         other = dataclasses.replace(spec, max_memory_GiB=1e-6, trace_out=str(tr2), residency_out=str(res2),
                                     nll_out=str(nll2))
         backend = "emulation"
-    elif backend == "simulator":
-        other = RunSpec(policy=spec.policy, trace=str(tr), capacity=CAPACITY, initial_residency=str(res),
+    elif backend == "simulator":  # calibrated: the emulation's per-layer capacities, given explicitly
+        calibrated = spec.policy.capacity_alloc == "calibrated"
+        other = RunSpec(policy=dataclasses.replace(spec.policy, capacity_alloc="uniform"), trace=str(tr),
+                        capacity=tuple(emu.capacity) if calibrated else CAPACITY, initial_residency=str(res),
                         record_decisions=True)
     elif backend == "emulation":  # without --trace-out: the kernel orders candidates from the scores
         other = RunSpec(policy=spec.policy, model=spec.model, text=spec.text, capacity=CAPACITY, window=WINDOW,
@@ -132,6 +140,11 @@ def test_policies_exercise_every_decision(inputs):
     counters = {name: reference(inputs, "qwen3_moe", name)[1].counters for name in POLICIES}
     assert counters["delay-2"]["admissions"] > 0 and counters["delay-3"]["admissions"] > 0
     assert counters["lookahead"]["prefetches"] > 0 and counters["oracle"]["prefetch_used"] > 0
+    res = {name: reference(inputs, "qwen3_moe", name)[1] for name in ("lfuda-pin", "calibrated", "cap-renorm")}
+    assert [r["pinned"] for r in res["lfuda-pin"].per_layer] == [1, 1]
+    assert sum(res["calibrated"].capacity) == 2 * CAPACITY
+    assert [r["capacity"] for r in res["calibrated"].per_layer] == res["calibrated"].capacity
+    assert res["cap-renorm"].counters["drops"] > 0
 
 
 REFUSED = [
