@@ -878,3 +878,54 @@ def test_fetch_cap_kernel_hand_case():
     r = cache.step(0, np.array([[4, 5, 6]]), np.array([[0.5, 0.3, 0.2]]), np.array([[4, 5, 6, 0, 1, 2, 3, 7]]))
     assert r.kind[0].tolist() == [K_FETCH, K_SUB, K_SUB]
     assert cache.counter_totals()["fetches"] == 1 and cache.counter_totals()["substitutions"] == 2
+
+
+def test_lfuda_hand_case():
+    """Additions (2), lfuda, worked by hand. E=8, k=2, C=4, R={0,1,2,3}, pin_fraction 0.5 -> P=2: {0, 1} pinned.
+    t0 (4,5): fetch 4: victims {2,3} K 0,0 -> 2 (lower id); A = max(0, K2=0) = 0, c2 = 0; K4 = A + c4 = 0.
+              fetch 5: victim 3 (2's slot now holds the pinned-for-the-token 4); K5 = 0.
+              bookkeeping: c4 = c5 = 1, K4 = K5 = 0 + 1 = 1.
+    t1 (6,7): fetch 6: victims {4,5} K 1,1 -> 4; A = 1, c4 = floor(1/2) = 0; K6 = 1 + 0 = 1.
+              fetch 7: victim 5; A = 1, c5 = 0; K7 = 1. bookkeeping: c6 = c7 = 1, K6 = K7 = 2.
+    t2 (0,4): 0 HIT (pinned); fetch 4: victims {6,7} K 2,2 -> 6; A = 2, c6 = 0; K4 = 2 + c4 (0) = 2.
+              bookkeeping: c0 = 1, K0 = 3; c4 = 1, K4 = 3."""
+    toks = [([4, 5], [0.5, 0.5]), ([6, 7], [0.5, 0.5]), ([0, 4], [0.5, 0.5])]
+    out = run1(toks, 8, 4, [0, 1, 2, 3], "fetch_all", evict="lfuda", pin_fraction=0.5)
+    assert kinds(out) == [[FETCH, FETCH], [FETCH, FETCH], [HIT, FETCH]]
+    assert res(out) == {0, 1, 4, 7}
+    st = state(out)
+    assert st["A"] == 2 and st["K"] == [3, 0, 0, 0, 3, 1, 2, 2] and st["c"] == [1, 0, 0, 0, 1, 0, 0, 1]
+    # the same without pinning: t0's fetches evict 0 and 1 (lower ids), t1's evict 2 and 3 (K 0 < K4 = K5 = 1),
+    # so at t2 expert 0 is a miss and 4 a hit
+    assert kinds(run1(toks, 8, 4, [0, 1, 2, 3], "fetch_all", evict="lfuda"))[2] == [FETCH, HIT]
+
+
+def test_lfuda_kernel_hand_case():
+    from runtime.kernel import PolicyCache
+    from runtime.policy import PolicyConfig
+
+    cache = PolicyCache(PolicyConfig(evict="lfuda", pin_fraction=0.5), 8, 2, np.array([4]), [np.arange(4)])
+    r = cache.step(0, np.array([[4, 5], [6, 7], [0, 4]]), np.full((3, 2), 0.5))
+    assert r.kind.tolist() == [[1, 1], [1, 1], [0, 1]]
+    assert cache.key[0].tolist() == [3, 0, 0, 0, 3, 1, 2, 2] and int(cache.qstate[0, 4]) == 2
+    assert cache.per_layer()[0]["pinned"] == 2 and set(cache.resident(0).tolist()) == {0, 1, 4, 7}
+
+
+def test_pinned_hot_set_errors():
+    with pytest.raises(ValueError, match="C - P = 1 < k = 2"):
+        run1([([4, 5], [0.5, 0.5])], 8, 3, [0, 1, 2], "fetch_all", pin_fraction=0.67)  # P = 2 of C = 3
+    with pytest.raises(ValueError, match="cold start"):
+        run1([([4, 5], [0.5, 0.5])], 8, 4, [], "fetch_all", pin_fraction=0.25)
+
+
+def test_calibrated_capacities_hand_case():
+    """L=2, E=6, k=2, uniform C=3 (S=6). Calibration counts: layer 0 [5,5,0,0,0,0] (10 calls), layer 1
+    [3,3,2,2,0,0] (10 calls). Start (2,2); the 2 spare slots: next experts have shares layer 0: 0/10,
+    layer 1: 2/10 -> layer 1 (C=3); then layer 1's next is 2/10 again -> layer 1 (C=4). Result (2, 4)."""
+    from tests.reference import calibrated_capacities_reference
+
+    calib = [[[0, 1], [0, 1]]] * 3 + [[[0, 1], [2, 3]]] * 2
+    assert calibrated_capacities_reference(calib, [[True, True]] * 5, 6, [3, 3], 2) == [2, 4]
+    from runtime.kernel import calibrated_capacities, calibration_counts
+
+    assert calibrated_capacities(calibration_counts(np.array(calib), None, 6), np.array([3, 3]), 2).tolist() == [2, 4]
