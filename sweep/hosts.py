@@ -1,6 +1,6 @@
 """Hosts of a sweep: Ray nodes carrying a custom resource `host:NAME`, and their cost profiles.
 
-A simulated host takes its profile from a preset (`hosts/NAME.yaml`, or `preset:OTHER`, or a
+A simulated host takes its profile from a preset (`runtime/data/hosts/NAME.yaml`, or `preset:OTHER`, or a
 YAML file); a real host (`profile: calibrate`) is measured by issue 4's calibration
 (`runtime.calibrate.calibrate` on the model's engine) run as a Ray task pinned to that host's
 node, with one GPU where its nodes have one (else in the engine's CPU device mode). Trials request a sliver
