@@ -26,9 +26,10 @@ from runtime.errors import ArgumentParser, InputError, cli_main
 log = logging.getLogger(__name__)
 
 _WARN = "expertsweep: warning: %(message)s"
-# subcommand -> (module, its main, log level, log format, what it does)
-COMMANDS: dict[str, tuple[str, str, int, str | None, str]] = {
-    "sweep": ("sweep.pareto", "main", logging.WARNING, None,
+# subcommand -> (module, its main, log level and format as its `python -m` form sets them (None: its main
+# sets its own), what it does)
+COMMANDS: dict[str, tuple[str, str, int | None, str | None, str]] = {
+    "sweep": ("sweep.pareto", "main", None, None,
               "the Ray Tune + Optuna sweep: speed/perplexity Pareto fronts per host (python sweep/pareto.py)"),
     "simulate": ("runtime.simulate", "main", logging.WARNING, _WARN,
                  "replay a router trace under a policy with a host cost model (python -m runtime.simulate)"),
@@ -39,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str, int, str | None, str]] = {
                "record a checkpoint's router trace over a text (python -m runtime.record)"),
     "findings": ("runtime.findings", "main", logging.INFO, "%(name)s: %(message)s",
                  "the paper's findings on a checkpoint, with intervals (python -m runtime.findings)"),
-    "model": ("runtime.tinymodel", "main", logging.WARNING, None,
+    "model": ("runtime.tinymodel", "main", None, None,
               "build the tiny reference models (python -m runtime.tinymodel, make model)"),
 }
 
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         cli_main(lambda: build_parser().parse_args(argv[:1] or ["--help"]))
         return
     module, fn, level, fmt, _ = COMMANDS[argv[0]]
-    logging.basicConfig(level=level, stream=sys.stderr, **({"format": fmt} if fmt else {}))
+    if level is not None:
+        logging.basicConfig(level=level, stream=sys.stderr, **({"format": fmt} if fmt else {}))
     run: Callable[[list[str]], None] = getattr(importlib.import_module(module), fn)
     cli_main(lambda: run(argv[1:]))
 
