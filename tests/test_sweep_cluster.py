@@ -240,9 +240,10 @@ def test_no_worker_touches_the_output_folder(ray_cluster, micro_model, tmp_path)
     code = ("import json, ray, sys; ray.init(address=sys.argv[1], runtime_env=json.loads(sys.argv[2]), "
             "logging_level='ERROR')\n"
             "@ray.remote(num_cpus=0)\ndef peek(p):\n    return open(p).read()[:10]\n"
-            "try:\n    ray.get(peek.remote(sys.argv[3])); print('READ')\n"
-            "except Exception as e:\n    print('REFUSED', type(e).__name__)\n")
-    probe = subprocess.run([PY, "-c", code, ray_cluster.address, json.dumps(renv), str(out / "summary.md")],
-                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert "REFUSED" in probe.stdout, (probe.stdout[-2000:], probe.stderr[-2000:])
-    assert any(Path(p).read_text() for p in audit.glob("violations-*"))
+            "try:\n    print('READ', ray.get(peek.remote(sys.argv[3])))\n"
+            "except Exception as e:\n    print('REFUSED', str(e)[-600:])\n")
+    probe = subprocess.run([PY, "-c", code, ray_cluster.address, json.dumps({**renv, "working_dir": str(REPO)}),
+                            str(out / "summary.md")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert "audit: a Ray worker touched the driver's output folder" in probe.stdout, (probe.stdout[-2000:],
+                                                                                      probe.stderr[-2000:])
+    assert any("summary.md" in p.read_text() for p in audit.glob("violations-*"))
