@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.errors import InputError
 from runtime.trace import save_trace, synthetic_pair
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,3 +116,31 @@ def test_installed_simulate_on_a_shared_trace(installed):
     res = json.loads(r.stdout)
     assert res["host"] == "rtx4090" and res["model_shape"].startswith("qwen1.5-moe-a2.7b"), res["model_shape"]
     assert res["fetches"] > 0 and list(work.iterdir()) == []
+
+
+def test_presets_are_package_data_and_the_env_folders_still_win(tmp_path, monkeypatch):
+    from importlib import resources
+
+    import yaml
+
+    from runtime import costmodel
+
+    monkeypatch.delenv("EXPERTSWEEP_HOSTS_DIR", raising=False)
+    monkeypatch.delenv("EXPERTSWEEP_MODELS_DIR", raising=False)
+    pkg = Path(str(resources.files("runtime"))) / "data"
+    assert costmodel.list_host_profiles() == sorted(p.stem for p in (pkg / "hosts").glob("*.yaml")) != []
+    assert costmodel.list_model_shapes() == sorted(p.stem for p in (pkg / "models").glob("*.yaml")) != []
+    assert not (REPO / "hosts").exists() and not (REPO / "models").exists()  # not beside the package any more
+    hosts, shapes = tmp_path / "h", tmp_path / "m"
+    hosts.mkdir()
+    shapes.mkdir()
+    box = yaml.safe_load((pkg / "hosts" / "rtx4090.yaml").read_text()) | {"name": "mybox", "link_GBps": 3.0}
+    (hosts / "mybox.yaml").write_text(yaml.safe_dump(box))
+    (shapes / "tiny.yaml").write_text((pkg / "models" / "olmoe-1b-7b.yaml").read_text())
+    monkeypatch.setenv("EXPERTSWEEP_HOSTS_DIR", str(hosts))
+    monkeypatch.setenv("EXPERTSWEEP_MODELS_DIR", str(shapes))
+    assert costmodel.list_host_profiles() == ["mybox"] and costmodel.list_model_shapes() == ["tiny"]
+    assert costmodel.load_host_profile("mybox").link_GBps == 3.0
+    assert costmodel.load_model_shape("tiny").num_experts == costmodel.load_model_shape(pkg / "models" / "olmoe-1b-7b.yaml").num_experts
+    with pytest.raises(InputError, match="unknown host profile 'rtx4090'.*presets: mybox"):
+        costmodel.load_host_profile("rtx4090")
