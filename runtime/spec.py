@@ -8,6 +8,14 @@ A `RunSpec` travels unchanged from a search space (sweep/) or a command line to 
 when built; a backend refuses, with a one-line error, every field it cannot honour
 (`Backend.check`).
 
+RunSpec's fields (besides `policy`, whose table is PolicyConfig's, and the display `name`) are the
+run-field table, like PolicyConfig's: each carries in `dataclasses.field` metadata (`_r(...)`) its
+default, its one command-line flag, help, kind (with range or choices), whether it names an output
+file, and the backends that honour it. `RUN_FIELDS` reads them back; validation (`RunField.check`),
+`FLAGS`, each backend's `honours` (`honoured_by`), every command line's run flags
+(`add_run_flags` / `run_kwargs`) and the sweep config's reading of these keys derive from it.
+`--capacity` is one meaning everywhere: `C` (every MoE layer) or `C0,C1,...` (one per layer).
+
 Warm start (docs/policies.md "Initial residency"): never the evaluated data.
 - `initial_residency`: `warm:TRACE` (a calibration trace), `cold`, `FILE.npy` (int [L, C]), or
   `held-out`: the last `HELD_OUT_FRACTION` of the tokens (trace rows or text tokens) calibrate
@@ -233,7 +241,7 @@ class RunSpec:
         """Policy fields plus the spec's set fields, as MLflow params (strings)."""
         out = self.policy.mlflow_params()
         for k, v in self.to_dict().items():
-            if k != "policy" and v is not None and k not in ("nll_out", "trace_out", "residency_out", "record_decisions"):
+            if k != "policy" and v is not None and k not in _NOT_PARAMS:
                 out[k] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
         return out
 
@@ -244,6 +252,7 @@ RUN_FIELDS: tuple[RunField, ...] = tuple(RunField(name=f.name, default=f.default
 RUN_FIELD_BY_NAME: dict[str, RunField] = {f.name: f for f in RUN_FIELDS}
 # RunSpec field -> its command-line flag (error messages name the flag the user typed)
 FLAGS: dict[str, str] = {f.name: f.flag or f"({f.name})" for f in RUN_FIELDS}
+_NOT_PARAMS = frozenset(f.name for f in RUN_FIELDS if f.output or f.flag is None)  # outputs, library-only requests
 
 
 def honoured_by(backend: str) -> frozenset[str]:
