@@ -153,3 +153,29 @@ def test_top_level_help_lists_the_subcommands(capsys):
     code, out, _ = _run(cli.main, ["--help"], capsys)
     assert code == 0 and all(c in out for c in cli.COMMANDS)
     assert isinstance(cli.build_parser(), argparse.ArgumentParser)
+
+
+def test_mlflow_params_leave_out_outputs_and_library_requests():
+    spec = RunSpec(policy=PRESETS["rule-0.15"], trace="t.parquet", capacity=(3, 4), max_tokens=64,
+                   residency_out="r.npy", record_decisions=True)
+    params = spec.mlflow_params()
+    assert params["capacity"] == "3,4" and params["max_tokens"] == "64" and params["host"] == "rtx4090"
+    assert not {f.name for f in RUN_FIELDS if f.output or f.flag is None} & set(params)
+
+
+def test_sweep_config_reads_run_fields_through_the_table():
+    """The sweep config's `model`, `text`, `calib_text`, `model_shape`, `max_tokens`, `dtype`,
+    `max_memory_GiB`: RunSpec's defaults and RunSpec's checks (messages naming the file and key)."""
+    from sweep import config as sweep_config
+
+    base = {"trace": "t.parquet", "space": {"rule": "threshold", "tau": {"low": 0.05, "high": 0.5},
+                                             "capacity_fraction": 0.25}}
+    cfg = sweep_config.from_dict(base, "x.yaml")
+    assert (cfg.dtype, cfg.max_memory_GiB) == (RUN_FIELD_BY_NAME["dtype"].default, RUN_FIELD_BY_NAME["max_memory_GiB"].default)
+    for key, bad in (("dtype", "fp8"), ("max_memory_GiB", "lots"), ("max_tokens", 1), ("model_shape", ""), ("text", 3)):
+        with pytest.raises(InputError) as got:
+            sweep_config.from_dict({**base, key: bad}, "x.yaml")
+        with pytest.raises(InputError) as want:
+            RUN_FIELD_BY_NAME[key].check(bad, f"x.yaml: {key}")
+        assert str(got.value) == str(want.value), key
+    assert sweep_config.from_dict({**base, "max_memory_GiB": 8, "dtype": "bf16"}, "x.yaml").max_memory_GiB == 8.0
