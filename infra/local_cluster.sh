@@ -2,11 +2,13 @@
 # A head and two worker nodes on this machine, to try a multi-host sweep locally.
 #
 #   bash infra/local_cluster.sh up [HEAD_HOST WORKER1_HOST WORKER2_HOST]   # default rtx4090 rtx3090 rtx3090
+#   EXPERTSWEEP_LOCAL_MODEL=NAME bash infra/local_cluster.sh up            # worker 1 also offers model:NAME
 #   RAY_ADDRESS=$(cat /tmp/expertsweep-ray-local/address) python sweep/pareto.py --config search_spaces/smoke.yaml
 #   bash infra/local_cluster.sh status
 #   bash infra/local_cluster.sh down
 #
-# Each node is `ray start --block` with one CPU, host:NAME = 1, on 127.0.0.1 with free ports and
+# Each node is `ray start --block` with one CPU, host:NAME = 1, on 127.0.0.1 with free ports,
+# started in a working directory of its own (no node sees another's files by a relative path) and
 # its own temp folder (nodes of one machine must not share one: their runtime-env agents would
 # unpack `ray job submit --working-dir` packages into the same place). The head also serves the
 # job API on 127.0.0.1 (address in /tmp/expertsweep-ray-local/dashboard). `down` stops the nodes by their pids.
@@ -18,15 +20,16 @@ py="$(dirname "$ray")/python"
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PATH="$(dirname "$ray"):$PATH"
 free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-start_node() {  # index host extra-args...
-  local i="$1" host="$2"; shift 2
+start_node() {  # index host resources-json-extra extra-args...
+  local i="$1" host="$2" more="$3"; shift 3
   local tmp; tmp="$(mktemp -d /tmp/rl.XXXX)"   # short: Ray's socket paths have a length limit
   echo "$tmp" > "$state/node$i.tmp"
-  setsid "$ray" start --block --node-ip-address=127.0.0.1 --num-cpus=1 --resources="{\"host:$host\": 1}" \
+  mkdir -p "$tmp/cwd"
+  (cd "$tmp/cwd" && exec setsid "$ray" start --block --node-ip-address=127.0.0.1 --num-cpus=1 --resources="{\"host:$host\": 1$more}" \
     --object-store-memory=200000000 --temp-dir="$tmp" --disable-usage-stats \
     --dashboard-agent-listen-port="$(free_port)" --dashboard-agent-grpc-port="$(free_port)" \
     --runtime-env-agent-port="$(free_port)" --metrics-export-port="$(free_port)" "$@" \
-    > "$state/node$i.log" 2>&1 &
+    > "$state/node$i.log" 2>&1) &
   echo $! > "$state/node$i.pid"
   for _ in $(seq 180); do
     grep -qs "Ray runtime started" "$state/node$i.log" && { echo "node $i (host:$host) up, pid $(cat "$state/node$i.pid")"; return; }
@@ -41,10 +44,11 @@ case "${1:-}" in
     mkdir -p "$state"
     if ls "$state"/node*.pid >/dev/null 2>&1; then echo "already up; run: bash infra/local_cluster.sh down" >&2; exit 1; fi
     port="$(free_port)"; dash="$(free_port)"
-    start_node 0 "${2:-rtx4090}" --head --port="$port" --include-dashboard=true --dashboard-host=127.0.0.1 \
+    model=""; [ -n "${EXPERTSWEEP_LOCAL_MODEL:-}" ] && model=", \"model:$EXPERTSWEEP_LOCAL_MODEL\": 1"
+    start_node 0 "${2:-rtx4090}" "" --head --port="$port" --include-dashboard=true --dashboard-host=127.0.0.1 \
       --dashboard-port="$dash" --ray-client-server-port="$(free_port)"
-    start_node 1 "${3:-rtx3090}" --address="127.0.0.1:$port"
-    start_node 2 "${4:-rtx3090}" --address="127.0.0.1:$port"
+    start_node 1 "${3:-rtx3090}" "$model" --address="127.0.0.1:$port"
+    start_node 2 "${4:-rtx3090}" "" --address="127.0.0.1:$port"
     echo "127.0.0.1:$port" > "$state/address"; echo "http://127.0.0.1:$dash" > "$state/dashboard"
     echo "RAY_ADDRESS=127.0.0.1:$port  (jobs: ray job submit --address http://127.0.0.1:$dash --working-dir . -- python sweep/pareto.py ...)" ;;
   status)
@@ -64,5 +68,5 @@ case "${1:-}" in
       rm -f "$f"
     done
     rm -f "$state/address" "$state/dashboard"; echo "down" ;;
-  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac
