@@ -87,12 +87,12 @@ def test_cycle_finder_finds_one():
 
 
 def test_simulator_side_never_imports_torch():
-    """A simulator-only sweep worker (and the simulator CLI) starts without torch: importing it costs
+    """A simulator-only sweep worker (and the simulator CLI, `expertsweep simulate`) starts without torch: importing it costs
     ~1.3 s of CPU per worker process, charged to every sweep (docs/sweep.md, overhead)."""
     import subprocess
     import sys
 
-    code = ("import sys, sweep.worker, runtime.simulate, runtime.backends; "
+    code = ("import sys, sweep.worker, runtime.simulate, runtime.backends, runtime.cli, sweep.config; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
