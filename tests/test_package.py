@@ -81,6 +81,8 @@ def test_wheel_carries_its_data_and_the_command(installed):
                                                              "model")), r.stdout + r.stderr
     r = _run([bin_ / "expertsweep", "simulat"], work, env)
     assert r.returncode == 2 and r.stderr.startswith("expertsweep: error:"), r.stderr
+    r = _run([bin_ / "expertsweep", "sweep", "--config", "nowhere.yaml"], work, env)  # the installed sweep driver
+    assert r.returncode == 2 and f"--config {work / 'nowhere.yaml'}: cannot read" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.slow
