@@ -53,8 +53,8 @@ def test_every_cli_accepts_every_flag_its_backend_honours(name):
         if f.flag is None:
             continue
         text, value = SAMPLE[f.kind]
-        argv = [a for a in base if a not in (f.flag,)]
-        if f.flag in base:  # the base argument itself: replace its value
+        argv = base
+        if f.flag in base:  # one of the base arguments itself: given below with the sample value
             i = base.index(f.flag)
             argv = base[:i] + base[i + 2:]
         extra = [] if f.name in SIZE_FIELDS or name != "simulate" else ["--capacity", "4"]
