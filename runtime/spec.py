@@ -104,7 +104,8 @@ class RunField:
         if self.kind == "capacity":
             vals = list(value) if isinstance(value, list | tuple | np.ndarray) else [value]
             if not vals or any(isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1 for v in vals):
-                raise InputError(f"{label} = {value!r} must be one int for all layers or a list of ints per layer")
+                raise InputError(f"{label} = {value!r} must be one positive int for all layers or a list of them, "
+                                 "one per layer")
             return int(vals[0]) if not isinstance(value, list | tuple | np.ndarray) else tuple(int(v) for v in vals)
         if self.kind == "memory":  # runtime.stream.resolve_max_memory turns auto into GiB when a model loads
             if value == "auto":
