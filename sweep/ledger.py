@@ -89,7 +89,9 @@ class Session:
         self.eval_seconds = 0.0
         SESSIONS[str(out)] = self
 
-    def add_rows(self, rows: list[dict[str, Any]]) -> None:
+    def add_rows(self, rows: list[dict[str, Any]], redelivered: bool = False) -> None:
+        """Record rows (a key once). `redelivered`: rows of a trial's last result handed over again when it
+        ends (Tune may keep its own copy of a result that carried a checkpoint): not a second evaluation."""
         for row in rows:
             if self.ledger.add(row):
                 if row.get("fidelity") == "simulator":
@@ -97,8 +99,9 @@ class Session:
                     self.eval_seconds += row.get("eval_seconds", 0.0)
                     if row["host"] in self.bars:
                         self.bars[row["host"]].update(1)
-            elif "eval_seconds" in row:
+            elif "eval_seconds" in row and not redelivered:
                 self.repeated += 1
+                log.info("trial %s was reported again (evaluated twice; pid %s)", row["key"], row.get("pid"))
         now = time.monotonic()
         if now - self._last_refresh >= self.refresh_s:
             self.refresh()
@@ -164,7 +167,7 @@ class LedgerCallback(Callback):
         s = self.session
         if s is None:
             return
-        s.add_rows((trial.last_result or {}).get("items") or [])
+        s.add_rows((trial.last_result or {}).get("items") or [], redelivered=True)
         s.add_rows(s.missing(trial.config.get("items", []), trial.config.get("host", "?"),
                              "the task ended without reporting this trial"))
 
@@ -172,7 +175,7 @@ class LedgerCallback(Callback):
         s = self.session
         if s is None:
             return
-        s.add_rows((trial.last_result or {}).get("items") or [])
+        s.add_rows((trial.last_result or {}).get("items") or [], redelivered=True)
         s.add_rows(s.missing(trial.config.get("items", []), trial.config.get("host", "?"), _error_text(trial)))
 
 

@@ -367,7 +367,6 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
                                         trial_name_creator=trial_name, trial_dirname_creator=trial_name),
             run_config=tune.RunConfig(name="tune", storage_path=str(out), storage_filesystem=fs, verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
-                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                                       callbacks=[LedgerCallback(str(out))]))
     status = "FAILED"
     try:
