@@ -2,7 +2,15 @@
 # Every check of the offloading engine on a GPU, as one prepared, time-boxed run (docs/engine.md, "GPU checks").
 #
 #   bash scripts/gpu_checks.sh [RESULTS_DIR]              # on a machine with an NVIDIA GPU
-#   bash scripts/gpu_checks.sh --cpu [--tiny] RESULTS_DIR  # the same steps in CPU device mode, small sizes
+#   bash scripts/gpu_checks.sh --cpu [--tiny] RESULTS_DIR  # the same steps in CPU device mode, small sizes (dry run)
+#   bash scripts/gpu_checks.sh --wheels                    # here, with a package index: fill .gpu_wheels/ (15 MB)
+#
+# NOT YET RUN ON CUDA: every step has run in CPU device mode (--cpu) only; read the first CUDA run's
+# summary.md with that in mind. The device machine has no internet: `--wheels` downloads (pip) the
+# pure-Python wheels of hqq (built from its sdist), einops, termcolor, accelerate, huggingface_hub and
+# transformers at the versions of constraints.txt into .gpu_wheels/ (git-ignored), which the device tool
+# carries (`carry: [".gpu_wheels"]`); the versions step installs from it with --no-index what the
+# machine lacks. Without them the low-bit step fails with a line saying it did not run.
 #
 # RESULTS_DIR defaults to $OUT (the device tool) or ./gpu_results. At most 8 files are written there (the
 # device tool returns 8): summary.md (rewritten after EVERY step, so a killed run still returns what it
@@ -24,14 +32,25 @@
 #                     lookahead prefetch, host and 4-bit fallbacks, at the VRAM budget (runtime.costmodel)
 #                     that holds 25% of the experts; speedups; peak vs budget. A host store that cannot be
 #                     pinned (cudaHostRegister refused) falls back to pageable memory with a warning.
-#   5 generate   runtime.generate: greedy agreement of quality-first with the exact model at that budget
-#   6 calibrate  runtime.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
-#   7 engine-cpu the engine in CPU device mode on every family (tests/test_engine.py::test_other_families...)
-#   8 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
-#   9 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
+#                     The JSON is rewritten after every round; the budget uses the CUDA context measured
+#                     after start; stalls are counted from the device time measured between CUDA events.
+#   5 lowbit     the bench's 4-bit (hqq) row is there; else the line "low-bit step did not run" (a failure)
+#   6 fetch-exact bf16, engine on the device: fetch-every-miss at 25% and at E-1 slots bit-identical NLL
+#                (scripts/gpu_exact_check.py fetch-exact; the NLL vs the exact pass reported)
+#   7 generate   runtime.generate: greedy agreement of quality-first with the exact model at that budget
+#   8 calibrate  runtime.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
+#   9 stream     a 4-layer checkpoint written on the spot (scripts/bigmodel.py), fp32: `runtime.emulate
+#                --device cuda --max-memory 0.001` with every layer streamed through the GPU (device budget
+#                capped) == the model resident on the GPU (counters, NLL 1e-5), and vs the CPU run (exact
+#                NLL 1e-3); `runtime.record --device cuda` streamed vs the CPU recording (top-k ids 99.9%)
+#  10 engine-cpu the engine in CPU device mode on every family (tests/test_engine.py::test_other_families...)
+#  11 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
+#  12 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
+# Steps 5, 6 and 9 write their JSON to $WORK (lowbit.txt, fetch_exact.json, stream.json); summary.md
+# carries their figures, so the 8 files above stay 8.
 # The cheap CUDA steps come first. A step past its limit gets SIGINT (pytest and Python flush what they
 # have), then SIGKILL 10 s later.
-# The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 420, CPU 570): a step that would not fit is
+# The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 480, CPU 840 with every step's limit doubled): a step that would not fit is
 # cut to what is left, or skipped (status 'skipped') when under 20 s remain.
 # Exit status 0 when every step passed, 1 otherwise; 2 for a bad option.
 set -u -o pipefail
@@ -46,12 +65,33 @@ while [ $# -gt 0 ]; do
     --cpu) MODE=cpu ;;
     --tiny) TINY=1 ;;
     --_step) RUN_STEP=$2; shift ;;  # internal: run one step's function (under the caller's `timeout`)
-    -h | --help) sed -n '2,36p' "$SELF"; exit 0 ;;
+    --wheels) MODE=wheels ;;
+    -h | --help) sed -n '2,58p' "$SELF"; exit 0 ;;
     -*) echo "expertsweep: error: scripts/gpu_checks.sh: unknown option $1 (use --cpu, --tiny, RESULTS_DIR)" >&2; exit 2 ;;
     *) RES=$1 ;;
   esac
   shift
 done
+WHEELS=${WHEELS:-$PWD/.gpu_wheels}
+LOWBIT_PKGS="hqq einops termcolor accelerate huggingface_hub"
+if [ "$MODE" = wheels ]; then  # on a machine with a package index: the wheels the device installs offline
+  PYW=${PY:-.venv/bin/python}
+  mkdir -p "$WHEELS" || exit 2
+  pins=()
+  for p in $LOWBIT_PKGS transformers; do
+    v=$(sed -n "s/^$p==//p" constraints.txt)
+    [ -n "$v" ] || { echo "expertsweep: error: constraints.txt: no pinned version of $p" >&2; exit 2; }
+    pins+=("$p==$v")
+  done
+  "$PYW" -m pip download -q --no-deps -d "$WHEELS" "${pins[@]}" || exit 1
+  for sd in "$WHEELS"/*.tar.gz; do  # hqq ships an sdist: build its pure-Python wheel here
+    [ -e "$sd" ] || continue
+    "$PYW" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" "$sd" && rm -f "$sd" || exit 1
+  done
+  ls -l "$WHEELS"
+  du -sh "$WHEELS"
+  exit 0
+fi
 RES=${RES:-${OUT:-gpu_results}}
 mkdir -p "$RES" || { echo "expertsweep: error: scripts/gpu_checks.sh: cannot create $RES" >&2; exit 2; }
 RES=$(cd "$RES" && pwd)
@@ -61,6 +101,7 @@ LOG="$RES/gpu_checks.log"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -f "$WORK/site_path" ] && PYTHONPATH="$(cat "$WORK/site_path"):$PYTHONPATH"  # the versions step's fix-up
+[ -f "$WORK/site_lowbit_path" ] && PYTHONPATH="$PYTHONPATH:$(cat "$WORK/site_lowbit_path")"  # after the machine's own
 export PYTHONPATH
 if [ -z "${PY:-}" ]; then
   PY=python3
@@ -71,7 +112,8 @@ if [ -z "${PY:-}" ]; then
   fi
 fi
 if [ "$MODE" = cpu ]; then
-  BUDGET=${GPU_CHECKS_BUDGET:-570}
+  BUDGET=${GPU_CHECKS_BUDGET:-840}
+  SCALE=2  # a loaded 2-core host: every step's limit doubled (the run's budget still bounds the whole)
   DEV=cpu
   # 2 layers of 8 experts (3 x 64 x 256, fp32), top-2, half the experts resident
   BENCH=(--device cpu --dtype fp32 --hidden 64 --moe-intermediate 256 --experts 8 --top-k 2 --layers 2
@@ -79,8 +121,11 @@ if [ "$MODE" = cpu ]; then
   CAL=(--device cpu --dtype fp32 --repeats 2 --tokens 8 --link-mib 4)
   GEN_TOKENS=8
   ROUNDS=1
+  STREAM=(--device cpu --hidden 64 --experts 8 --moe-intermediate 32 --top-k 2 --tokens 256)
+  FE_TOKENS=64
 else
-  BUDGET=${GPU_CHECKS_BUDGET:-420}
+  BUDGET=${GPU_CHECKS_BUDGET:-480}
+  SCALE=1
   DEV=cuda
   # Qwen3-30B-A3B-like experts (3 x 2048 x 768, bf16 = 9.4 MB), 32 per layer, top-4, 4 layers; the VRAM budget
   # is the one that holds 8 slots per layer (25%) by runtime.costmodel.capacities_for_budget
@@ -89,6 +134,9 @@ else
   CAL=(--device cuda --dtype bf16 --repeats 10)
   GEN_TOKENS=48
   ROUNDS=3
+  # 4 layers of 32 experts (3 x 512 x 256), top-4, hidden 512: 16 MiB a layer in fp32
+  STREAM=(--device cuda --hidden 512 --experts 32 --moe-intermediate 256 --top-k 4 --tokens 2048)
+  FE_TOKENS=512
 fi
 EXACT_K="not other_families and not gpu_checks_script"
 CPU_K="test_other_families_equal_emulation"
@@ -100,7 +148,7 @@ START=$SECONDS
 status=0
 summary() { timeout 30 "$PY" scripts/gpu_summary.py "$RES" "$WORK" >>"$LOG" 2>&1 || true; }
 step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of this script under `timeout`
-  local name=$1 limit=$2 left t0 rc st
+  local name=$1 limit=$(($2 * SCALE)) left t0 rc st
   shift 2
   left=$((BUDGET - (SECONDS - START)))
   if [ "$left" -lt 20 ]; then
@@ -129,9 +177,32 @@ step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of thi
 ptimeout() {  # pytest per-test timeout flags, when pytest-timeout is installed
   "$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=$1"
 }
+offline_wheels() {  # what the low-bit fallback needs and the machine lacks, from the carried wheels (no index)
+  local p whl missing=() wheels=()
+  for p in $LOWBIT_PKGS; do
+    "$PY" -c "import $p" 2>/dev/null && continue
+    missing+=("$p")
+    whl=$(ls "$WHEELS"/"$p"-*.whl 2>/dev/null | head -1)
+    [ -n "$whl" ] && wheels+=("$whl")
+  done
+  [ ${#missing[@]} -eq 0 ] && { echo "low-bit packages: all importable"; return 0; }
+  echo "low-bit packages missing here: ${missing[*]}; carried wheels: ${wheels[*]:-none in $WHEELS}"
+  [ ${#wheels[@]} -eq 0 ] && return 0
+  mkdir -p "$WORK/site_lowbit"
+  if "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site_lowbit" "${wheels[@]}" || return 0
+  else  # no pip: a pure-Python wheel is a zip of its import tree
+    for whl in "${wheels[@]}"; do "$PY" -m zipfile -e "$whl" "$WORK/site_lowbit" || return 0; done
+  fi
+  if PYTHONPATH="$WORK/site_lowbit:$PYTHONPATH" "$PY" -c "from hqq.core.quantize import Quantizer" 2>&1; then
+    echo "installed from $WHEELS into $WORK/site_lowbit: hqq imports"
+    echo "$WORK/site_lowbit" >"$WORK/site_lowbit_path"
+  fi
+}
 versions() {  # record; if transformers differs from the tested version and its wheel was carried, try it
   "$PY" scripts/gpu_env.py "$RES/versions.json" >/dev/null
   local rc=$? want whl
+  offline_wheels
   want=$(sed -n 's/^transformers==//p' constraints.txt)
   whl=$(ls "${WHEELS:-.gpu_wheels}"/transformers-"$want"-*.whl 2>/dev/null | head -1)
   if [ -n "$whl" ] && ! "$PY" -c "import transformers,sys; sys.exit(transformers.__version__ != '$want')" 2>/dev/null; then
@@ -210,6 +281,36 @@ exactness() {
 bench_pinned() {
   "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds "$ROUNDS" --families --out "$RES/bench_pinned.json"
 }
+lowbit_check() {  # the bench's low-bit row, or the line saying the step did not run
+  local msg
+  local rc
+  "$PY" -c "
+import importlib.util, json, sys
+if importlib.util.find_spec('hqq') is None:
+    sys.exit(3)
+try:
+    sys.exit(0 if 'rule-0.15+lowbit4' in json.load(open(sys.argv[1]))['policies'] else 4)
+except (OSError, ValueError, KeyError):
+    sys.exit(4)" "$RES/bench_pinned.json"
+  rc=$?
+  if [ "$rc" -eq 3 ]; then
+    msg="LOW-BIT STEP DID NOT RUN: hqq is not importable here and no wheel was installed from $WHEELS (run bash scripts/gpu_checks.sh --wheels where pip reaches an index, carry .gpu_wheels)"
+  elif [ "$rc" -ne 0 ]; then
+    msg="LOW-BIT STEP DID NOT RUN: hqq is there but bench_pinned.json has no rule-0.15+lowbit4 row (the bench step failed or was cut)"
+  else
+    echo "low-bit (hqq 4-bit) fallback measured: rule-0.15+lowbit4 in bench_pinned.json" | tee "$WORK/lowbit.txt"
+    return 0
+  fi
+  echo "$msg" | tee "$WORK/lowbit.txt"
+  return 1
+}
+fetch_exact() {
+  "$PY" scripts/gpu_exact_check.py fetch-exact --device "$DEV" --model "$WORK/bench/model" --tokens "$FE_TOKENS" \
+    --out "$WORK/fetch_exact.json"
+}
+stream_check() {
+  "$PY" scripts/gpu_exact_check.py stream "${STREAM[@]}" --work "$WORK/stream" --out "$WORK/stream.json"
+}
 bench_pageable() {
   "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds 1 --pageable --out "$RES/bench_pageable.json"
 }
@@ -223,23 +324,27 @@ ARGS=()
 [ "$TINY" = 1 ] && ARGS+=(--tiny)
 : >"$LOG"
 : >"$WORK/steps.tsv"
-rm -f "$WORK/site_path"
+rm -f "$WORK/site_path" "$WORK/site_lowbit_path" "$WORK/lowbit.txt" "$WORK/fetch_exact.json" "$WORK/stream.json"
 echo "$MODE" >"$WORK/mode"
 echo "engine checks, $MODE mode, budget ${BUDGET}s, results in $RES, scratch in $WORK" | tee -a "$LOG"
 summary
 step versions 120 versions
 [ -f "$WORK/site_path" ] && export PYTHONPATH="$(cat "$WORK/site_path"):$PYTHONPATH"
+[ -f "$WORK/site_lowbit_path" ] && export PYTHONPATH="$PYTHONPATH:$(cat "$WORK/site_lowbit_path")"
 [ "$MODE" = cuda ] && { nvidia-smi >>"$LOG" 2>&1 || true; }
 step kernel 150 kernel
 # the cheap CUDA steps first (a first run on a new machine returns their figures even if a later step hangs),
 # then the CPU-mode engine and the long exactness suite
 step oom 60 oom_check
-step bench-pinned 180 bench_pinned  # its figures are the run's purpose
-step generate 90 generate
-step calibrate 90 calibrate_step
-step engine-cpu 120 engine_cpu
-step exactness 300 exactness
-step bench-pageable 100 bench_pageable
+step bench-pinned 150 bench_pinned  # its figures are the run's purpose
+step lowbit 15 lowbit_check
+step fetch-exact 90 fetch_exact
+step generate 60 generate
+step calibrate 60 calibrate_step
+step stream 120 stream_check
+step engine-cpu 90 engine_cpu
+step exactness 240 exactness
+step bench-pageable 90 bench_pageable
 echo "total $((SECONDS - START)) s of ${BUDGET}" | tee -a "$LOG"
 summary
 cat "$RES/summary.md"

@@ -68,6 +68,8 @@ def stream_check(a: argparse.Namespace) -> dict:
     cap = {"EXPERTSWEEP_DEVICE_MEMORY_GIB": "0.000001"}
     runs = {"streamed": (["--device", a.device, "--max-memory", "0.001"], cap),
             "resident": (["--device", a.device], {}), "cpu": ([], {})}
+    if a.device == "cpu":  # CPU device mode: the resident run is the in-memory CPU run itself
+        del runs["cpu"]
     out: dict = {"check": "stream", "device": a.device, "model": str(model), "tokens": a.tokens, "seconds": {}}
     res, nll = {}, {}
     for name, (flags, env) in runs.items():
@@ -76,6 +78,8 @@ def stream_check(a: argparse.Namespace) -> dict:
         out["seconds"][f"emulate-{name}"], stdout = _run([*emu, *flags, "--nll-out", str(path)], env)
         res[name] = json.loads(stdout)
         nll[name] = pq.read_table(path).to_pandas()
+    if "cpu" not in runs:
+        res["cpu"], nll["cpu"] = res["resident"], nll["resident"]
     cols = [c for c in nll["streamed"].columns if c.startswith("nll_")]
     counters = ("hits", "fetches", "substitutions", "drops", "admissions")
     out["streamed_vs_resident"] = {
@@ -118,7 +122,7 @@ def fetch_exact(a: argparse.Namespace) -> dict:
     try:
         W = 64
         windows, _ = hfmodel.tokenize_file(m, Path(a.model) / "eval.txt", a.tokens, W)
-        cids, _ = hfmodel.calibration_ids(m, None, 2048, W)
+        cids, _ = hfmodel.calibration_ids(m, None, 2 * a.tokens, W)  # the warm start (calib.txt beside the model)
         runs = {}
         for name, frac_or_cap in (("quarter", 0.25), ("E-1", m.E - 1)):
             caps = (resolve_capacities(None, m.num_layers, m.E, m.k, frac_or_cap) if isinstance(frac_or_cap, float)
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         rec = stream_check(a) if a.check == "stream" else fetch_exact(a)
-    except Exception as exc:  # noqa: BLE001 - the summary shows what failed
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the summary shows what failed (SIGINT: the step's timeout)
         rec = {"check": a.check, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
     text = json.dumps(rec, indent=2)
     print(text)

@@ -6,7 +6,8 @@ Called after every step, so a run killed at any point still returns what it meas
 WORK_DIR/steps.tsv (step, status, seconds, limit), RESULTS_DIR/versions.json (scripts/gpu_env.py),
 WORK_DIR/junit_*.xml (pytest), RESULTS_DIR/bench_pinned.json and bench_pageable.json
 (scripts/bench_engine.py), calibrate.json (runtime.calibrate --json) and generate.json
-(runtime.generate). Only the standard library: it must run whatever else is broken.
+(runtime.generate), and from WORK_DIR lowbit.txt, fetch_exact.json and stream.json
+(scripts/gpu_exact_check.py). Only the standard library: it must run whatever else is broken.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def main() -> None:
             peak = max(r["peak_device_bytes"] for r in b["policies"].values())
             out.append(f"peak device memory {peak / 2**30:.3f} GiB vs budget {b['vram_budget_GiB']:.3f} GiB: "
                        f"{'within' if peak <= b['vram_budget_GiB'] * 2**30 else 'OVER'}; CUDA context measured "
-                       f"{b.get('cuda_context_bytes', 0) / 2**20:.0f} MiB (the budget assumes 512)")
+                       f"{b.get('cuda_context_bytes', 0) / 2**20:.0f} MiB (the budget was sized with "
+                       f"{b.get('budget_context_bytes', 512 * 2**20) / 2**20:.0f} MiB)")
         for k, val in b.get("speedups_measured", {}).items():
             out.append(f"- speedup {k}: measured {val:.2f}x, simulated {b['speedups_simulated'][k]:.2f}x")
     c = load(res / "calibrate.json")
@@ -126,7 +128,42 @@ def main() -> None:
                    f"{[r['first_divergence'] for r in g['per_prompt']]}; {g['time_per_token_s'] * 1e3:.2f} ms/token "
                    f"(exact, streaming every expert: {g['exact_time_per_token_s'] * 1e3:.2f}); peak device "
                    f"{g['peak_device_bytes'] / 2**20:.0f} MiB")
+    out.extend(exact_checks(work))
     (res / "summary.md").write_text("\n".join(out) + "\n")
+
+
+def exact_checks(work: Path) -> list[str]:
+    """The low-bit line and the two exactness checks of scripts/gpu_exact_check.py."""
+    out = []
+    lb = work / "lowbit.txt"
+    if lb.is_file():
+        out += ["\n## Low-bit (hqq) fallback\n", f"- {lb.read_text().strip()}"]
+    fe = load(work / "fetch_exact.json")
+    if fe:
+        out.append(f"\n## fetch-every-miss == exact ({fe.get('device')}, {fe.get('dtype')})\n")
+        if "error" in fe:
+            out.append(f"- FAILED: {fe['error']}")
+        else:
+            out.append(f"- NLL at 25% vs at E-1 slots bit-identical: {fe['nll_bit_identical']} (max |diff| "
+                       f"{fe['nll_max_abs_diff']:.3g}, fetches {fe['fetches']}, {fe['tokens']} tokens); vs the "
+                       f"engine's exact pass (prefill): max |dNLL| {fe['vs_exact_pass_nll_max_abs_diff']:.3g}, "
+                       f"perplexity change {fe['vs_exact_pass_ppl_change_pct']:+.4f}%")
+    st = load(work / "stream.json")
+    if st:
+        out.append(f"\n## Streamed emulation and recording through the device ({st.get('device')}, fp32)\n")
+        if "error" in st:
+            out.append(f"- FAILED: {st['error']}")
+        else:
+            sv, dv, rv = st["streamed_vs_resident"], st["device_vs_cpu"], st["record_vs_cpu"]
+            out.append(f"- streamed == resident on the device: counters equal {sv['counters_equal']}, max |dNLL| "
+                       f"{sv['nll_max_abs_diff']:.3g} (limit 1e-5), streamed {sv['streamed']}")
+            out.append(f"- vs the CPU run: exact max |dNLL| {dv['exact_nll_max_abs_diff']:.3g} (limit 1e-3); perplexity "
+                       f"change [device, cpu] {dv['ppl_change_pct']}; fetches {dv['fetches']}")
+            out.append(f"- record --device streamed vs CPU: top-k ids agree on {rv['topk_ids_agreement'] * 100:.3f}% "
+                       f"of {rv['rows']} rows x layers x k (limit 99.9%)")
+            out.append(f"- seconds per command: {st['seconds']}")
+        out.append(f"- ok: {st.get('ok')}")
+    return out
 
 
 if __name__ == "__main__":
