@@ -18,7 +18,9 @@ Equal memory: every family of a cell has the same number of full-precision exper
 round(fraction * E)` per layer (calibrated capacities spread the same total `L * C` over the layers);
 no family keeps low-bit copies, so each cell's expert memory is the same. Hit rate = hits / expert
 calls; fetches per token = synchronous fetches per token summed over layers; loads per token adds
-background admissions (Quality-First, Speed-First). Fixed choices: pinned sets pin half the slots
+background admissions (Quality-First, Speed-First). LRU vs LFU (fetching every miss, and with a
+pinned hot set) per cell: the hit-rate difference with a 95% block-bootstrap interval over the
+evaluated tokens (blocks of 32 tokens, 2,000 resamples, seed 0). Fixed choices: pinned sets pin half the slots
 (`pin_fraction = 0.5`), the fetch cap is `max(1, k // 4)` per token and layer, and the families that
 are not about eviction (fetch cap, calibrated, drop) use the project's default eviction key, LFU.
 
@@ -42,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from runtime.backends import get_backend  # noqa: E402
@@ -53,6 +56,10 @@ log = logging.getLogger(__name__)
 
 REAL_TRACES = {"qwen1.5-moe gsm8k": "qwen15moe-a2.7b-gsm8k.npz", "mixtral humaneval": "mixtral-8x7b-humaneval0.npz"}
 PIN = 0.5
+PAIRS = (("LRU", "LFU (= fetch-every-miss)"), (f"pinned {PIN:g} + LRU", f"pinned {PIN:g} + LFU"))
+PAIRED = {f for pair in PAIRS for f in pair}
+BLOCK, RESAMPLES = 32, 2000  # the interval's token blocks and bootstrap resamples (seed 0)
+HIT = 0  # the kernel's decision code of a hit (docs/policies.md, "Decision codes")
 
 
 def families(k: int) -> dict[str, PolicyConfig]:
@@ -97,9 +104,15 @@ def simulate_source(source: str, trace: str, k: int, fractions: list[float], ini
             if pol.drop_renorm:  # outputs only: the counters are the drop row's (the spec), nothing to replay
                 bar.update()
                 continue
+            paired = fam in PAIRED  # per-token hits kept for the LRU-vs-LFU interval
             try:
-                r = sim.evaluate(RunSpec(policy=pol, trace=trace, capacity_fraction=f, initial_residency=init))
+                r = sim.evaluate(RunSpec(policy=pol, trace=trace, capacity_fraction=f, initial_residency=init,
+                                         record_decisions=paired))
                 rows.append(_row(source, f, fam, pol, r))
+                if paired:
+                    kind = r.decisions["kind"]  # [T, L, k], -1 at lost cells
+                    rows[-1]["_hits"] = (kind == HIT).sum(axis=(1, 2))  # [T]
+                    rows[-1]["_calls"] = (kind >= 0).sum(axis=(1, 2))  # [T]
             except InputError as exc:  # e.g. a pinned set that leaves fewer than k free slots: a finding
                 rows.append({"source": source, "fraction": f, "family": fam, "policy": pol.label(),
                              "infeasible": str(exc)})
@@ -173,10 +186,24 @@ def run(a: argparse.Namespace, tmp: Path) -> list[dict]:
     return rows
 
 
+def diff_interval(a: dict, b: dict) -> tuple[float, float]:
+    """95% block-bootstrap interval (blocks of BLOCK tokens, RESAMPLES resamples, seed 0) of the hit-rate
+    difference a - b, in points, from the two replays' per-token hits on the same tokens."""
+    ha, hb, calls = a["_hits"], b["_hits"], a["_calls"]
+    n = max(1, len(calls) // BLOCK)
+    starts = np.arange(n) * BLOCK
+    rng = np.random.default_rng(0)
+    pick = starts[rng.integers(0, n, size=(RESAMPLES, n))]  # [R, n] block starts
+    idx = (pick[:, :, None] + np.arange(BLOCK)).reshape(RESAMPLES, -1) % len(calls)  # [R, n * BLOCK]
+    d = 100 * (ha[idx].sum(1) - hb[idx].sum(1)) / np.maximum(calls[idx].sum(1), 1)  # [R]
+    return float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))
+
+
 def verdict(rows: list[dict]) -> dict:
-    """LRU vs LFU (fetch every miss, and with a pinned hot set) per source x budget cell, by hit rate."""
+    """LRU vs LFU (fetch every miss, and with a pinned hot set) per source x budget cell, by hit rate, with a
+    95% block-bootstrap interval of the difference over tokens."""
     out = {}
-    for pair in (("LRU", "LFU (= fetch-every-miss)"), (f"pinned {PIN:g} + LRU", f"pinned {PIN:g} + LFU")):
+    for pair in PAIRS:
         cells = []
         for src in dict.fromkeys(r["source"] for r in rows):
             for f in dict.fromkeys(r["fraction"] for r in rows if r["source"] == src):
@@ -184,10 +211,14 @@ def verdict(rows: list[dict]) -> dict:
                 a, b = get.get(pair[0]), get.get(pair[1])
                 if a is None or b is None or "infeasible" in a or "infeasible" in b:
                     continue
+                lo, hi = diff_interval(a, b) if "_hits" in a and "_hits" in b else (None, None)
                 cells.append({"source": src, "fraction": f, "lru": a["hit_rate"], "lfu": b["hit_rate"],
-                              "lru_minus_lfu_points": 100 * (a["hit_rate"] - b["hit_rate"])})
+                              "lru_minus_lfu_points": 100 * (a["hit_rate"] - b["hit_rate"]), "ci95": [lo, hi]})
+        sure = [c for c in cells if c["ci95"][0] is not None]
         out[pair[0]] = {"cells": cells, "lru_wins": sum(c["lru_minus_lfu_points"] > 0 for c in cells),
-                        "ties": sum(c["lru_minus_lfu_points"] == 0 for c in cells), "n": len(cells)}
+                        "ties": sum(c["lru_minus_lfu_points"] == 0 for c in cells), "n": len(cells),
+                        "lru_wins_ci": sum(c["ci95"][0] > 0 for c in sure),
+                        "lfu_wins_ci": sum(c["ci95"][1] < 0 for c in sure)}
     return out
 
 
@@ -221,9 +252,13 @@ def markdown(rows: list[dict], ver: dict, header: str) -> str:
             out.append(line)
         out.append("")
     for name, v in ver.items():
-        cells = "; ".join(f"{c['source']} {c['fraction']:.0%}: {c['lru_minus_lfu_points']:+.2f}" for c in v["cells"])
+        cells = "; ".join(f"{c['source']} {c['fraction']:.0%}: {c['lru_minus_lfu_points']:+.2f}"
+                          + (f" [{c['ci95'][0]:+.2f}, {c['ci95'][1]:+.2f}]" if c["ci95"][0] is not None else "")
+                          for c in v["cells"])
         out.append(f"- {name} vs its LFU twin: LRU has the higher hit rate in {v['lru_wins']} of {v['n']} cells "
-                   f"({v['ties']} ties); LRU minus LFU, hit-rate points: {cells}")
+                   f"({v['ties']} ties; the 95% interval excludes 0 for LRU in {v['lru_wins_ci']}, for LFU in "
+                   f"{v['lfu_wins_ci']}); LRU minus LFU, hit-rate points [95% block-bootstrap interval over "
+                   f"{BLOCK}-token blocks]: {cells}")
     return "\n".join(out) + "\n"
 
 
@@ -262,7 +297,8 @@ def main() -> None:
         atomic_write(a.out_md, lambda tmp: Path(tmp).write_text(md))
     if a.out_json:
         doc = {"command": cmd, "seconds": time.perf_counter() - t0, "load_average": [load, load_end],
-               "pin_fraction": PIN, "rows": rows, "lru_vs_lfu": ver}
+               "pin_fraction": PIN, "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+               "lru_vs_lfu": ver}
         atomic_write(a.out_json, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
 
 

@@ -46,6 +46,11 @@ def test_rows_are_the_backend_results(tmp_path: Path) -> None:
     assert ver["n"] == 2
     wins = sum(by[(f, "LRU")]["hit_rate"] > by[(f, "LFU (= fetch-every-miss)")]["hit_rate"] for f in (0.25, 0.5))
     assert ver["lru_wins"] == wins
+    for c in ver["cells"]:  # the bootstrap interval of the difference holds the difference itself
+        assert c["ci95"][0] <= c["lru_minus_lfu_points"] <= c["ci95"][1]
+    # the interval is of this pair's per-token hits: identical replays give [0, 0]
+    same = pf.diff_interval(by[(0.5, "LRU")], by[(0.5, "LRU")])
+    assert same == (0.0, 0.0)
     assert pf.verdict(rows)["pinned 0.5 + LRU"]["n"] == 1  # the infeasible cell is left out
     md = pf.markdown(rows, pf.verdict(rows), "h")
     assert f"{by[(0.5, 'lfuda')]['hit_rate']:.4f}" in md
