@@ -50,8 +50,11 @@
 # carries their figures, so the 8 files above stay 8.
 # The cheap CUDA steps come first. A step past its limit gets SIGINT (pytest and Python flush what they
 # have), then SIGKILL 10 s later.
-# The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 480, CPU 840 with every step's limit doubled): a step that would not fit is
-# cut to what is left, or skipped (status 'skipped') when under 20 s remain.
+# The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 480, CPU 840 with every step's limit doubled):
+# a step that would not fit is cut to what is left, or skipped (status 'skipped') when under 20 s remain.
+# The last CPU dry run (--cpu --tiny, 2 loaded cores, load 4-19) took 550 s, every step ok; an H200 host
+# (16 cores) should need well under the 480 s, leaving the device tool's 10-minute command limit a margin.
+# On the device tool: run(command="bash scripts/gpu_checks.sh", carry=[".gpu_wheels"], timeout_s=560).
 # Exit status 0 when every step passed, 1 otherwise; 2 for a bad option.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +69,7 @@ while [ $# -gt 0 ]; do
     --tiny) TINY=1 ;;
     --_step) RUN_STEP=$2; shift ;;  # internal: run one step's function (under the caller's `timeout`)
     --wheels) MODE=wheels ;;
-    -h | --help) sed -n '2,58p' "$SELF"; exit 0 ;;
+    -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$SELF"; exit 0 ;;
     -*) echo "expertsweep: error: scripts/gpu_checks.sh: unknown option $1 (use --cpu, --tiny, RESULTS_DIR)" >&2; exit 2 ;;
     *) RES=$1 ;;
   esac
