@@ -101,9 +101,14 @@ def _victim_int(skey, p0, cap):
     """Fast path: slot of the smallest composite key (key * E + id) among slots p0..cap-1; slots protected
     for the token hold _IMAX."""
     m = _IMAX
-    for s in range(p0, cap):
-        v = skey[s]
-        m = v if v < m else m
+    if p0 == 0:
+        for s in range(cap):
+            v = skey[s]
+            m = v if v < m else m
+    else:
+        for s in range(p0, cap):
+            v = skey[s]
+            m = v if v < m else m
     if m == _IMAX:
         return -1
     for s in range(p0, cap):
@@ -200,13 +205,26 @@ class Outputs(NamedTuple):
 
 
 @njit(cache=True, inline="always")
-def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, stamp, free, aging, qstate, age_count):
+def _aged_load(key, qstate, age_count, e, v):
+    """lfuda after a load of `e` that evicted `v` (-1: a free slot): the victim leaves first (A = max(A, K[v]),
+    c[v] = floor(c[v] / 2)), then K[e] = A + c[e]."""
+    if v >= 0:
+        kv = np.int64(key[v])
+        if kv > qstate[Q_AGE]:
+            qstate[Q_AGE] = kv
+        age_count[v] //= 2
+    key[e] = np.float64(qstate[Q_AGE] + age_count[e])
+
+
+@njit(cache=True, inline="always")
+def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, stamp, free):
     """THE slot claim (fetch, admission, prefetch): put `e` in a free slot (`free`: the layer has one),
     else in the victim's (smallest key among the slots p0.. whose pin != stamp; fast: smallest skey),
-    evicting the victim. The claimed slot is pinned with `stamp`. `aging` (lfuda): the eviction raises
-    A to the victim's key and halves its count, then the new resident's key is A + c[e]. Returns (slot,
-    evicted expert), with slot -1 when nothing is evictable (nothing changed) and evicted -1 when a free
-    slot was used; the caller counts the resident and may queue the evicted expert."""
+    evicting the victim. The claimed slot is pinned with `stamp`. Returns (slot, evicted expert), with
+    slot -1 when nothing is evictable (nothing changed) and evicted -1 when a free slot was used; the
+    caller counts the resident, may queue the evicted expert, and under lfuda calls `_aged_load` (kept
+    out of this helper: inside it the aging branch cost fetch-every-miss about a quarter of its speed,
+    docs/performance.md "Additions (2)")."""
     v = -1
     if free:
         s = _free_slot(slot_expert, cap)
@@ -215,14 +233,7 @@ def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, stamp, fr
         if s >= 0:
             v = slot_expert[s]
             expert_slot[v] = -1
-            if aging:
-                kv = np.int64(key[v])
-                if kv > qstate[Q_AGE]:
-                    qstate[Q_AGE] = kv
-                age_count[v] //= 2
     if s >= 0:
-        if aging:
-            key[e] = np.float64(qstate[Q_AGE] + age_count[e])
         slot_expert[s] = e
         expert_slot[e] = s
         pin[s] = stamp
@@ -293,14 +304,15 @@ def run_layer(tok, t0, pol, st, out):
                 if expert_slot[e] >= 0:
                     cnt[C_ADM_SKIPPED] += 1
                     continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, bstamp, n_res < cap, aging,
-                              qstate, age_count)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, bstamp, n_res < cap)
                 if s < 0:
                     cnt[C_ADM_SKIPPED] += 1
                     if use_adm:  # not resident, no longer queued: may be queued again after the token
                         cand[nc] = e
                         nc += 1
                     continue
+                if aging:
+                    _aged_load(key, qstate, age_count, e, v)
                 if v < 0:
                     n_res += 1
                 elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
@@ -347,10 +359,11 @@ def run_layer(tok, t0, pol, st, out):
                     break
                 if expert_slot[e] >= 0:
                     continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, ps, n_res < cap, aging, qstate,
-                              age_count)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, ps, n_res < cap)
                 if s < 0:
                     continue  # nothing evictable: skipped
+                if aging:
+                    _aged_load(key, qstate, age_count, e, v)
                 if v < 0:
                     n_res += 1
                 elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
@@ -426,8 +439,9 @@ def run_layer(tok, t0, pol, st, out):
                 fetch = False
             if fetch:
                 # a victim exists: C_l - P_l >= k
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, st_, n_res < cap, aging,
-                              qstate, age_count)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, st_, n_res < cap)
+                if aging:
+                    _aged_load(key, qstate, age_count, e, v)
                 if v < 0:
                     n_res += 1
                 elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
