@@ -464,7 +464,9 @@ def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[
     slots = int(resources.get("CPU", 1))
     ok = sum(r["status"] == "ok" for r in rows)
     busy = session.eval_seconds
-    return {"trials_ok": ok, "trials_failed": len(rows) - ok, "trials_this_run": session.new_rows,
+    infeasible = sum(r["status"] == "infeasible" for r in rows)  # did not fit the sweep's vram budget
+    return {"trials_ok": ok, "trials_infeasible": infeasible, "trials_failed": len(rows) - ok - infeasible,
+            "trials_this_run": session.new_rows,
             "trials_evaluated_twice": session.repeated,
             "sweep_seconds": sweep_s, "trials_per_hour": session.new_rows / max(sweep_s, 1e-9) * 3600,
             "simulator_seconds": busy, "slots": slots,
@@ -501,7 +503,9 @@ def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out
     if hyp["r"] == hyp["r"]:
         print(f"mass hypothesis: Pearson r = {hyp['r']:.3f} [{hyp['ci_low']:.3f}, {hyp['ci_high']:.3f}] "
               f"over {hyp['n']} policies\n")
-    print(f"{stats['trials_ok']} trials ok, {stats['trials_failed']} failed; "
+    print(f"{stats['trials_ok']} trials ok, " + (f"{stats['trials_infeasible']} infeasible at the budget, "
+                                                 if stats.get("trials_infeasible") else "")
+          + f"{stats['trials_failed']} failed; "
           f"{stats['trials_per_hour']:.0f} trials/hour this run")
     for k, p in rep["paths"].items():
         if k.startswith("plot") or k == "summary":

@@ -31,10 +31,14 @@ ROW_FIELDS = ("perplexity", "exact_perplexity", "ppl_change_pct", "ppl_ci_low", 
 
 
 def emulation_spec(params: dict[str, Any], model_dir: str, text: str, tokens: int | None,
-                   calib_text: str | None, **run_fields: Any) -> RunSpec:
+                   calib_text: str | None, slots: list[int] | None = None, **run_fields: Any) -> RunSpec:
     """The RunSpec of one policy config on the sweep's text at a token budget (`run_fields`: the
-    sweep's dtype and max_memory_GiB)."""
+    sweep's dtype and max_memory_GiB). `slots`: the per-layer capacity the simulator gave the policy
+    for its `vram_budget_GiB` on the sweep's cost-model shape, emulated as such (the checkpoint's own
+    shape would give another count for the same GiB: a tiny model fits whole in a GPU's budget)."""
     size = {k: params[k] for k in ("capacity_fraction", "vram_budget_GiB") if params.get(k) is not None}
+    if slots is not None and "vram_budget_GiB" in size:
+        size = {"capacity": tuple(int(c) for c in slots)}
     return RunSpec(policy=policy_of(params), model=model_dir, text=text, max_tokens=tokens, calib_text=calib_text,
                    initial_residency=None if calib_text else HELD_OUT, **size, **run_fields)
 
@@ -52,6 +56,12 @@ class Measurer:
         self.ledger, self.add_rows = ledger, add_rows
         self.progress = progress
         self.tasks_seconds = 0.0
+
+    def _slots(self) -> dict[str, list[int]]:
+        """policy key -> the slots per layer its simulator trials held (the same on every host of one shape)."""
+        return {policy_key(r["params"]): r["capacity_slots"] for r in self.ledger.rows
+                if r.get("fidelity") == "simulator" and r.get("status") == "ok"
+                and isinstance(r.get("capacity_slots"), list)}
 
     def _rows(self, keys: dict[str, str]) -> dict[str, dict[str, Any]]:
         by_key = {r["key"]: r for r in self.ledger.rows if r["key"] in keys.values()}
@@ -72,8 +82,9 @@ class Measurer:
                 opts = {"num_cpus": 1, "max_retries": 1, "num_gpus": gpus, "resources": {resource(host): HOST_SLIVER}}
             what = f"engine {host}" if host else f"emulation {budget}"
             log.info("%s: %d policies", what, len(todo))
-            specs = [emulation_spec(p, self.model_dir, self.text, tokens, self.calib_text, **self.run_fields).to_dict()
-                     for p in todo]
+            slots = self._slots()
+            specs = [emulation_spec(p, self.model_dir, self.text, tokens, self.calib_text,
+                                    slots.get(policy_key(p)), **self.run_fields).to_dict() for p in todo]
             t0 = time.time()
             bar = _bar(len(todo), what) if self.progress else None
             try:

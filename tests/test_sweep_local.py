@@ -244,6 +244,14 @@ def test_equal_memory_answer(tmp_path, micro_model):
     assert all(r["params"]["admission_delay"] == 1 and r["params"]["prefetch"] == "off"
                for r in ok if r["params"]["beta"] is not None)
     assert all(r["device_memory_GiB"] <= gib * (1 + 1e-9) for r in ok)
+    # perplexity is measured at the slots the simulator gave the policy in that budget (not the micro model's own
+    # GiB, in which it would fit whole)
+    from sweep.report import policy_key
+
+    slots = {policy_key(r["params"]): r["capacity_slots"] for r in ok}
+    emu = [r for r in rows if r["fidelity"] == "emulation" and r["status"] == "ok"]
+    assert emu and all(r["capacity"] == slots[policy_key(r["params"])] for r in emu)
+    assert any(r["capacity"] == [8, 8] for r in emu)  # quality-first: its staging took half the slots
     ans = pd.read_csv(out / "answer.csv")
     assert "device_memory_GiB" in ans and ans["policy"].notna().any()
     chosen = ans[ans["policy"].notna()]

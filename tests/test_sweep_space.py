@@ -616,3 +616,17 @@ def test_speed_ratios_at_equal_memory_divide_by_fetch_every_miss_in_the_same_bud
     # the summary counts the infeasible trial as such, not as failed
     write_report(tmp_path, rows, ["a"], ("time_per_token_s", "mass_per_token"), {"name": "t", "budgets": [1.0]})
     assert "| a | 3 | 1 | 0 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_emulation_runs_at_the_slots_the_simulator_gave_a_budget():
+    """A budget's GiB mean slots on the sweep's cost-model shape; the emulation of a tiny checkpoint (which
+    would fit whole in those GiB) runs the policy at those same slots."""
+    from sweep.remeasure import emulation_spec
+
+    by_budget = complete({"rule": "threshold", "tau": 0.15, "beta": 0.5, "vram_budget_GiB": 2.47})
+    spec = emulation_spec(by_budget, "/m", "/t.txt", 2048, None, [8, 8, 8, 8])
+    assert spec.capacity == (8, 8, 8, 8) and spec.vram_budget_GiB is None
+    assert emulation_spec(by_budget, "/m", "/t.txt", 2048, None).vram_budget_GiB == 2.47  # no slots known
+    by_fraction = complete({"rule": "threshold", "tau": 0.15, "capacity_fraction": 0.25})
+    spec = emulation_spec(by_fraction, "/m", "/t.txt", 2048, None, [16, 16, 16, 16])
+    assert spec.capacity_fraction == 0.25 and spec.capacity is None
