@@ -336,6 +336,8 @@ def feasible_spec(spec: dict[str, Any], fits: Callable[[dict[str, Any]], bool], 
         return spec, []
     used: set[tuple[str, Any]] = set()  # (name, value) active in a point that fits
     active: set[str] = set()  # names active in some point (fitting or not)
+    ints = [p.name for p in space.params if p.kind == "int" and p.name not in CAPACITY_FIELDS]
+    fitting: dict[str, list[dict[str, Any]]] = {n: [] for n in ints}  # points that fit with the int range active
     for combo in itertools.product(*(v for _, v in axes)):
         cfg = dict(zip((n for n, _ in axes), combo, strict=True))
         on = [n for n in cfg if _active(n, cfg)]
@@ -346,6 +348,20 @@ def feasible_spec(spec: dict[str, Any], fits: Callable[[dict[str, Any]], bool], 
             continue
         if ok:
             used.update((n, _key(cfg[n])) for n in on)
+            for n in ints:
+                if n in on:
+                    fitting[n].append({m: cfg[m] for m in on})
+    # an integer range's upper end: the largest value some fitting point still fits with (staging grows with it)
+    top = {}
+    for n in ints:
+        p = space[n]
+        for v in range(int(p.high), int(p.low), -1):
+            if any(_fits(fits, {**c, n: v}) for c in fitting[n]):
+                break
+        else:
+            v = int(p.low)
+        if fitting[n] and v < p.high:
+            top[n] = v
     if not used:
         raise InputError(f"{where}: no policy of the space fits the budget (every one leaves fewer than k slots)")
     out, notes = {}, []
@@ -355,6 +371,9 @@ def feasible_spec(spec: dict[str, Any], fits: Callable[[dict[str, Any]], bool], 
             out[name] = given
         elif not any(n == name for n, _ in used):
             notes.append(f"{name}: never used, as no policy that uses it fits the budget")
+        elif name in top:
+            notes.append(f"{name} above {top[name]}: no policy with it fits the budget")
+            out[name] = top[name] if top[name] == int(p.low) else {**given, "high": top[name]}
         elif p.kind == "choice":
             keep = [v for v in p.choices if (name, _key(v)) in used]
             notes += [f"{name} = {OFF if v is None else v}: no policy with it fits the budget"
@@ -366,6 +385,13 @@ def feasible_spec(spec: dict[str, Any], fits: Callable[[dict[str, Any]], bool], 
     for note in notes:
         log.warning("%s.%s", where, note)
     return out, notes
+
+
+def _fits(fits: Callable[[dict[str, Any]], bool], cfg: dict[str, Any]) -> bool:
+    try:
+        return fits(complete(cfg))
+    except InputError:
+        return False
 
 
 def _key(v: Any) -> Any:

@@ -210,9 +210,10 @@ def test_ladder_fronts_in_perplexity_and_the_answer(tmp_path, micro_model):
 def test_equal_memory_answer(tmp_path, micro_model):
     """`vram_budget_GiB: auto` end to end on a micro model: one device-memory budget for every policy.
     The low-bit fallback, whose copies of every expert leave fewer than k slots in that budget, is left
-    out of the search (named in the summary); an admission delay whose staging does not fit is an
-    `infeasible` trial, not a failure; every answer row uses at most the budget, gives its device
-    memory, is no offline bound, and its speed ratio is over fetch-every-miss at the same budget."""
+    out of the search (named in the summary), the admission delay's range ends at 1; admission beside an
+    oracle prefetch, whose staging does not fit, is an `infeasible` trial, not a failure; every answer row
+    uses at most the budget, gives its device memory, is no offline bound, and its speed ratio is over
+    fetch-every-miss at the same budget."""
     budgets = [0.5, 1.0, 2.0, 50.0]
     cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=768, trials=12,
                        emulation={"rungs": [256], "eta": 2, "max_full": 3}, ppl_budgets_pct=budgets,
@@ -232,6 +233,7 @@ def test_equal_memory_answer(tmp_path, micro_model):
     assert len(gib) == 1  # one budget for every trial and baseline
     gib = gib.pop()
     assert not any(r["params"]["fallback"] == "lowbit" for r in sim)  # left out of the space: never drawn
+    assert all(r["params"]["admission_delay"] == 1 for r in sim)  # the range cut where staging leaves < k slots
     bad = [r for r in sim if r["status"] not in ("ok", "infeasible")]
     assert not bad, bad[:2]
     infeasible = [r for r in sim if r["status"] == "infeasible"]

@@ -523,8 +523,8 @@ def _demo_shape():
 
 
 def test_fit_to_budget_drops_the_values_no_policy_fits():
-    """At one budget, a value with which no policy leaves k slots is taken out of the space (and named);
-    a range's infeasible upper end is left to the trial, which the cost model refuses (BudgetTooSmall)."""
+    """At one budget, a value with which no policy leaves k slots is taken out of the space (and named), an
+    integer range ends at the last value that fits; the cost model refuses a policy over it (BudgetTooSmall)."""
     from runtime import costmodel
 
     shape = _demo_shape()
@@ -540,7 +540,9 @@ def test_fit_to_budget_drops_the_values_no_policy_fits():
     assert fit.space["fallback"].kind == "fixed" and fit.space["fallback"].value == "substitute"
     assert "lowbit_bits" not in fit.space.names and "lowbit_group" not in fit.space.names
     assert any("fallback = lowbit" in n for n in fit.budget_notes)
-    assert fit.space["admission_delay"].high == 4  # a range is not cut: its upper end is the trial's to refuse
+    # an admission delay of 2 stages 2 x L x k = 64 buffers (16 slots per layer): none left, so the range ends at 1
+    assert fit.space["admission_delay"].kind == "fixed" and fit.space["admission_delay"].value == 1
+    assert any(n.startswith("admission_delay above 1: no policy with it fits") for n in fit.budget_notes)
     gib = fit.space["vram_budget_GiB"].value
     late = policy_of({"rule": "threshold", "tau": 0.2, "beta": 0.5, "admission_delay": 4})
     with pytest.raises(costmodel.BudgetTooSmall, match="fewer than k = 8"):
@@ -581,6 +583,8 @@ def test_the_main_job_compares_policies_at_equal_memory():
         sweep_config.load_config(root / "demo.yaml"), _demo_shape()), _demo_shape())
     assert demo.space["vram_budget_GiB"].value == pytest.approx(2.4713)
     assert "lowbit" not in demo.space["fallback"].values()  # its copies of every expert do not fit 2.47 GiB
+    # admission stages L x k x delay buffers, prefetch L x n: only a delay of 1 and at most 8 prefetches fit
+    assert demo.space["admission_delay"].value == 1 and demo.space["prefetch_n"].high == 8
 
 
 def test_speed_ratios_at_equal_memory_divide_by_fetch_every_miss_in_the_same_budget(tmp_path):
