@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -49,6 +48,18 @@ def test_host_with_no_node_is_one_line_before_any_trial(ray_cluster, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("expertsweep: error: host rtx5090: no Ray node has the resource host:rtx5090"), last
     assert not ledger(out)
+
+
+def test_model_resource_no_node_offers_is_one_line_before_any_trial(ray_cluster, micro_model, tmp_path):
+    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), model_resource="elsewhere")
+    out = tmp_path / "out"
+    proc = run_driver(cfg, out, "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}", RAY_ADDRESS=ray_cluster.address,
+                      timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("expertsweep: error: model_resource elsewhere: no alive Ray node offers the resource "
+                           "model:elsewhere"), last
+    assert not ledger(out) and not (out / "tune").exists()
 
 
 def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, micro_model, tmp_path):
@@ -205,10 +216,10 @@ def test_no_worker_touches_the_output_folder(ray_cluster, micro_model, tmp_path)
                        emulation={"rungs": [128], "max_full": 1, "engine": False},
                        space={"rule": {"choices": ["threshold", "substitute_all"]}, "tau": {"low": 0.1, "high": 0.4},
                               "capacity_fraction": 0.25})
-    # rtx3090's baselines are one Tune trial of 3 items, 0.6 s each: a report (with a checkpoint) after the
-    # second, then the process dies on the third (first-choice), twice
+    # rtx3090's baselines are one Tune trial of 3 items, 1.1 s each (the worker reports every 1 s): a report
+    # with a checkpoint after each of the first two, then the process dies on the third (first-choice), twice
     faults = [{"match": {"rule": "first_choice", "host": "rtx3090"}, "action": "kill"},
-              {"match": {}, "action": "sleep", "seconds": 0.6}]
+              {"match": {}, "action": "sleep", "seconds": 1.1}]
     renv = {"worker_process_setup_hook": "tests.sweep_audit.install",
             "env_vars": {"EXPERTSWEEP_AUDIT_ROOT": str(out), "EXPERTSWEEP_AUDIT_LOG": str(audit),
                          "EXPERTSWEEP_CACHE": str(cache)}}
@@ -234,7 +245,8 @@ def test_no_worker_touches_the_output_folder(ray_cluster, micro_model, tmp_path)
     assert base["fetch-every-miss"]["status"] == base["rule-0.15"]["status"] == "ok"
     assert base["first-choice"]["status"] == "failed" and "failed 2 time(s)" in base["first-choice"]["error"]
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["trials_evaluated_twice"] == 0  # the retries resumed from the checkpoint after item 2
+    assert stats["trials_evaluated_twice"] == 0  # the retry resumed from the checkpoint after item 2 (without
+    # it, items 1 and 2 are evaluated and reported again: checked by disabling the checkpoint read)
 
     # the hook is real: a task under the same runtime_env that opens a file of the output folder fails
     code = ("import json, ray, sys; ray.init(address=sys.argv[1], runtime_env=json.loads(sys.argv[2]), "
