@@ -72,12 +72,13 @@ def preset_profile(spec: HostSpec) -> costmodel.HostProfile | None:
         raise InputError(f"{where}: {exc}") from None
 
 
-def _calibrate(model_dir: str, name: str) -> dict[str, Any]:
-    """Ray task body: measure this node with the model's engine (issue 4's calibration)."""
+def _calibrate(model_dir: str, name: str, dtype: str = "auto", max_memory: float | str = "auto") -> dict[str, Any]:
+    """Ray task body: measure this node with the model's engine (issue 4's calibration), loaded in the
+    sweep's `dtype` within its `max_memory_GiB` (streamed into the host store above it)."""
     from runtime.calibrate import calibrate
     from runtime.engine import load_engine
 
-    eng = load_engine(model_dir)
+    eng = load_engine(model_dir, dtype=dtype, max_memory=max_memory)
     try:
         prof, _ = calibrate(eng)
     finally:
@@ -93,8 +94,10 @@ def gpus_of(host: str) -> int:
     return 1 if nodes and all(n["Resources"].get("GPU", 0) >= 1 for n in nodes) else 0
 
 
-def resolve_profiles(hosts: tuple[HostSpec, ...], model_dir: str | None) -> dict[str, dict[str, Any]]:
-    """name -> profile dict; presets read here, calibrations run as Ray tasks on their hosts (in parallel)."""
+def resolve_profiles(hosts: tuple[HostSpec, ...], model_dir: str | None, dtype: str = "auto",
+                     max_memory: float | str = "auto") -> dict[str, dict[str, Any]]:
+    """name -> profile dict; presets read here, calibrations run as Ray tasks on their hosts (in parallel),
+    each loading the model in `dtype` within `max_memory` GiB of host RAM (the sweep config's)."""
     out: dict[str, dict[str, Any]] = {}
     pending = {}
     for h in hosts:
@@ -108,7 +111,7 @@ def resolve_profiles(hosts: tuple[HostSpec, ...], model_dir: str | None) -> dict
 
         task = ray.remote(_calibrate).options(num_gpus=gpus_of(h.name), num_cpus=1,
                                               resources={h.resource: HOST_SLIVER}, name=f"calibrate:{h.name}")
-        pending[h.name] = task.remote(model_dir, h.name)
+        pending[h.name] = task.remote(model_dir, h.name, dtype, max_memory)
     if pending:
         import ray
 

@@ -248,7 +248,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                                         ray.get_runtime_context().get_node_id())
             inputs = data.prepare(cfg, out, loc, record=_record_where_the_model_is(placement))
             cfg = _check_inputs(cfg, inputs)
-        profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir)
+        profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir, cfg.dtype, cfg.max_memory_GiB)
         return _sweep(args, cfg, out, inputs, uri, profiles, state, placement)
     finally:
         ray.shutdown()
