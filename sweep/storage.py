@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 NOT_FOUND, FILE, DIR = 0, 1, 2
 _TYPES = {NOT_FOUND: pafs.FileType.NotFound, FILE: pafs.FileType.File, DIR: pafs.FileType.Directory}
+_CURRENT: tuple[str, tuple[str, int]] | None = None  # this driver's (actor name, driver id), once made
 MARKER = ".validate_storage_marker"  # Tune's storage check (ray.train._internal.storage)
 
 
@@ -130,6 +131,10 @@ class RoutedHandler(pafs.FileSystemHandler):
         return {"actor_name": self.actor_name, "driver": self.driver}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # A resumed sweep's Tune restores its trials with the killed driver's handler (its actor and
+        # pid are gone): in the driver that made a filesystem since, they take the current one.
+        if _CURRENT is not None and state["actor_name"] != _CURRENT[0]:
+            state = {"actor_name": _CURRENT[0], "driver": _CURRENT[1]}
         self.__init__(state["actor_name"], state["driver"])
 
     def __eq__(self, other: object) -> bool:
@@ -281,4 +286,6 @@ def tune_filesystem(name: str, driver_node: str) -> tuple[pafs.PyFileSystem, Any
         name=name, num_cpus=0, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)).remote()
     ray.get(actor.info.remote([]))  # up before Tune asks
-    return pafs.PyFileSystem(RoutedHandler(name, (socket.gethostname(), os.getpid()))), actor
+    global _CURRENT
+    _CURRENT = (name, (socket.gethostname(), os.getpid()))
+    return pafs.PyFileSystem(RoutedHandler(*_CURRENT)), actor
