@@ -171,8 +171,8 @@ class RunSpec:
                                  "or a config.json (unset: from the trace)", _SIM)
     weight_format: str | None = _r(None, "--weight-format", "expert storage format: bf16 | q8_0 | q4_k_m "
                                    "(unset: the shape's)", _SIM)
-    device: str | None = _r(None, "--device", "cpu | cuda (emulation: each layer streamed through it; engine: "
-                            "where it decodes; unset: cuda when available)", _TEXT)
+    device: str | None = _r(None, "--device", "cpu | cuda (emulation: each layer streamed through it; unset: the host "
+                            "path, no device pipe; engine: where it decodes; unset: cuda when available)", _TEXT)
     dtype: str = _r("auto", "--dtype", "auto (the checkpoint's own: bf16 stays bf16) | fp32 | bf16 | fp16", _TEXT,
                     choices=DTYPES)
     max_memory_GiB: float | str = _r(
