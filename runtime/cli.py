@@ -2,13 +2,13 @@
 
 `expertsweep sweep | simulate | emulate | record | findings | model [ARGS]` (pyproject.toml
 `[project.scripts]`) runs the same `main(argv)` as `python sweep/pareto.py`,
-`python -m runtime.simulate | emulate | record | findings` and `python -m runtime.tinymodel`, with
+`python -m runtime.simulate | emulate | record | findings` and `python -m runtime.tools.tinymodel`, with
 the same flags, one-line errors and exit status 2 on bad input. Each subcommand's module is
 imported only when it runs (`expertsweep simulate` never imports torch).
 
 The emulation's command line lives here (`emulate_main`; `python -m runtime.emulate` delegates to
-it): its flags are the policy table's (runtime/policy.py) plus the run-field table's rows that the
-emulation or the engine honours (runtime/spec.py `add_run_flags`), so a field's flag, default
+it): its flags are the policy table's (runtime/core/policy.py) plus the run-field table's rows that the
+emulation or the engine honours (runtime/core/spec.py `add_run_flags`), so a field's flag, default
 and help are written once.
 """
 
@@ -21,7 +21,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from runtime.errors import ArgumentParser, InputError, cli_main
+from runtime.core.errors import ArgumentParser, InputError, cli_main
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +31,17 @@ _WARN = "expertsweep: warning: %(message)s"
 COMMANDS: dict[str, tuple[str, str, int | None, str | None, str]] = {
     "sweep": ("sweep.pareto", "main", None, None,
               "the Ray Tune + Optuna sweep: speed/perplexity Pareto fronts per host (python sweep/pareto.py)"),
-    "simulate": ("runtime.simulate", "main", logging.WARNING, _WARN,
+    "simulate": ("runtime.backends.simulate", "main", logging.WARNING, _WARN,
                  "replay a router trace under a policy with a host cost model (python -m runtime.simulate)"),
     "emulate": ("runtime.cli", "emulate_main", logging.WARNING, _WARN,
                 "exact perplexity of a checkpoint under policies, or decoded by the engine "
                 "(python -m runtime.emulate)"),
-    "record": ("runtime.record", "main", logging.WARNING, None,
+    "record": ("runtime.tools.record", "main", logging.WARNING, None,
                "record a checkpoint's router trace over a text (python -m runtime.record)"),
-    "findings": ("runtime.findings", "main", logging.INFO, "%(name)s: %(message)s",
+    "findings": ("runtime.tools.findings", "main", logging.INFO, "%(name)s: %(message)s",
                  "the paper's findings on a checkpoint, with intervals (python -m runtime.findings)"),
-    "model": ("runtime.tinymodel", "main", None, None,
-              "build the tiny reference models (python -m runtime.tinymodel, make model)"),
+    "model": ("runtime.tools.tinymodel", "main", None, None,
+              "build the tiny reference models (python -m runtime.tools.tinymodel, make model)"),
 }
 
 
@@ -74,9 +74,9 @@ EMULATE_BACKENDS = ("emulation", "engine")
 
 
 def build_emulate_parser() -> argparse.ArgumentParser:
-    from runtime import emulate
-    from runtime.policy import add_policy_flags
-    from runtime.spec import DEFAULT_CAPACITY_FRACTION, add_run_flags
+    from runtime.backends import emulate
+    from runtime.core.policy import add_policy_flags
+    from runtime.core.spec import DEFAULT_CAPACITY_FRACTION, add_run_flags
 
     p = ArgumentParser(prog="python -m runtime.emulate", description=emulate.__doc__.splitlines()[0],
                        allow_abbrev=False)  # --model is not --model-shape
@@ -89,8 +89,8 @@ def build_emulate_parser() -> argparse.ArgumentParser:
 
 def emulate_specs(a: argparse.Namespace) -> dict:
     """{name: RunSpec} from the emulation command line (one per `--policy`)."""
-    from runtime.policy import policies_from_flags
-    from runtime.spec import (
+    from runtime.core.policy import policies_from_flags
+    from runtime.core.spec import (
         DEFAULT_CAPACITY_FRACTION,
         RUN_FIELD_BY_NAME,
         RunSpec,
@@ -114,7 +114,7 @@ def emulate_specs(a: argparse.Namespace) -> dict:
 
 
 def emulate_main(argv: list[str] | None = None) -> None:
-    """`python -m runtime.emulate` / `expertsweep emulate` (raises InputError; `emulate_cli` prints it)."""
+    """`python -m runtime.emulate` / `expertsweep emulate` (raises InputError; `main` prints it)."""
     from runtime.backends import get_backend
 
     a = build_emulate_parser().parse_args(argv)
@@ -133,11 +133,6 @@ def emulate_main(argv: list[str] | None = None) -> None:
         print(f"{n:18s} ppl {r.perplexity:.4f}  change {r.ppl_change_pct:+.2f}% [{r.ppl_ci_low:+.2f}, {r.ppl_ci_high:+.2f}]  "
               f"mass/token {r.mass_per_token:.4f}  fetches {r.counters['fetches']}  subs {r.counters['substitutions']}"
               + (f"  {r.time_per_token_s * 1e3:.2f} ms/token" if r.time_per_token_s is not None else ""))
-
-
-def emulate_cli(argv: list[str] | None = None) -> None:
-    """`python -m runtime.emulate`: one-line errors, exit status 2."""
-    main(["emulate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

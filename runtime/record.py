@@ -1,75 +1,12 @@
-"""Router-trace recording: the exact model's top-k, gate weights and candidate ranking for a text.
+"""`python -m runtime.record`: the documented form of `expertsweep record` (runtime/tools/record.py).
 
-`python -m runtime.record --model DIR --text FILE --out TRACE.parquet [--depth M] [--max-tokens N]
-[--lookahead P] [--dtype auto|fp32|bf16|fp16] [--max-memory GIB] [--device cpu|cuda]` writes the trace format of docs/traces.md (one row per token and MoE layer), with a
-progress bar; `--lookahead P` adds the lookahead column (layer l + 1's router applied to layer l's
-router input, first P ids) that `--prefetch lookahead` replays. `--device cuda` computes on the GPU:
-a model that fits is moved there, a larger one has each layer streamed through it
-(runtime/stream.py's LayerPipe; docs/emulation.md).
+Kept so the commands in the docs and in users' scripts go on working; it runs the console command's
+subcommand, with the same flags, logging, one-line errors and exit status.
 """
 
-from __future__ import annotations
-
-import logging
-import os
 import sys
-from pathlib import Path
 
-from runtime.errors import ArgumentParser, InputError, check_output_path, cli_main
-from runtime.hfmodel import (
-    add_model_flags,
-    default_window,
-    load,
-    make_trace,
-    record_routing,
-    tokenize_file,
-)
-from runtime.spec import add_run_flags
-from runtime.trace import save_trace
-
-
-def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike,
-                 max_tokens: int | None = None, depth: int | None = None, window: int | None = None,
-                 batch_windows: int = 8, progress: bool = False, lookahead: int = 0, dtype: str = "auto",
-                 max_memory: float | str = "auto", device: str | None = None) -> Path:
-    """Record the exact model's routing over a text into `out_path` (.parquet or .arrow); `lookahead` P > 0
-    also records the lookahead lists."""
-    out = Path(out_path)
-    if out.suffix not in (".parquet", ".arrow"):
-        raise InputError(f"--out {out}: use a .parquet or .arrow file name")
-    check_output_path(out, "--out")
-    m = load(model_dir, dtype, max_memory, device=device)  # above max_memory: streamed, each layer read once
-    M = m.E if depth is None else depth
-    if not (m.k <= M <= m.E):
-        raise InputError(f"--depth = {M} must be between k={m.k} and E={m.E}")
-    if not (0 <= lookahead <= m.E):
-        raise InputError(f"--lookahead = {lookahead} must be between 0 (none) and E={m.E}")
-    windows, sha = tokenize_file(m, text_path, max_tokens, window or default_window(m))
-    ids, w, rank, look, _ = record_routing(m, windows, M, lookahead, batch_windows, progress)
-    save_trace(make_trace(m, ids, w, rank, windows, sha, f"runtime.record {Path(text_path).name}", look), out)
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = ArgumentParser(prog="python -m runtime.record", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--text", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--depth", type=int, default=None, help="ranking depth M (default: E, exact)")
-    add_run_flags(p, ("emulation",), only=("max_tokens", "window", "batch_windows"))  # RunSpec's rows
-    p.add_argument("--lookahead", type=int, default=0,
-                   help="also record per token and layer the first P ids of the next layer's router on this "
-                        "layer's router input (for --prefetch lookahead); default 0: none")
-    p.add_argument("--device", default=None, help="cpu | cuda: where the layers compute (default: the host, plainly); "
-                   "a model larger than the device is streamed through it layer by layer")
-    add_model_flags(p)
-    a = p.parse_args(argv)
-    out = record_trace(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, a.batch_windows, progress=True,
-                       lookahead=a.lookahead, dtype=a.dtype, max_memory=a.max_memory,
-                       device=a.device)
-    print(out)
-
+from runtime.cli import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cli_main(main)
+    main(["record", *sys.argv[1:]])

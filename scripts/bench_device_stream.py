@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime import hfmodel, stream  # noqa: E402
-from runtime.kernel import PolicyCache, warm_residency, warmup  # noqa: E402
-from runtime.policy import PRESETS, resolve_capacities  # noqa: E402
+from runtime.backends import hfmodel, stream  # noqa: E402
+from runtime.core.kernel import PolicyCache, warm_residency, warmup  # noqa: E402
+from runtime.core.policy import PRESETS, resolve_capacities  # noqa: E402
 
 
 def main() -> None:

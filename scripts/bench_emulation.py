@@ -19,9 +19,9 @@ import time
 import numpy as np
 import torch
 
-from runtime import emulate
-from runtime.kernel import PolicyCache, warm_residency, warmup
-from runtime.policy import PRESETS, resolve_capacities
+from runtime.backends import emulate
+from runtime.core.kernel import PolicyCache, warm_residency, warmup
+from runtime.core.policy import PRESETS, resolve_capacities
 
 
 def best_of(fn, repeats: int) -> float:
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--policy", default="quality-first")
     a = ap.parse_args()
     if a.model is None:
-        from runtime.tinymodel import ensure_model
+        from runtime.tools.tinymodel import ensure_model
 
         a.model = str(ensure_model("demo"))
     text = a.text or os.path.join(a.model, "eval.txt")

@@ -6,11 +6,11 @@
    computes matter (default 4 layers, 16 experts of 3 x 256 x 4096, top-4, fp32: a small hidden size
    keeps the dense part, mostly Python overhead on a CPU, from hiding the experts; the tokenizer and
    config come from tests/tiny_hf.py), with a calibration text and an evaluation text.
-2. Calibrates the host with the engine (runtime/calibrate.py) and writes host.yaml.
+2. Calibrates the host with the engine (runtime/tools/calibrate.py) and writes host.yaml.
 3. Per policy a recorded engine run (the router trace the engine saw, ranking depth E); then
    --rounds rounds of [calibrate; one timed run of every policy] (same teacher-forced decode, same
    capacity, same warm start; the decisions are deterministic, so every run sees the same trace).
-   Each round's measurement is compared with the simulator (runtime.simulate.simulate) on the trace
+   Each round's measurement is compared with the simulator (runtime.backends.simulate.simulate) on the trace
    with that round's calibration and the model's shape; a shared host's load drifts, so
    calibration and measurement are paired in time. The reported error is the median round's.
    Reports measured and simulated time per token, their difference, and the measured speedups of
@@ -41,13 +41,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime import costmodel, hfmodel  # noqa: E402
-from runtime.calibrate import calibrate  # noqa: E402
-from runtime.engine import Engine, cpu_threads, load_engine  # noqa: E402
-from runtime.errors import atomic_write  # noqa: E402
-from runtime.kernel import PolicyCache, warm_residency  # noqa: E402
-from runtime.policy import PRESETS, PolicyConfig, resolve_capacities  # noqa: E402
-from runtime.simulate import simulate  # noqa: E402
+from runtime.backends import hfmodel  # noqa: E402
+from runtime.backends.engine import Engine, cpu_threads, load_engine  # noqa: E402
+from runtime.backends.simulate import simulate  # noqa: E402
+from runtime.core.errors import atomic_write  # noqa: E402
+from runtime.core.kernel import PolicyCache, warm_residency  # noqa: E402
+from runtime.core.policy import PRESETS, PolicyConfig, resolve_capacities  # noqa: E402
+from runtime.formats import costmodel  # noqa: E402
+from runtime.tools.calibrate import calibrate  # noqa: E402
 
 log = logging.getLogger("bench_engine")
 
@@ -130,7 +131,7 @@ def params_for(name: str, profile, shape, pinned: bool) -> costmodel.CostParams:
 def simulated(name: str, row: dict, caps, init, profile, shape, pinned: bool) -> float:
     """The simulator on the engine's recorded trace (its counters must equal the engine's). A pageable
     store: the simulator's kernel events (the same decisions) replayed with cost_params(pinned=False),
-    whose copies block the host (runtime.simulate models a pinned store)."""
+    whose copies block the host (runtime.backends.simulate models a pinned store)."""
     sim = simulate(row["trace"], POLICIES[name], caps, initial_residency=init, host=profile, model_shape=shape,
                    baselines=False)
     for key in COUNTERS:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--capacity-fraction", type=float, default=None)
     cap.add_argument("--vram-budget", type=float, default=None)
     cap.add_argument("--budget-for-fraction", type=float, default=None,
-                     help="use the VRAM budget (runtime.costmodel) that holds this fraction of E slots per layer")
+                     help="use the VRAM budget (runtime.formats.costmodel) that holds this fraction of E slots per layer")
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--windows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7, help="calibrate + one timed run per policy, repeated")

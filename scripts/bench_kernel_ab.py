@@ -7,7 +7,7 @@ Both revisions are exported (`git archive`) to temporary trees; the trace of scr
 (Qwen3-Next shape, 48 layers, E=512, k=10, C=128, M=64, 4,000 tokens, warm start from its calibration
 twin) is generated once and saved. Each round runs one process per revision, alternating, pinned to one
 core; each process imports only its own tree's `runtime` and times the replay loop (as
-`runtime.simulate.replay` does, no logs) best of --repeats per policy by process CPU time, and checks the
+`runtime.backends.simulate.replay` does, no logs) best of --repeats per policy by process CPU time, and checks the
 counters against the other side's. Separate processes avoid the bias of importing a second kernel module
 into one process (`bench_simulator.py --against HEAD` measured the same kernel 1.6-2.3x slower as the
 second module at load 8: docs/performance.md). Prints per policy the best over rounds for each side and
@@ -31,9 +31,14 @@ CHILD = r"""
 import json, os, sys, time
 import numpy as np
 os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-from runtime import kernel
-from runtime.policy import PRESETS, PolicyConfig
-from runtime.trace import load_trace
+try:  # the layout since the runtime subpackages; a revision before them has flat modules
+    from runtime.core import kernel
+    from runtime.core.policy import PRESETS, PolicyConfig
+    from runtime.formats.trace import load_trace
+except ImportError:
+    from runtime import kernel
+    from runtime.policy import PRESETS, PolicyConfig
+    from runtime.trace import load_trace
 trace, calib = load_trace(sys.argv[1]), load_trace(sys.argv[2])
 repeats, policies = int(sys.argv[3]), json.loads(sys.argv[4])
 caps = np.full(trace.L, 128)
@@ -82,7 +87,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     trees = {side: export(rev, tmp / side) for side, rev in (("before", a.before), ("after", a.after))}
     sys.path.insert(0, str(trees["after"]))
-    from runtime.trace import save_trace, synthetic_pair
+    from runtime.formats.trace import save_trace, synthetic_pair
 
     shape = {"default": {"calib_tokens": 2000}, "topics": {"calib_tokens": 4000, "seq_len": 1000, "switch_prob": 0.0}}
     trace, calib = synthetic_pair(4000, 48, 512, 10, 64, seed=1, model="Qwen/Qwen3-Next-80B-A3B (synthetic)",

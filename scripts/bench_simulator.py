@@ -2,7 +2,7 @@
 
 48 layers, E=512, k=10, C=128, M=64, 4,000 tokens, with the generator's defaults; the warm start
 comes from the trace's 2,000-token calibration twin (same popularity and topic draw, other tokens:
-runtime.trace.synthetic_pair). Reports the kernel's token-layers per second (best of --repeats, the
+runtime.formats.trace.synthetic_pair). Reports the kernel's token-layers per second (best of --repeats, the
 replay loop alone, pinned to one core), the machine's load average, the cost model's time per token
 and the share of substituted calls (docs/traces.md quotes it).
     python scripts/bench_simulator.py [--repeats 5] [--host rtx4090] [--against GIT_REV] [--shape topics] [--cpp]
@@ -13,7 +13,7 @@ and the share of substituted calls (docs/traces.md quotes it).
 here with g++ -O2), checks that its counters equal the simulator's, and prints the simulator's speed
 as a multiple of it, both timed back to back per policy (best of --repeats each, one core).
 
-`--against REV` also times runtime/kernel.py as of git revision REV on the same trace, interleaved
+`--against REV` also times runtime/core/kernel.py as of git revision REV on the same trace, interleaved
 with the current kernel (so both see the same machine load), by process CPU time (less sensitive
 to other jobs than wall time) and wall time, and prints the speed ratio.
 """
@@ -32,11 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime import costmodel, kernel
-from runtime.kernel import warm_residency, warmup
-from runtime.policy import PRESETS, RULE_CODE
-from runtime.simulate import replay, shape_for_trace, simulate
-from runtime.trace import synthetic_pair
+from runtime.backends.simulate import replay, simulate
+from runtime.core import kernel
+from runtime.core.kernel import warm_residency, warmup
+from runtime.core.policy import PRESETS, RULE_CODE
+from runtime.formats import costmodel
+from runtime.formats.trace import synthetic_pair
 
 POLICIES = ("fetch-every-miss", "rule-0.15", "quality-first", "speed-first")
 SHAPES = {"default": {"calib_tokens": 2000},
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--host", default="rtx4090")
-    ap.add_argument("--against", default=None, help="also time runtime/kernel.py of this git revision")
+    ap.add_argument("--against", default=None, help="also time runtime/core/kernel.py of this git revision")
     ap.add_argument("--shape", default="default", choices=tuple(SHAPES), help="trace shape (see the module doc)")
     ap.add_argument("--cpp", action="store_true", help="also time the C++ replay (scripts/replay_ref.cpp)")
     a = ap.parse_args()
@@ -62,7 +63,7 @@ def main() -> None:
     init = warm_residency(calib.topk_ids, calib.valid, 512, caps)
     warmup()
     rows = []
-    shape = shape_for_trace(trace, "qwen3-next-80b-a3b")
+    shape = costmodel.shape_for_trace(trace, "qwen3-next-80b-a3b")
     for name in POLICIES:
         best = min(replay(trace, PRESETS[name], caps, init).seconds for _ in range(a.repeats))
         res = simulate(trace, PRESETS[name], 128, initial_residency=init, host=a.host, model_shape=shape)
@@ -155,10 +156,16 @@ def _cpp_table(trace, caps, init, repeats: int, ref=None, rev: str | None = None
 
 
 def _kernel_at(rev: str):
-    """runtime/kernel.py as of a git revision, imported as a separate module."""
+    """runtime/core/kernel.py as of a git revision, imported as a separate module."""
     root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(["git", "show", f"{rev}:runtime/kernel.py"], cwd=root, capture_output=True, text=True,
-                         check=True).stdout
+    for rel in ("runtime/core/kernel.py", "runtime/kernel.py"):  # a revision before the subpackages: flat
+        got = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, text=True)
+        if got.returncode == 0:
+            break
+    got.check_returncode()
+    # the old kernel imports its helpers by their old names; they live in runtime.core now
+    src = got.stdout.replace("from runtime.errors", "from runtime.core.errors").replace(
+        "from runtime.policy", "from runtime.core.policy")
     path = Path(tempfile.mkdtemp()) / "kernel_ref.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("kernel_ref", path)
@@ -170,7 +177,7 @@ def _kernel_at(rev: str):
 
 
 def _time_layers(mod, trace, policy, caps, init) -> tuple[float, float]:
-    """(process CPU s, wall s) of the replay loop of runtime.simulate.replay with a given kernel module."""
+    """(process CPU s, wall s) of the replay loop of runtime.backends.simulate.replay with a given kernel module."""
     cache = mod.PolicyCache(policy, trace.E, trace.k, caps, init)
     L, T = trace.L, trace.T
     ev = np.zeros((L, T, mod.N_EV), np.int32)

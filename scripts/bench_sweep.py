@@ -161,7 +161,7 @@ def main() -> None:
     fit_overhead = (sum(fit_cpu.values()) - sim_cpu) / max(sim_cpu, 1e-9)
     mlflow_cpu = st["mlflow_cpu_seconds"]
     gaps = wall_gaps(sim, *res["stats"]["fit_window"], st["slots"])
-    from runtime.trace import load_trace
+    from runtime.formats.trace import load_trace
 
     tr = load_trace(res["trace"])
     result = {

@@ -7,7 +7,7 @@ full-precision slots): the exact emulation's perplexity change with its 95% inte
 of substituted and low-bit calls, prefetch accuracy (prefetched experts then used), and the
 simulated ms/token on each host preset, replaying the trace the emulation saw under the policy
 from the same warm start. Simulated time uses Qwen3-Next-sized experts routed as the model routes
-(runtime.simulate.shape_for_trace), since a tiny model's own experts cost microseconds.
+(runtime.formats.costmodel.shape_for_trace), since a tiny model's own experts cost microseconds.
 
     python scripts/fallbacks.py [--model demo|DIR] [--max-tokens 16384] [--out-md F] [--out-json F]
 
@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from tqdm import tqdm  # noqa: E402
 
-from runtime import costmodel, hfmodel  # noqa: E402
-from runtime.backends import get_backend  # noqa: E402
-from runtime.errors import InputError  # noqa: E402
-from runtime.policy import PolicyConfig  # noqa: E402
-from runtime.spec import RunSpec  # noqa: E402
+from runtime.backends import get_backend, hfmodel  # noqa: E402
+from runtime.core.errors import InputError  # noqa: E402
+from runtime.core.policy import PolicyConfig  # noqa: E402
+from runtime.core.spec import RunSpec  # noqa: E402
+from runtime.formats import costmodel  # noqa: E402
 
 HOSTS = ("rtx3090", "rtx4090", "rtx5090")
 FALLBACKS = [("substitute", {}), ("lowbit 8", {"fallback": "lowbit", "lowbit_bits": 8}),
@@ -53,7 +53,7 @@ def policies() -> dict[str, PolicyConfig]:
 
 def model_dir(name: str) -> tuple[Path, Path]:
     if name in ("demo", "test", "mix"):
-        from runtime.tinymodel import ensure_model
+        from runtime.tools.tinymodel import ensure_model
 
         d = Path(ensure_model(name))
         return d, d / "eval.txt"

@@ -29,7 +29,7 @@
 #   3 oom        a device out-of-memory inside the engine's CLI: one 'expertsweep: error:' line, exit 2
 #   4 bench-pinned    scripts/bench_engine.py: calibration + simulated vs measured time per token for
 #                     fetch-every-miss, rule-0.15, quality-first, speed-first, host-compute, and (--families)
-#                     lookahead prefetch, host and 4-bit fallbacks, at the VRAM budget (runtime.costmodel)
+#                     lookahead prefetch, host and 4-bit fallbacks, at the VRAM budget (runtime.formats.costmodel)
 #                     that holds 25% of the experts; speedups; peak vs budget. A host store that cannot be
 #                     pinned (cudaHostRegister refused) falls back to pageable memory with a warning.
 #                     The JSON is rewritten after every round; the budget uses the CUDA context measured
@@ -37,12 +37,12 @@
 #   5 lowbit     the bench's 4-bit (hqq) row is there; else the line "low-bit step did not run" (a failure)
 #   6 fetch-exact bf16, engine on the device: fetch-every-miss at 25% and at E-1 slots bit-identical NLL
 #                (scripts/gpu_exact_check.py fetch-exact; the NLL vs the exact pass reported)
-#   7 generate   runtime.generate: greedy agreement of quality-first with the exact model at that budget
-#   8 calibrate  runtime.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
-#   9 stream     a 4-layer checkpoint written on the spot (scripts/bigmodel.py), fp32: `runtime.emulate
+#   7 generate   runtime.tools.generate: greedy agreement of quality-first with the exact model at that budget
+#   8 calibrate  runtime.tools.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
+#   9 stream     a 4-layer checkpoint written on the spot (scripts/bigmodel.py), fp32: `runtime.backends.emulate
 #                --device cuda --max-memory 0.001` with every layer streamed through the GPU (device budget
 #                capped) == the model resident on the GPU (counters, NLL 1e-5), and vs the CPU run (exact
-#                NLL 1e-3); `runtime.record --device cuda` streamed vs the CPU recording (top-k ids 99.9%)
+#                NLL 1e-3); `runtime.tools.record --device cuda` streamed vs the CPU recording (top-k ids 99.9%)
 #  10 engine-cpu the engine in CPU device mode on every family (tests/test_engine.py::test_other_families...)
 #  11 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
 #  12 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
@@ -131,7 +131,7 @@ else
   SCALE=1
   DEV=cuda
   # Qwen3-30B-A3B-like experts (3 x 2048 x 768, bf16 = 9.4 MB), 32 per layer, top-4, 4 layers; the VRAM budget
-  # is the one that holds 8 slots per layer (25%) by runtime.costmodel.capacities_for_budget
+  # is the one that holds 8 slots per layer (25%) by runtime.formats.costmodel.capacities_for_budget
   BENCH=(--device cuda --dtype bf16 --hidden 2048 --moe-intermediate 768 --experts 32 --top-k 4 --layers 4
          --budget-for-fraction 0.25 --window 64 --windows 3 --repeats 10 --workdir "$WORK/bench")
   CAL=(--device cuda --dtype bf16 --repeats 10)
@@ -228,9 +228,9 @@ kernel() {
   "$PY" -c "
 import time, numpy as np
 t = time.perf_counter()
-from runtime.kernel import warmup
+from runtime.core.kernel import warmup
 warmup()
-from runtime import costmodel as cm
+from runtime.formats import costmodel as cm
 cm.replay_time(np.zeros((2, 2, 5), np.int32), np.ones((2, 2), bool), cm.CostParams(1.0, 1.0, 1.0, 1.0))
 print(f'kernel and replay compiled (or loaded from the numba cache) in {time.perf_counter() - t:.1f} s')"
 }
@@ -239,12 +239,12 @@ oom_check() {  # a device OOM inside the engine's CLI wrapper: exit 2 and one 'e
   if [ "$MODE" = cuda ]; then
     err=$("$PY" -c "
 import torch
-from runtime.engine import engine_cli
+from runtime.backends.engine import engine_cli
 engine_cli(lambda: torch.empty(1 << 50, dtype=torch.uint8, device='cuda'))" 2>&1)
   else  # no device memory to exhaust: the same wrapper around torch's OOM exception
     err=$("$PY" -c "
 import torch
-from runtime.engine import engine_cli
+from runtime.backends.engine import engine_cli
 def f():
     raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 1024.00 TiB')
 engine_cli(f)" 2>&1)
@@ -266,11 +266,11 @@ generate() {
   local b
   b=$(bench_budget) || { echo "no bench_pinned.json: no budget to generate at"; return 1; }
   prompts
-  "$PY" -m runtime.generate --model "$WORK/bench/model" --prompts "$WORK/prompts.txt" --policy quality-first \
+  "$PY" -m runtime.tools.generate --model "$WORK/bench/model" --prompts "$WORK/prompts.txt" --policy quality-first \
     --vram-budget "$b" --device "$DEV" --dtype "${BENCH[3]}" --max-new-tokens "$GEN_TOKENS" --out "$RES/generate.json"
 }
 calibrate_step() {
-  "$PY" -m runtime.calibrate --model "$WORK/bench/model" "${CAL[@]}" --out "$RES/host.yaml" --json >"$RES/calibrate.json"
+  "$PY" -m runtime.tools.calibrate --model "$WORK/bench/model" "${CAL[@]}" --out "$RES/host.yaml" --json >"$RES/calibrate.json"
 }
 
 engine_cpu() {

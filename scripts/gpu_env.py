@@ -10,7 +10,7 @@ with the machine's transformers must (1) expose the sparse block the adapters wr
 (logits, weights, indices), fused experts gate_up_proj [E, 2I, H] / down_proj [E, H, I] called as
 experts(x, indices, weights)), (2) give identical logits with the adapters attached and no cache, and
 (3) identical logits with a cache holding every expert (all hits), and the causal LM's forward must take
-the KV cache as `cache` or `past_key_values` (runtime.engine.forward_cached). Exit status 0 when every
+the KV cache as `cache` or `past_key_values` (runtime.backends.engine.forward_cached). Exit status 0 when every
 required package imports and every family passes, 1 otherwise (the later steps still run: their results
 then say whether a failure is version skew or CUDA).
 """
@@ -91,10 +91,10 @@ def check_family(family: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime import adapters
-    from runtime.engine import _takes_cache
-    from runtime.kernel import PolicyCache
-    from runtime.policy import PRESETS
+    from runtime.backends import adapters
+    from runtime.backends.engine import _takes_cache
+    from runtime.core.kernel import PolicyCache
+    from runtime.core.policy import PRESETS
     from tests.tiny_hf import tiny_config
 
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def _run(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
 def stream_check(a: argparse.Namespace) -> dict:
     import pyarrow.parquet as pq
 
-    from runtime.trace import load_trace
+    from runtime.formats.trace import load_trace
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def stream_check(a: argparse.Namespace) -> dict:
         _run([sys.executable, "scripts/bigmodel.py", "write", "--out", str(model), "--layers", str(a.layers), "--hidden",
               str(a.hidden), "--experts", str(a.experts), "--moe-intermediate", str(a.moe_intermediate), "--top-k",
               str(a.top_k), "--shared", str(a.moe_intermediate), "--vocab", "1024", "--shard-gb", "0.05"])
-    text = ROOT / "runtime" / "kernel.py"
+    text = ROOT / "runtime" / "core" / "kernel.py"
     emu = [sys.executable, "-m", "runtime.emulate", "--model", str(model), "--text", str(text), "--policy", "rule-0.15",
            "--policy", "substitute-all", "--capacity-fraction", "0.25", "--max-tokens", str(a.tokens), "--window", "128",
            "--calib-max-tokens", str(a.tokens), "--dtype", "fp32", "--json"]
@@ -112,10 +112,10 @@ def stream_check(a: argparse.Namespace) -> dict:
 def fetch_exact(a: argparse.Namespace) -> dict:
     import torch
 
-    from runtime import hfmodel
-    from runtime.engine import load_engine
-    from runtime.kernel import warm_residency
-    from runtime.policy import PRESETS, resolve_capacities
+    from runtime.backends import hfmodel
+    from runtime.backends.engine import load_engine
+    from runtime.core.kernel import warm_residency
+    from runtime.core.policy import PRESETS, resolve_capacities
 
     eng = load_engine(a.model, a.device)
     m = eng.m

@@ -5,8 +5,8 @@
 Called after every step, so a run killed at any point still returns what it measured. Reads
 WORK_DIR/steps.tsv (step, status, seconds, limit), RESULTS_DIR/versions.json (scripts/gpu_env.py),
 WORK_DIR/junit_*.xml (pytest), RESULTS_DIR/bench_pinned.json and bench_pageable.json
-(scripts/bench_engine.py), calibrate.json (runtime.calibrate --json) and generate.json
-(runtime.generate), and from WORK_DIR lowbit.txt, fetch_exact.json and stream.json
+(scripts/bench_engine.py), calibrate.json (runtime.tools.calibrate --json) and generate.json
+(runtime.tools.generate), and from WORK_DIR lowbit.txt, fetch_exact.json and stream.json
 (scripts/gpu_exact_check.py). Only the standard library: it must run whatever else is broken.
 """
 

@@ -12,7 +12,7 @@ Without it the script exits with a one-line message (status 2). Default traces: 
 miss (bigrig's replay has no miss rule), at `C = round(fraction * E)` slots per layer.
 
 Three columns per eviction key:
-- **ours**: the simulator (runtime.simulate.simulate, the library form of the simulator backend) on the
+- **ours**: the simulator (runtime.backends.simulate.simulate, the library form of the simulator backend) on the
   trace as it is: per token and layer, the hits are decided first and the token's own experts stay
   resident while it fetches the others (docs/policies.md, steps 1 and 3).
 - **ours, flat**: the same simulator on the trace re-encoded as bigrig replays it: every token-layer's
@@ -31,7 +31,7 @@ ties by recency; the key refreshed at each request), so those rows are compared,
 
 Speed: token-layers per second (valid token-layer cells / seconds of process CPU time, which a
 loaded machine inflates less than wall time; the wall time is in the JSON), best of --repeats, the
-replays alone: ours `runtime.simulate.replay` (the cache set-up and the compiled kernel loop, compiled
+replays alone: ours `runtime.backends.simulate.replay` (the cache set-up and the compiled kernel loop, compiled
 and warmed up beforehand), bigrig its `simulate` / `belady` calls (the flat sequences built beforehand).
 """
 
@@ -53,10 +53,10 @@ sys.path.insert(0, str(ROOT))
 
 from tqdm import tqdm  # noqa: E402
 
-from runtime.errors import InputError, atomic_write  # noqa: E402
-from runtime.policy import PolicyConfig, resolve_capacities  # noqa: E402
-from runtime.simulate import replay, simulate  # noqa: E402
-from runtime.trace import Trace, load_trace  # noqa: E402
+from runtime.backends.simulate import replay, simulate  # noqa: E402
+from runtime.core.errors import InputError, atomic_write  # noqa: E402
+from runtime.core.policy import PolicyConfig, resolve_capacities  # noqa: E402
+from runtime.formats.trace import Trace, load_trace  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def flat_trace(trace: Trace) -> Trace:
 
 def ours(trace: Trace, key: str, capacity: int, repeats: int) -> dict:
     """Our simulator, cold start, fetch every miss: hits and calls (the simulator's result), and the best
-    CPU and wall time of `repeats` replays (runtime.simulate.replay: cache set-up and the kernel loop)."""
+    CPU and wall time of `repeats` replays (runtime.backends.simulate.replay: cache set-up and the kernel loop)."""
     pol = PolicyConfig(rule="fetch_all", evict=key)
     res = simulate(trace, pol, capacity, initial_residency="cold", baselines=False)
     caps = np.asarray(res.capacity, np.int64)

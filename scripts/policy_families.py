@@ -48,9 +48,9 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from runtime.backends import get_backend  # noqa: E402
-from runtime.errors import InputError, atomic_write  # noqa: E402
-from runtime.policy import PRESETS, PolicyConfig  # noqa: E402
-from runtime.spec import RunSpec  # noqa: E402
+from runtime.core.errors import InputError, atomic_write  # noqa: E402
+from runtime.core.policy import PRESETS, PolicyConfig  # noqa: E402
+from runtime.core.spec import RunSpec  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +146,13 @@ def run(a: argparse.Namespace, tmp: Path) -> list[dict]:
     bar = tqdm(total=(len(real) + len(models)) * len(fractions) * n_fam, desc="policy families", unit="run")
     rows: list[dict] = []
     for name, path in real.items():
-        from runtime.trace import load_trace
+        from runtime.formats.trace import load_trace
 
         k = load_trace(path).k
         rows += simulate_source(name, str(path), k, fractions, "held-out", bar)
     for m in models:
-        from runtime.record import record_trace
-        from runtime.tinymodel import ensure_model
+        from runtime.tools.record import record_trace
+        from runtime.tools.tinymodel import ensure_model
 
         mdir = Path(ensure_model(m, progress=False))
         ev, cal = tmp / f"{m}-eval.parquet", tmp / f"{m}-calib.parquet"

@@ -3,7 +3,7 @@
     python scripts/rehearsal.py [--models demo,next-shape] [--tokens 2048] [--trials 200]
                                 [--engine-tokens 512] [--out-md FILE] [--out-json FILE]
 
-For each model (runtime.tinymodel: `next-shape` = 48 MoE layers, 512 experts, top-10, a shared
+For each model (runtime.tools.tinymodel: `next-shape` = 48 MoE layers, 512 experts, top-10, a shared
 expert, tiny hidden size), each stage runs in its own process, timed (wall clock) with its peak
 resident memory (the child's ru_maxrss):
 
@@ -91,7 +91,7 @@ space:
 
 def rehearse(name: str, a: argparse.Namespace, work: Path, results: list[dict], save=lambda: None) -> dict:
     """Every stage on one model; its result is appended to `results` first and saved after each stage."""
-    from runtime.tinymodel import SPECS, is_complete, model_dir
+    from runtime.tools.tinymodel import SPECS, is_complete, model_dir
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     spec = SPECS[name]
@@ -103,7 +103,7 @@ def rehearse(name: str, a: argparse.Namespace, work: Path, results: list[dict], 
     results.append(res)
     path = model_dir(name)
     cached = is_complete(path)
-    st["build"] = run_stage([PY, "-m", "runtime.tinymodel", "--size", name, "--quiet"], env, a.timeout)
+    st["build"] = run_stage([PY, "-m", "runtime.tools.tinymodel", "--size", name, "--quiet"], env, a.timeout)
     st["build"]["cached"] = cached
     if st["build"]["rc"]:
         return res
@@ -165,10 +165,10 @@ class _Stages(dict):
 def forward_ratio(model: str, text: str, tokens: int) -> dict:
     """The emulation's Quality-First pass against the plain forward (no cache, no recorder) of the same
     windows, both timed after a warm-up in one process (best of two plain forwards)."""
-    from runtime import emulate, hfmodel
-    from runtime.kernel import warmup
-    from runtime.policy import PRESETS
-    from runtime.spec import RunSpec
+    from runtime.backends import emulate, hfmodel
+    from runtime.core.kernel import warmup
+    from runtime.core.policy import PRESETS
+    from runtime.core.spec import RunSpec
 
     m = hfmodel.load(model)
     warmup()

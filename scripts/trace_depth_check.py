@@ -22,10 +22,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from runtime import hfmodel  # noqa: E402
-from runtime.policy import PRESETS  # noqa: E402
-from runtime.simulate import simulate  # noqa: E402
-from runtime.tinymodel import ensure_model  # noqa: E402
+from runtime.backends import hfmodel  # noqa: E402
+from runtime.backends.simulate import simulate  # noqa: E402
+from runtime.core.policy import PRESETS  # noqa: E402
+from runtime.tools.tinymodel import ensure_model  # noqa: E402
 
 
 def main() -> None:

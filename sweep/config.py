@@ -12,10 +12,10 @@ Top-level keys (all optional except `space`):
     dtype: auto               # auto (the checkpoint's own) | fp32 | bf16 | fp16, for recording and emulation
     text: null                # evaluated text (default: the model's eval.txt)
     calib_text: null          # warm-start calibration text (default: the model's calib.txt; without one,
-                              #   the held-out last 20% of the evaluated tokens, runtime/spec.py)
+                              #   the held-out last 20% of the evaluated tokens, runtime/core/spec.py)
     trace: null               # a router trace file instead of a model, or {synthetic: {...}}
     calib_trace: null         # warm-start calibration trace (default: the model's calib.txt trace)
-    model_shape: null         # cost-model shape preset/YAML; null = from the trace (runtime.simulate)
+    model_shape: null         # cost-model shape preset/YAML; null = from the trace (runtime.backends.simulate)
     max_tokens: null          # tokens of each text recorded and emulated (null: the whole text)
     hosts: [rtx3090, rtx4090] # host names, or {name, profile: preset | preset:NAME | calibrate | FILE}
     trials: 40                # simulator trials per host, after the baselines
@@ -47,9 +47,9 @@ from typing import Any
 
 import yaml
 
-from runtime.errors import InputError
-from runtime.policy import PRESETS
-from runtime.spec import RUN_FIELD_BY_NAME as RUN
+from runtime.core.errors import InputError
+from runtime.core.policy import PRESETS
+from runtime.core.spec import RUN_FIELD_BY_NAME as RUN
 from sweep.space import Space, feasible_spec, parse_space, policy_of
 
 OBJECTIVES = ("time_per_token_s", "mass_per_token", "device_memory_GiB")
@@ -281,7 +281,7 @@ def resolve_vram_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
     the space, so every policy, low-bit copies, staging and admission buffers included, gets the
     slots that budget holds (`costmodel.capacities_for_budget`). Unchanged when not `auto`. A budget
     that leaves a named baseline fewer than k slots is a one-line InputError."""
-    from runtime import costmodel
+    from runtime.formats import costmodel
 
     if not cfg.vram_budget_auto:
         return cfg
@@ -302,7 +302,7 @@ def fit_to_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
     e.g. the low-bit copies of every expert) are removed from the space (`sweep.space.feasible_spec`),
     each named in `budget_notes`; unchanged for any other capacity. A trial that still does not fit
     (a range's upper end) is recorded `infeasible`."""
-    from runtime import costmodel
+    from runtime.formats import costmodel
 
     p = cfg.space[cfg.space.capacity_field]
     if p.name != "vram_budget_GiB" or p.kind != "fixed" or cfg.vram_budget_auto:

@@ -1,7 +1,7 @@
 """The sweep's inputs: the model, its texts and router traces, resolved up front, recorded where the model is.
 
 `locate` runs in the driver before Ray starts, so a missing model, text or trace the driver can
-check is a one-line error before any trial. A model is `demo` / `test` (`runtime.tinymodel.
+check is a one-line error before any trial. A model is `demo` / `test` (`runtime.tools.tinymodel.
 ensure_model`), or any local Hugging Face checkpoint folder (config.json + safetensors shards).
 With `model_resource: NAME` the folder (and the texts) are on the Ray nodes offering `model:NAME`
 and the driver does not need to see them; else they are on the driver's node.
@@ -9,7 +9,7 @@ and the driver does not need to see them; else they are on the driver's node.
 `prepare` (after Ray is up) gets the router traces of the evaluated text and of the calibration
 text from `record_on_node`, a Ray task that runs where the model's files are (sweep/worker.py
 `model_placement`): it records with the sweep's `dtype` and `max_memory_GiB` (streamed layer by
-layer above it, runtime/stream.py), or reuses the trace cached on that node under
+layer above it, runtime/backends/stream.py), or reuses the trace cached on that node under
 `$EXPERTSWEEP_CACHE/traces/` by `trace_key`: the checkpoint digest (`checkpoint_digest`: a hash
 of config.json's bytes and of the name, size and modification time of every other file of the
 folder, the safetensors shards and their index included; no weight is read) plus the recording
@@ -25,7 +25,7 @@ parameters are unchanged.
 Warm start (never the evaluated data): the calibration text is the config's `calib_text`, else
 the model's `calib.txt`; the calibration trace is `calib_trace`, else the one recorded from that
 text, else the synthetic twin. Without any, every backend takes `held-out`: the last 20% of the
-evaluated tokens (runtime/spec.py `HELD_OUT_FRACTION`) calibrate the cache and are not evaluated.
+evaluated tokens (runtime/core/spec.py `HELD_OUT_FRACTION`) calibrate the cache and are not evaluated.
 `Inputs.warm_start` says which, for the summary and MLflow.
 """
 
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import InputError
-from runtime.trace import Trace, load_trace, save_trace, synthetic_trace
+from runtime.core.errors import InputError
+from runtime.formats.trace import Trace, load_trace, save_trace, synthetic_trace
 from sweep.config import SweepConfig
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def _abs(path: str, where: str, kind: str = "file") -> Path:
 def resolve_model(model: str) -> Path:
     """`demo` / `test` (built if absent) or a model folder holding config.json."""
     if model in ("demo", "test"):
-        from runtime.tinymodel import ensure_model
+        from runtime.tools.tinymodel import ensure_model
 
         return Path(ensure_model(model, progress=True)).resolve()
     p = _abs(model, "model", "dir")
@@ -119,13 +119,13 @@ def _sha_file(path: Path) -> str:
 
 def trace_key(digest: str, text: Path, max_tokens: int | None, lookahead: int, dtype: str) -> str:
     """The cache key of a recorded trace: the checkpoint, the text's bytes and the recording parameters
-    (max_memory_GiB is not one: a streamed recording equals the in-memory one, runtime/stream.py)."""
+    (max_memory_GiB is not one: a streamed recording equals the in-memory one, runtime/backends/stream.py)."""
     parts = [str(RECORDER_VERSION), digest, _sha_file(text), str(max_tokens), str(lookahead), dtype]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
 def cache_root() -> Path:
-    """`$EXPERTSWEEP_CACHE`, default `~/.cache/expertsweep` (runtime.tinymodel's; no torch import here)."""
+    """`$EXPERTSWEEP_CACHE`, default `~/.cache/expertsweep` (runtime.tools.tinymodel's; no torch import here)."""
     env = os.environ.get("EXPERTSWEEP_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "expertsweep"
 
@@ -137,7 +137,7 @@ def recorded_trace(model_dir: Path, text: Path, digest: str, max_tokens: int | N
     if dest.is_file():
         log.info("router trace of %s: cached %s", text, dest)
         return dest, True
-    from runtime.record import record_trace
+    from runtime.tools.record import record_trace
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{dest.stem}.tmp{os.getpid()}.parquet")

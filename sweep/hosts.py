@@ -2,7 +2,7 @@
 
 A simulated host takes its profile from a preset (`runtime/data/hosts/NAME.yaml`, or `preset:OTHER`, or a
 YAML file); a real host (`profile: calibrate`) is measured by issue 4's calibration
-(`runtime.calibrate.calibrate` on the model's engine) run as a Ray task pinned to that host's
+(`runtime.tools.calibrate.calibrate` on the model's engine) run as a Ray task pinned to that host's
 node, with one GPU where its nodes have one (else in the engine's CPU device mode). Trials request a sliver
 (`HOST_SLIVER`) of `host:NAME` besides their CPU, so they run only on that host's nodes while
 the CPUs there bound how many run at once.
@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from runtime import costmodel
-from runtime.errors import InputError
+from runtime.core.errors import InputError
+from runtime.formats import costmodel
 from sweep.config import HostSpec
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ def preset_profile(spec: HostSpec) -> costmodel.HostProfile | None:
 def _calibrate(model_dir: str, name: str, dtype: str = "auto", max_memory: float | str = "auto") -> dict[str, Any]:
     """Ray task body: measure this node with the model's engine (issue 4's calibration), loaded in the
     sweep's `dtype` within its `max_memory_GiB` (streamed into the host store above it)."""
-    from runtime.calibrate import calibrate
-    from runtime.engine import load_engine
+    from runtime.backends.engine import load_engine
+    from runtime.tools.calibrate import calibrate
 
     eng = load_engine(model_dir, dtype=dtype, max_memory=max_memory)
     try:

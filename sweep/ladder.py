@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.policy import PRESETS
+from runtime.core.policy import PRESETS
 from sweep.report import is_bound, pareto_mask, policy_key
 from sweep.space import policy_of
 

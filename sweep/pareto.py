@@ -32,8 +32,8 @@ import time  # noqa: E402
 from importlib import resources  # noqa: E402
 from typing import Any  # noqa: E402
 
-from runtime.errors import ArgumentParser, InputError, atomic_write, cli_main  # noqa: E402
-from runtime.policy import PRESETS  # noqa: E402
+from runtime.core.errors import ArgumentParser, InputError, atomic_write, cli_main  # noqa: E402
+from runtime.core.policy import PRESETS  # noqa: E402
 from sweep import config as sweep_config  # noqa: E402
 from sweep import data, hosts, report, tracking  # noqa: E402
 from sweep.space import complete  # noqa: E402
@@ -258,14 +258,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _check_inputs(cfg: sweep_config.SweepConfig, inputs: data.Inputs) -> sweep_config.SweepConfig:
     """The cost-model shape, the equal-memory budget and the capacity range, checked on the trace."""
-    from runtime import costmodel
-    from runtime.simulate import shape_for_trace
-    from runtime.trace import load_trace
+    from runtime.formats import costmodel
+    from runtime.formats.trace import load_trace
 
     if cfg.model_shape is None and inputs.model_dir and not all(hosts.simulated(h) for h in cfg.hosts):
         # a calibrated profile is measured at the model's own shape: simulate every host with it
         cfg = dataclasses.replace(cfg, model_shape=inputs.model_config)
-    shape = shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
+    shape = costmodel.shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
     if cfg.vram_budget_auto:  # equal device memory: fetch-every-miss's at 25% residency, for every policy
         cfg = sweep_config.resolve_vram_budget(cfg, shape)
         log.info("equal device memory: vram_budget_GiB = %g for every policy", cfg.space_spec["vram_budget_GiB"])

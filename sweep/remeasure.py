@@ -17,8 +17,8 @@ import logging
 import time
 from typing import Any
 
-from runtime.kernel import COUNTER_NAMES
-from runtime.spec import HELD_OUT, RunSpec
+from runtime.backends import COUNTER_NAMES
+from runtime.core.spec import HELD_OUT, RunSpec
 from sweep.ladder import emulation_key
 from sweep.report import policy_key
 from sweep.space import policy_of

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from runtime.errors import atomic_write
+from runtime.core.errors import atomic_write
 from sweep.space import PARAMETERS, policy_of
 
 RATIO_COLUMNS = ("speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute", "speed_ratio_vs_all_resident")

@@ -1,6 +1,6 @@
 """Declarative search spaces: the `space:` mapping of a sweep YAML -> a validated Optuna space.
 
-Every parameter name is a row of `runtime.policy.PARAMS` (the one table of policy parameters: its
+Every parameter name is a row of `runtime.core.policy.PARAMS` (the one table of policy parameters: its
 type, range or choices, and when it is active) or a cache size (`capacity_fraction`, or
 `vram_budget_GiB`: GiB of device memory for the expert cache). Nothing here lists the policy
 fields again: names, types, ranges and conditions all come from that table. A parameter is given as
@@ -30,8 +30,8 @@ from typing import Any
 
 import optuna
 
-from runtime.errors import InputError
-from runtime.policy import PARAM_BY_NAME, PARAM_NAMES, PARAMS, PolicyConfig
+from runtime.core.errors import InputError
+from runtime.core.policy import PARAM_BY_NAME, PARAM_NAMES, PARAMS, PolicyConfig
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import InputError
+from runtime.core.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backends import COUNTER_NAMES, get_backend
-from runtime.costmodel import BudgetTooSmall
-from runtime.errors import InputError
-from runtime.spec import HELD_OUT, RunSpec
+from runtime.core.errors import InputError
+from runtime.core.spec import HELD_OUT, RunSpec
+from runtime.formats.costmodel import BudgetTooSmall
 from sweep.space import policy_of
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Evaluator:
     backend (`Simulator`'s cache): the loaded trace, the warm start per capacity, and the
     fetch-every-miss / host-compute replays per (host, capacity) that the speed ratios divide by.
     The warm start is `warm:<calibration trace>` when the sweep has one, else the held-out last part
-    of the trace (runtime/spec.py `held-out`; those tokens are then not evaluated)."""
+    of the trace (runtime/core/spec.py `held-out`; those tokens are then not evaluated)."""
 
     def __init__(self, trace_path: str, calib_path: str | None, model_shape: str | None):
         self.trace_path = trace_path

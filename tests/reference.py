@@ -1,6 +1,6 @@
 """Plain, slow, obviously-correct pure-Python reference of docs/policies.md.
 
-This module is the oracle the compiled policy kernel (runtime/kernel.py) is
+This module is the oracle the compiled policy kernel (runtime/core/kernel.py) is
 checked against. It deliberately uses nothing but lists, dicts and sets and
 follows the numbered steps of the spec literally, one token-layer at a time.
 It imports nothing from the project, so it stays independent of the kernel.

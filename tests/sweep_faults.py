@@ -41,7 +41,7 @@ class FaultyEvaluator(Evaluator):
 
 
 def main() -> None:
-    from runtime.errors import cli_main
+    from runtime.core.errors import cli_main
     from sweep import pareto
 
     faults = json.loads(sys.argv[1])

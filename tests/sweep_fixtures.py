@@ -66,7 +66,7 @@ def env(**extra: str) -> dict[str, str]:
 
 def make_trace(folder: Path, tokens: int = 1200, layers: int = 3, experts: int = 32, top_k: int = 4) -> Path:
     """A small synthetic trace file (and its calibration twin next to it)."""
-    from runtime.trace import save_trace, synthetic_trace
+    from runtime.formats.trace import save_trace, synthetic_trace
 
     path = folder / "trace.parquet"
     if not path.exists():
@@ -223,7 +223,7 @@ def micro_model_fixture(tmp_path_factory) -> Path:
     """A two-layer micro Qwen3-MoE (64 experts, top-8) built in seconds into a private cache."""
     import dataclasses
 
-    tinymodel = pytest.importorskip("runtime.tinymodel")
+    tinymodel = pytest.importorskip("runtime.tools.tinymodel")
     spec = dataclasses.replace(tinymodel.SPECS["test"], name="sweepmicro", num_layers=2, hidden_size=32,
                                intermediate_size=64, moe_intermediate_size=16, head_dim=8, vocab_size=320,
                                seq_len=64, batch_size=4, steps=20, warmup_steps=5, train_bytes=60_000,

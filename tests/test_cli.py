@@ -9,12 +9,19 @@ from dataclasses import fields
 
 import pytest
 
-from runtime import cli, simulate
-from runtime.backends import BACKENDS, get_backend
-from runtime.errors import InputError, cli_main
-from runtime.policy import PARAMS, PRESETS
-from runtime.spec import FLAGS, RUN_FIELD_BY_NAME, RUN_FIELDS, SIZE_FIELDS, RunSpec, honoured_by
-from runtime.trace import save_trace, synthetic_pair
+from runtime import cli
+from runtime.backends import BACKENDS, get_backend, simulate
+from runtime.core.errors import InputError, cli_main
+from runtime.core.policy import PARAMS, PRESETS
+from runtime.core.spec import (
+    FLAGS,
+    RUN_FIELD_BY_NAME,
+    RUN_FIELDS,
+    SIZE_FIELDS,
+    RunSpec,
+    honoured_by,
+)
+from runtime.formats.trace import save_trace, synthetic_pair
 
 # a command-line value per field kind, and what the parser must turn it into
 SAMPLE = {"str": ("x.y", "x.y"), "int": ("7", 7), "float": ("0.5", 0.5), "capacity": ("3,4", (3, 4)),

@@ -28,13 +28,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from runtime.backends import BACKENDS, get_backend
-from runtime.errors import InputError
-from runtime.policy import PRESETS, PolicyConfig
-from runtime.spec import RunSpec
-from runtime.trace import load_trace
+from runtime.core.errors import InputError
+from runtime.core.policy import PRESETS, PolicyConfig
+from runtime.core.spec import RunSpec
+from runtime.formats.trace import load_trace
 from tests.tiny_hf import FAMILIES, build_tiny
 
-TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text()[:6000]
+TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "core" / "kernel.py").read_text()[:6000]
 
 POLICIES = {
     **PRESETS,

@@ -1,4 +1,4 @@
-"""Tests for runtime/costmodel.py: hand-computed timing cases, presets, YAML errors, bytes.
+"""Tests for runtime/formats/costmodel.py: hand-computed timing cases, presets, YAML errors, bytes.
 
 Timing cases use CostParams with small integers (fetch 10, device expert 1, host expert 3,
 dense 2 seconds) so every expected value is exact and easy to check by hand against the
@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import costmodel as cm
-from runtime.costmodel import (
+from runtime.core.errors import InputError
+from runtime.formats import costmodel as cm
+from runtime.formats.costmodel import (
     EV_ADM_POPPED,
     EV_ADM_QUEUED,
     EV_DEV,
@@ -27,7 +28,6 @@ from runtime.costmodel import (
     HostProfile,
     ModelShape,
 )
-from runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -551,7 +551,7 @@ BSHAPE = ModelShape(name="b", num_layers=4, num_experts=64, top_k=4, hidden=1024
 
 
 def test_capacities_for_budget_counts_everything_the_device_holds():
-    from runtime.policy import PolicyConfig
+    from runtime.core.policy import PolicyConfig
 
     slot = cm.expert_bytes(BSHAPE)
     base = cm.nonexpert_bytes(BSHAPE) + cm.CUDA_CONTEXT_BYTES + cm.CUBLAS_WORKSPACE_BYTES

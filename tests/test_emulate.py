@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import adapters, cli, emulate
-from runtime.errors import InputError, cli_main
-from runtime.kernel import COUNTER_NAMES, FLOAT_COUNTERS, INT_COUNTERS, PolicyCache, warm_residency
-from runtime.policy import PRESETS, PolicyConfig
-from runtime.simulate import simulate
-from runtime.trace import load_trace
+from runtime import cli
+from runtime.backends import adapters, emulate
+from runtime.backends.simulate import simulate
+from runtime.core.errors import InputError, cli_main
+from runtime.core.kernel import (
+    COUNTER_NAMES,
+    FLOAT_COUNTERS,
+    INT_COUNTERS,
+    PolicyCache,
+    warm_residency,
+)
+from runtime.core.policy import PRESETS, PolicyConfig
+from runtime.formats.trace import load_trace
 from tests.tiny_hf import FAMILIES, build_tiny
 
 
@@ -120,7 +127,7 @@ def test_exact_pass_cache_is_per_model_and_dies_with_it(ckpts, text):
     qwen2_moe from qwen3_moe's warm start that way)."""
     import gc
 
-    from runtime.spec import RunSpec
+    from runtime.core.spec import RunSpec
 
     spec = RunSpec(policy=PRESETS["first-choice"], model=str(ckpts["qwen3_moe"]), text=str(text), capacity=3,
                    window=16, max_tokens=96, initial_residency="held-out")
@@ -136,7 +143,7 @@ def test_exact_pass_cache_is_per_model_and_dies_with_it(ckpts, text):
 
 
 def test_record_cli_and_warm_residency(ckpts, text, tmp_path, capsys):
-    from runtime import record
+    from runtime.tools import record
 
     out = tmp_path / "exact.parquet"
     with pytest.raises(SystemExit) as e:

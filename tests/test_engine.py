@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import calibrate, cli, costmodel, emulate, generate
-from runtime.backends import get_backend
-from runtime.engine import Engine, device_errors, engine_cli
-from runtime.errors import InputError
-from runtime.kernel import FLOAT_COUNTERS, INT_COUNTERS, PolicyCache, warm_residency
-from runtime.policy import PRESETS, PolicyConfig
-from runtime.prefill import prefill
-from runtime.spec import RunSpec
+from runtime import cli
+from runtime.backends import emulate, get_backend
+from runtime.backends.engine import Engine, device_errors, engine_cli
+from runtime.backends.prefill import prefill
+from runtime.core.errors import InputError
+from runtime.core.kernel import FLOAT_COUNTERS, INT_COUNTERS, PolicyCache, warm_residency
+from runtime.core.policy import PRESETS, PolicyConfig
+from runtime.core.spec import RunSpec
+from runtime.formats import costmodel
+from runtime.tools import calibrate, generate
 from tests.tiny_hf import build_tiny
 
 DEVICE = os.environ.get("EXPERTSWEEP_ENGINE_DEVICE", "cpu")
@@ -245,7 +247,7 @@ def test_exact_path_keeps_nothing_alive(ckpts):
     import gc
     import weakref
 
-    from runtime import engine as engine_mod
+    from runtime.backends import engine as engine_mod
 
     eng = Engine(emulate.load(ckpts["e8"]), DEVICE, debug=True)
     prompt = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(5))
@@ -431,7 +433,7 @@ def test_pinned_store_buffers_own_their_pages():
     page-rounded registered range lies inside its own allocation."""
     import mmap
 
-    from runtime.engine import page_aligned_empty
+    from runtime.backends.engine import page_aligned_empty
 
     for n, dt in ((1000, torch.float32), (12345, torch.bfloat16), (1, torch.float16)):
         t, nbytes = page_aligned_empty(n, dt)

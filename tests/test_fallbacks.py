@@ -1,4 +1,4 @@
-"""Fallbacks and prefetch in the exact emulation (runtime/adapters.py) on tiny random checkpoints:
+"""Fallbacks and prefetch in the exact emulation (runtime/backends/adapters.py) on tiny random checkpoints:
 host is exact, lowbit computes from the low-precision copies, drop computes nothing, prefetch changes
 only residency (and the emulation's prefetch decisions equal the simulator's on the recorded trace)."""
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import emulate
-from runtime.hfmodel import load
-from runtime.kernel import PolicyCache
-from runtime.policy import PolicyConfig
-from runtime.record import record_trace
-from runtime.simulate import simulate
-from runtime.trace import load_trace
+from runtime.backends import emulate
+from runtime.backends.hfmodel import load
+from runtime.backends.simulate import simulate
+from runtime.core.kernel import PolicyCache
+from runtime.core.policy import PolicyConfig
+from runtime.formats.trace import load_trace
+from runtime.tools.record import record_trace
 from tests.test_emulate import logits_under
 from tests.tiny_hf import build_tiny
 
@@ -139,7 +139,7 @@ def test_prefetch_changes_only_residency(ckpts, text, init):
     PolicyConfig(rule="fetch_all", prefetch="oracle", prefetch_n=1, evict="lru"),
 ])
 def test_emulation_prefetch_equals_the_simulator_on_the_recorded_trace(ckpts, text, init, tmp_path, policy):
-    """Exact policies keep the routing of the exact model, so runtime.record's trace (with its lookahead
+    """Exact policies keep the routing of the exact model, so runtime.tools.record's trace (with its lookahead
     column) replays in the simulator to the emulation's own per-layer counters."""
     tr_path = record_trace(ckpts["qwen3_moe"], text, tmp_path / "t.parquet", max_tokens=RUN["max_tokens"],
                            window=RUN["window"], lookahead=4)
@@ -205,7 +205,7 @@ def test_drop_renorm_changes_perplexity_and_no_counter(ckpts, text, last_layer_d
     2x at k = 2), no counter does. Without a drop nothing changes at all."""
     from dataclasses import replace
 
-    from runtime.kernel import COUNTER_NAMES
+    from runtime.core.kernel import COUNTER_NAMES
 
     init, drop = last_layer_drops
     exact = PolicyConfig(rule="fetch_all")
@@ -229,7 +229,7 @@ def test_drop_renorm_engine_equals_emulation(ckpts, text, last_layer_drops):
     from dataclasses import replace
 
     from runtime.backends import get_backend
-    from runtime.spec import RunSpec
+    from runtime.core.spec import RunSpec
 
     init, drop = last_layer_drops
     spec = RunSpec(policy=replace(drop, drop_renorm=True), model=str(ckpts["qwen3_moe"]), text=str(text),

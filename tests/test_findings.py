@@ -1,4 +1,4 @@
-"""Tests for runtime.findings: the verdict rule, the block bootstrap, the statistics, the topic stream,
+"""Tests for runtime.tools.findings: the verdict rule, the block bootstrap, the statistics, the topic stream,
 and every finding on the test model."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import findings
-from runtime.errors import InputError
-from runtime.policy import PRESETS
+from runtime.core.errors import InputError
+from runtime.core.policy import PRESETS
+from runtime.tools import findings
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = ["1", "2a", "2b", "2c", "3", "4a", "4b", "5", "6"]
@@ -283,7 +283,7 @@ def test_markdown_row_per_finding_and_column() -> None:
 def test_model() -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from runtime.tinymodel import ensure_model
+    from runtime.tools.tinymodel import ensure_model
 
     return ensure_model("test", progress=False)
 
@@ -352,7 +352,7 @@ def test_topic_finding_on_two_domains(test_model: Path, tmp_path: Path) -> None:
     half = len(text) // 2
     (folder / "eval_code.txt").write_text(text[:half])
     (folder / "eval_prose.txt").write_text(Path(findings.__file__).read_text())  # English-heavy docstrings
-    from runtime import hfmodel
+    from runtime.backends import hfmodel
 
     s = findings.Setup(folder, folder / "eval.txt", {"code": folder / "eval_code.txt",
                                                      "prose": folder / "eval_prose.txt"},

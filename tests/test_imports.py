@@ -33,12 +33,19 @@ def imports_of(path: Path, main: bool = False) -> set[str]:
     return _imports([top for top in tree.body if _is_main_guard(top) == main])
 
 
+def module_name(path: Path) -> str:
+    """runtime/core/kernel.py -> runtime.core.kernel; a package's __init__.py -> the package."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def graph() -> dict[str, set[str]]:
     """Module -> the project modules it imports. A file's `__main__` block is its own node `M:__main__`:
     `python -m M` runs it as the module `__main__`, which nothing imports, so it is checked (its imports
     must exist) but cannot close a cycle; nothing is skipped."""
-    mods = {f"{p.parent.name}.{p.stem}": p for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
-    g = {m: {i for i in imports_of(p) if i in mods and i != m} for m, p in mods.items()}
+    mods = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    # a module's own parent packages are imported before it by Python itself: not an edge
+    g = {m: {i for i in imports_of(p) if i in mods and i != m and not m.startswith(i + ".")} for m, p in mods.items()}
     for m, p in mods.items():
         if main := {i for i in imports_of(p, main=True) if i in mods}:
             g[f"{m}:__main__"] = main
@@ -76,9 +83,41 @@ def test_emulation_command_line_is_not_in_the_backend_registry():
     """The emulation's command line is runtime/cli.py's; `python -m runtime.emulate` delegates to it, and
     the backend registry imports neither the command line nor argparse."""
     g = graph()
-    assert g["runtime.emulate:__main__"] == {"runtime.cli"}
-    assert "runtime.cli" not in g["runtime.backends"] and "runtime.cli" not in g["runtime.emulate"]
-    assert "argparse" not in imports_of(ROOT / "runtime" / "backends.py")
+    assert g["runtime.emulate"] == {"runtime.cli"} and "runtime.emulate:__main__" not in g
+    assert "runtime.cli" not in g["runtime.backends"] and "runtime.cli" not in g["runtime.backends.emulate"]
+    assert "argparse" not in imports_of(ROOT / "runtime" / "backends" / "__init__.py")
+
+
+# runtime's subpackages by job, each importing only those before it (tools: applications of the rest)
+LAYERS = ("runtime.core", "runtime.formats", "runtime.backends", "runtime.tools")
+
+
+def _layer(mod: str) -> str:
+    return next((p for p in LAYERS if mod == p or mod.startswith(p + ".")), mod)
+
+
+def test_runtime_subpackages_are_layered():
+    """core imports only core; formats core; backends core and formats; tools any of them; nothing
+    in core, formats or backends imports a tool, the command line or the sweep."""
+    g = graph()
+    bad = {}
+    for m, deps in g.items():
+        if _layer(m) not in LAYERS:
+            continue
+        allowed = set(LAYERS[:LAYERS.index(_layer(m)) + 1])
+        if out := {d for d in deps if _layer(d) not in allowed}:
+            bad[m] = out
+    assert bad == {}
+    assert {m for m in g if _layer(m) == "runtime.core"} >= {"runtime.core.policy", "runtime.core.spec",
+                                                                "runtime.core.kernel", "runtime.core.errors"}
+
+
+def test_python_m_forms_are_the_console_commands():
+    """`python -m runtime.simulate | emulate | record | findings` (the documented forms) run `expertsweep X`."""
+    for name in ("simulate", "emulate", "record", "findings"):
+        path = ROOT / "runtime" / f"{name}.py"
+        assert imports_of(path) == {"runtime.cli", "runtime.cli.main", "sys"}
+        assert f'main(["{name}", *sys.argv[1:]])' in path.read_text()
 
 
 def test_cycle_finder_finds_one():
@@ -92,15 +131,13 @@ def test_simulator_side_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, sweep.worker, runtime.simulate, runtime.backends, runtime.cli, sweep.config; "
+    code = ("import sys, sweep.worker, runtime.backends.simulate, runtime.backends, runtime.cli, sweep.config; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-PRIVATE = ("runtime.simulate", "runtime.kernel")  # the sweep reaches them only through runtime.backends
-# modules owned elsewhere that still import a private one: exactly these imports (fails if one grows or goes)
-PENDING = {"sweep.pareto": {"runtime.simulate"}, "sweep.remeasure": {"runtime.kernel"}}
+PRIVATE = ("runtime.backends.simulate", "runtime.core.kernel")  # the sweep reaches them only through runtime.backends
 
 
 def test_sweep_uses_the_public_runtime_api():
@@ -111,5 +148,4 @@ def test_sweep_uses_the_public_runtime_api():
         bad = {m for m in imports_of(p) if m in PRIVATE}
         if bad:
             found[mod] = bad
-    assert found == PENDING
-    assert "sweep.worker" not in found
+    assert found == {}

@@ -10,9 +10,15 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import InputError
-from runtime.kernel import COUNTER_NAMES, PolicyCache, next_use, predicted_lists, warm_residency
-from runtime.policy import PRESETS, PolicyConfig, pinned_count, resolve_capacities
+from runtime.core.errors import InputError
+from runtime.core.kernel import (
+    COUNTER_NAMES,
+    PolicyCache,
+    next_use,
+    predicted_lists,
+    warm_residency,
+)
+from runtime.core.policy import PRESETS, PolicyConfig, pinned_count, resolve_capacities
 from tests.reference import reference_replay, warm_residency_reference
 
 
@@ -312,7 +318,7 @@ def test_additions2_combinations_match_reference(name, seed):
     """The kernel's decisions, counters, residency and lfuda state equal the reference's for each
     combination of the issue's checks; the warm start and (calibrated) capacities come from a calibration
     part of the stream, computed by both sides independently. Each case is checked to exercise its feature."""
-    from runtime.kernel import calibrated_capacities, calibration_counts, warm_start
+    from runtime.core.kernel import calibrated_capacities, calibration_counts, warm_start
     from tests.reference import calibrated_capacities_reference
 
     pol = PolicyConfig(**ADDITIONS2[name])
@@ -365,7 +371,7 @@ def test_additions2_combinations_match_reference(name, seed):
 def test_calibrated_capacities_follow_the_counts():
     """By construction: layer 0's router uses 4 experts, layer 1 spreads over all 12; calibrated gives layer 1
     the slots (every layer keeps at least k) and keeps the total."""
-    from runtime.kernel import calibrated_capacities
+    from runtime.core.kernel import calibrated_capacities
 
     counts = np.zeros((2, 12), np.int64)
     counts[0, :4] = 100
@@ -377,8 +383,8 @@ def test_calibrated_capacities_follow_the_counts():
 def test_simulate_reports_calibrated_capacities_per_layer(tmp_path):
     """The simulator's JSON: per_layer[l].capacity is C_l (calibrated: the reference's allocation of the same
     total), and the counters equal the reference replay at those capacities from the same warm start."""
-    from runtime.simulate import simulate
-    from runtime.trace import calibration_twin, save_trace, synthetic_trace
+    from runtime.backends.simulate import simulate
+    from runtime.formats.trace import calibration_twin, save_trace, synthetic_trace
     from tests.reference import calibrated_capacities_reference
 
     tr, cal = synthetic_trace(120, 3, 16, 2, 16, seed=3), calibration_twin(200, 3, 16, 2, 16, seed=3)
@@ -410,7 +416,7 @@ def test_pinning_errors(bad, needle):
 
 
 def test_calibrated_capacities_need_counts():
-    from runtime.kernel import warm_start
+    from runtime.core.kernel import warm_start
 
     pol = PolicyConfig(capacity_alloc="calibrated")
     for ids, source in ((None, "cold"), ([np.arange(4)], "res.npy")):

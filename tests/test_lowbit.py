@@ -1,12 +1,12 @@
-"""Low-precision expert copies (runtime/lowbit.py): error by bits, grouping, packing, expert modules."""
+"""Low-precision expert copies (runtime/backends/lowbit.py): error by bits, grouping, packing, expert modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime import lowbit
-from runtime.errors import InputError
+from runtime.backends import lowbit
+from runtime.core.errors import InputError
 
 
 def rtn(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:

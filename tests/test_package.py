@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import InputError
-from runtime.trace import save_trace, synthetic_pair
+from runtime.core.errors import InputError
+from runtime.formats.trace import save_trace, synthetic_pair
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "runtime", "sweep", "search_spaces")
@@ -125,7 +125,7 @@ def test_presets_are_package_data_and_the_env_folders_still_win(tmp_path, monkey
 
     import yaml
 
-    from runtime import costmodel
+    from runtime.formats import costmodel
 
     monkeypatch.delenv("EXPERTSWEEP_HOSTS_DIR", raising=False)
     monkeypatch.delenv("EXPERTSWEEP_MODELS_DIR", raising=False)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from runtime.backends import get_backend
-from runtime.policy import PolicyConfig
-from runtime.spec import RunSpec
-from runtime.trace import Trace, TraceMeta, save_trace, synthetic_trace
+from runtime.core.policy import PolicyConfig
+from runtime.core.spec import RunSpec
+from runtime.formats.trace import Trace, TraceMeta, save_trace, synthetic_trace
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "traces"

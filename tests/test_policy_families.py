@@ -9,8 +9,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from runtime.backends import get_backend
-from runtime.spec import RunSpec
-from runtime.trace import save_trace, synthetic_trace
+from runtime.core.spec import RunSpec
+from runtime.formats.trace import save_trace, synthetic_trace
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 
 Every expected decision below was worked out by hand from docs/policies.md and
 docs/design.md; the comments show the working. These tests check the
-reference itself, so that it can serve as the oracle for runtime/kernel.py.
+reference itself, so that it can serve as the oracle for runtime/core/kernel.py.
 
 Notation in comments: R = resident set, f/last/c = LFU/LRU/CRF keys,
 "cand" = eviction candidates (residents not pinned), "rk" = candidate ranking.
@@ -869,10 +869,10 @@ def test_fetch_cap_hand_case():
 
 
 def test_fetch_cap_kernel_hand_case():
-    from runtime.kernel import FETCH as K_FETCH
-    from runtime.kernel import SUB as K_SUB
-    from runtime.kernel import PolicyCache
-    from runtime.policy import PolicyConfig
+    from runtime.core.kernel import FETCH as K_FETCH
+    from runtime.core.kernel import SUB as K_SUB
+    from runtime.core.kernel import PolicyCache
+    from runtime.core.policy import PolicyConfig
 
     cache = PolicyCache(PolicyConfig(rule="fetch_all", fetch_cap=1), 8, 3, np.array([4]), [np.arange(4)])
     r = cache.step(0, np.array([[4, 5, 6]]), np.array([[0.5, 0.3, 0.2]]), np.array([[4, 5, 6, 0, 1, 2, 3, 7]]))
@@ -901,8 +901,8 @@ def test_lfuda_hand_case():
 
 
 def test_lfuda_kernel_hand_case():
-    from runtime.kernel import PolicyCache
-    from runtime.policy import PolicyConfig
+    from runtime.core.kernel import PolicyCache
+    from runtime.core.policy import PolicyConfig
 
     cache = PolicyCache(PolicyConfig(evict="lfuda", pin_fraction=0.5), 8, 2, np.array([4]), [np.arange(4)])
     r = cache.step(0, np.array([[4, 5], [6, 7], [0, 4]]), np.full((3, 2), 0.5))
@@ -926,6 +926,6 @@ def test_calibrated_capacities_hand_case():
 
     calib = [[[0, 1], [0, 1]]] * 3 + [[[0, 1], [2, 3]]] * 2
     assert calibrated_capacities_reference(calib, [[True, True]] * 5, 6, [3, 3], 2) == [2, 4]
-    from runtime.kernel import calibrated_capacities, calibration_counts
+    from runtime.core.kernel import calibrated_capacities, calibration_counts
 
     assert calibrated_capacities(calibration_counts(np.array(calib), None, 6), np.array([3, 3]), 2).tolist() == [2, 4]

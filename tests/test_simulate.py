@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.errors import cli_main
-from runtime.kernel import COUNTER_NAMES
-from runtime.policy import PRESETS, PolicyConfig
-from runtime.simulate import main, simulate
-from runtime.trace import calibration_twin, load_trace, save_trace, synthetic_trace
+from runtime.backends.simulate import main, simulate
+from runtime.core.errors import cli_main
+from runtime.core.kernel import COUNTER_NAMES
+from runtime.core.policy import PRESETS, PolicyConfig
+from runtime.formats.trace import calibration_twin, load_trace, save_trace, synthetic_trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 REPO = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_real_traces(name, cap):
     tr = load_trace(SHARED / name)
     half = tr.T // 2
     calib, ev = tr.slice_tokens(0, half), tr.slice_tokens(half, tr.T)
-    from runtime.kernel import warm_residency
+    from runtime.core.kernel import warm_residency
 
     init = warm_residency(calib.topk_ids, calib.valid, tr.E, np.full(tr.L, cap))
     res = {n: simulate(ev, PRESETS[n], cap, initial_residency=init).to_dict() for n in PRESETS}
@@ -213,7 +213,7 @@ def test_sweep_trial_equals_the_backend(traces, calib):
     evaluator = Evaluator(ev_path, cal_path if calib else None, None)
     from dataclasses import asdict
 
-    from runtime.costmodel import load_host_profile
+    from runtime.formats.costmodel import load_host_profile
 
     base = asdict(load_host_profile("rtx4090"))
     host = {**{k: v for k, v in base.items() if v is not None}, "name": "rtx4090-calibrated",

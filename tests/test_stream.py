@@ -1,4 +1,4 @@
-"""Checkpoints larger than RAM (runtime/stream.py, the layer-major passes of runtime/hfmodel.py).
+"""Checkpoints larger than RAM (runtime/backends/stream.py, the layer-major passes of runtime/backends/hfmodel.py).
 
 The streamed emulation's decisions, counters, NLL and recorded traces are checked against the
 in-memory emulation in tests/test_contract.py (the `streamed` column, every family and policy).
@@ -16,12 +16,12 @@ import sys
 import pytest
 import torch
 
-from runtime import hfmodel, stream
-from runtime.adapters import family_of, moe_blocks
-from runtime.engine import Engine
-from runtime.errors import InputError
-from runtime.policy import PRESETS, PolicyConfig
-from runtime.spec import RunSpec
+from runtime.backends import hfmodel, stream
+from runtime.backends.adapters import family_of, moe_blocks
+from runtime.backends.engine import Engine
+from runtime.core.errors import InputError
+from runtime.core.policy import PRESETS, PolicyConfig
+from runtime.core.spec import RunSpec
 from tests.tiny_hf import FAMILIES, build_tiny
 
 
@@ -55,7 +55,7 @@ def test_loader_reads_what_from_pretrained_loads(ckpts, family, dtype):
 def test_each_layer_is_read_once_per_pass(ckpts, text, tmp_path):
     """Three policies and the exact model advance layer by layer together: one read of each layer for the
     warm-start calibration and one for the evaluation, not one per policy; nothing stays loaded."""
-    from runtime import emulate
+    from runtime.backends import emulate
 
     calib = tmp_path / "calib.txt"
     calib.write_text(text.read_text()[::-1])
@@ -133,8 +133,8 @@ def test_record_cli_rejects_bad_flags_without_output(ckpts, text, tmp_path, flag
 def test_record_streamed_equals_in_memory(ckpts, text, tmp_path):
     import numpy as np
 
-    from runtime.record import record_trace
-    from runtime.trace import load_trace
+    from runtime.formats.trace import load_trace
+    from runtime.tools.record import record_trace
 
     a = load_trace(record_trace(ckpts["qwen2_moe"], text, tmp_path / "a.parquet", max_tokens=200, window=20, lookahead=3))
     b = load_trace(record_trace(ckpts["qwen2_moe"], text, tmp_path / "b.parquet", max_tokens=200, window=20, lookahead=3,
@@ -243,8 +243,8 @@ def test_device_mode_overlaps_and_releases_each_layer(ckpts, text, monkeypatch):
 def test_record_cli_device_cpu_equals_in_memory(ckpts, text, tmp_path):
     import numpy as np
 
-    from runtime.record import main as record_main
-    from runtime.trace import load_trace
+    from runtime.formats.trace import load_trace
+    from runtime.tools.record import main as record_main
 
     a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
     common = ["--model", str(ckpts["deepseek_v3"]), "--text", str(text), "--max-tokens", "160", "--window", "16",
@@ -257,7 +257,7 @@ def test_record_cli_device_cpu_equals_in_memory(ckpts, text, tmp_path):
 
 
 def test_bad_device_is_a_one_line_error_without_output(ckpts, text, tmp_path):
-    from runtime.record import record_trace
+    from runtime.tools.record import record_trace
 
     out = tmp_path / "t.parquet"
     r = subprocess.run([sys.executable, "-m", "runtime.record", "--model", str(ckpts["qwen3_moe"]), "--text", str(text),

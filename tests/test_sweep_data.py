@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import InputError
+from runtime.core.errors import InputError
 from sweep import config as sweep_config
 from sweep import data
 from tests.sweep_fixtures import micro_model_fixture, write_config  # noqa: F401 - the fixture is used by name
@@ -81,17 +81,17 @@ def test_checkpoint_digest_names_sizes_and_mtimes(tmp_path):
 def test_traces_are_recorded_once_per_checkpoint_and_parameters(tmp_path, micro_model, monkeypatch):
     """A second sweep on the same checkpoint records nothing (same bytes); new recording parameters or a
     touched shard record again. The cache is $EXPERTSWEEP_CACHE/traces on the model's node (here: this one)."""
-    import runtime.record
+    import runtime.tools.record
 
     monkeypatch.setenv("EXPERTSWEEP_CACHE", str(tmp_path / "cache"))
     calls = []
-    real = runtime.record.record_trace
+    real = runtime.tools.record.record_trace
 
     def counting(*a, **kw):
         calls.append((Path(a[1]).name, kw.get("max_tokens"), kw.get("dtype"), kw.get("max_memory")))
         return real(*a, **kw)
 
-    monkeypatch.setattr(runtime.record, "record_trace", counting)
+    monkeypatch.setattr(runtime.tools.record, "record_trace", counting)
 
     def prepare(out: str, max_tokens: int = 256) -> data.Inputs:
         path = write_config(tmp_path, name=out, trace=None, calib_trace=None, model=str(micro_model),

@@ -130,7 +130,7 @@ def test_embedded_sweep_end_to_end(tmp_path):
 def test_calibrated_host_is_measured_and_remeasured_by_the_engine(tmp_path, micro_model):
     """`profile: calibrate`: issue 4's calibration runs as a Ray task on the host (CPU device mode
     here), the sweep simulates with that profile, and the front is re-measured by the engine."""
-    pytest.importorskip("runtime.calibrate")
+    pytest.importorskip("runtime.tools.calibrate")
     cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=512, trials=3,
                        hosts=[{"name": "box", "profile": "calibrate"}],
                        baselines={"policies": ["fetch-every-miss", "rule-0.15"]},

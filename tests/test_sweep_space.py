@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from runtime.errors import InputError
-from runtime.policy import PRESETS
+from runtime.core.errors import InputError
+from runtime.core.policy import PRESETS
 from sweep import config as sweep_config
 from sweep.ladder import screening_candidates
 from sweep.ledger import Ledger
@@ -488,7 +488,7 @@ def test_vram_budget_auto_is_fetch_every_miss_at_a_quarter_residency():
     25% residency; a low-bit policy, whose copies are charged to the same budget, holds fewer slots."""
     from dataclasses import replace as dc_replace
 
-    from runtime import costmodel
+    from runtime.formats import costmodel
 
     shape = dc_replace(costmodel.load_model_shape("qwen3-next-80b-a3b"), num_layers=4, num_experts=64, top_k=8)
     base = {"name": "t", "hosts": ["rtx3090"], "baselines": {"policies": ["fetch-every-miss", "rule-0.15"]},
@@ -517,7 +517,7 @@ def test_vram_budget_auto_is_fetch_every_miss_at_a_quarter_residency():
 def _demo_shape():
     from dataclasses import replace as dc_replace
 
-    from runtime import costmodel
+    from runtime.formats import costmodel
 
     return dc_replace(costmodel.load_model_shape("qwen3-next-80b-a3b"), num_layers=4, num_experts=64, top_k=8)
 
@@ -525,7 +525,7 @@ def _demo_shape():
 def test_fit_to_budget_drops_the_values_no_policy_fits():
     """At one budget, a value with which no policy leaves k slots is taken out of the space (and named), an
     integer range ends at the last value that fits; the cost model refuses a policy over it (BudgetTooSmall)."""
-    from runtime import costmodel
+    from runtime.formats import costmodel
 
     shape = _demo_shape()
     space = {"rule": {"choices": ["threshold", "first_choice"]}, "tau": {"low": 0.1, "high": 0.4},

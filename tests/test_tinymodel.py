@@ -1,4 +1,4 @@
-"""Tests for runtime.tinymodel / runtime.corpus on a micro spec (a few seconds per build)."""
+"""Tests for runtime.tools.tinymodel / runtime.tools.corpus on a micro spec (a few seconds per build)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime import corpus as corpus_mod  # noqa: E402
-from runtime import tinymodel  # noqa: E402
-from runtime.errors import InputError  # noqa: E402
+from runtime.core.errors import InputError  # noqa: E402
+from runtime.tools import corpus as corpus_mod  # noqa: E402
+from runtime.tools import tinymodel  # noqa: E402
 
 MICRO = dataclasses.replace(
     tinymodel.SPECS["test"],

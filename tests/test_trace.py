@@ -1,4 +1,4 @@
-"""Trace formats, .npz import, validation messages and the synthetic generator (runtime/trace.py)."""
+"""Trace formats, .npz import, validation messages and the synthetic generator (runtime/formats/trace.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import InputError, atomic_write, cli_main
-from runtime.trace import (
+from runtime.core.errors import InputError, atomic_write, cli_main
+from runtime.formats.trace import (
     Trace,
     TraceMeta,
     _top_m_stable,
@@ -570,8 +570,8 @@ def test_calibration_twin_shares_the_model_not_the_tokens():
 def test_synthetic_defaults_substitute_about_the_papers_share():
     """docs/traces.md: on the Qwen3-Next shape (E=512, top-10, C=128) with a warm start from the twin, the
     0.15 rule substitutes about 7.5% of expert calls (the paper's figure); here on 6 of the 48 layers."""
-    from runtime.kernel import PolicyCache, warm_residency
-    from runtime.policy import PRESETS
+    from runtime.core.kernel import PolicyCache, warm_residency
+    from runtime.core.policy import PRESETS
 
     L = 6
     tr, twin = synthetic_pair(3000, L, 512, 10, 64, calib_tokens=2000, seed=1)
@@ -586,7 +586,7 @@ def test_synthetic_defaults_substitute_about_the_papers_share():
 
 
 def test_oracle_prefetch_cli_no_sync_fetch_after_the_first_layer(tmp_path, capsys):
-    from runtime.simulate import main as sim_main
+    from runtime.backends.simulate import main as sim_main
 
     tr, twin = synthetic_pair(300, 4, 64, 6, 16, calib_tokens=200, seed=3)
     save_trace(tr, tmp_path / "t.parquet")
@@ -617,19 +617,19 @@ def tiny_ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_text(tmp_path_factory):
     p = tmp_path_factory.mktemp("text") / "t.txt"
-    p.write_text((Path(__file__).resolve().parents[1] / "runtime" / "kernel.py").read_text())
+    p.write_text((Path(__file__).resolve().parents[1] / "runtime" / "core" / "kernel.py").read_text())
     return p
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_record_lookahead_is_the_next_router_on_this_input(tiny_ckpts, tiny_text, tmp_path, family):
-    """runtime.record --lookahead: on layer l's rows, the next layer's router scores on layer l's router
+    """runtime.tools.record --lookahead: on layer l's rows, the next layer's router scores on layer l's router
     input, recomputed here from forward hooks on a plain (unwrapped) copy of the model."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.adapters import FAMILIES, moe_blocks
-    from runtime.record import record_trace
+    from runtime.backends.adapters import FAMILIES, moe_blocks
+    from runtime.tools.record import record_trace
 
     out = record_trace(tiny_ckpts[family], tiny_text, tmp_path / "r.parquet", max_tokens=256, window=64,
                        lookahead=3)
@@ -642,7 +642,7 @@ def test_record_lookahead_is_the_next_router_on_this_input(tiny_ckpts, tiny_text
     seen = {}
     hooks = [g.register_forward_hook(lambda mod, args, out, i=i: seen.setdefault(i, []).append(args[0]))
              for i, g in enumerate(gates)]
-    from runtime.hfmodel import load, tokenize_file
+    from runtime.backends.hfmodel import load, tokenize_file
 
     m = load(tiny_ckpts[family])
     windows, _ = tokenize_file(m, tiny_text, 256, 64)

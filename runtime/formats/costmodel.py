@@ -18,7 +18,7 @@ Pieces (the formulas are fixed in docs/cost_model.md; keep the two in step):
   order with one clock and one FIFO host->device link; returns a `TimeBreakdown`.
 - `all_resident_time`: the every-call-is-a-hit reference time per token.
 
-Event columns (shared with runtime/kernel.py): EV_DEV=0 device expert computations,
+Event columns (shared with runtime/core/kernel.py): EV_DEV=0 device expert computations,
 EV_FETCH=1 synchronous fetches, EV_HOST=2 host computes, EV_ADM_QUEUED=3 admissions queued
 at the end of the token-layer, EV_ADM_POPPED=4 queue entries taken off the layer's admission
 queue right before the token-layer is processed.
@@ -39,7 +39,7 @@ import numpy as np
 import yaml
 from numba import njit
 
-from runtime.errors import InputError, atomic_write
+from runtime.core.errors import InputError, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ N_EV_FULL = 7
 #   q4_k_m : llama.cpp's Q4_K_M mix. Q4_K = 144-byte super-blocks of 256 weights (4.5 bpw),
 #            Q6_K = 210 bytes / 256 (6.5625 bpw); Q4_K_M stores ffn_down as Q6_K in half of
 #            the layers, gate/up as Q4_K: (2*4.5 + 0.5*6.5625 + 0.5*4.5) / 3 = 4.84 -> 4.85.
-#   fp16 / fp32: the engine's own dtypes (a shape derived from a loaded model, runtime/engine.py).
+#   fp16 / fp32: the engine's own dtypes (a shape derived from a loaded model, runtime/backends/engine.py).
 BITS_PER_WEIGHT: dict[str, float] = {"bf16": 16.0, "q8_0": 8.5, "q4_k_m": 4.85, "fp16": 16.0, "fp32": 32.0}
 DTYPE_FORMATS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
                  "float16": "fp16"}
@@ -486,7 +486,7 @@ def nonexpert_bytes(shape: ModelShape) -> int:
 
 def lowbit_expert_bytes(shape: ModelShape, bits: int, group: int) -> int:
     """Bytes of one expert's packed low-bit copy: `bits` per weight plus one fp16 scale and one fp16
-    zero point per group of `group` weights (runtime/lowbit.py's group-wise layout)."""
+    zero point per group of `group` weights (runtime/backends/lowbit.py's group-wise layout)."""
     n = shape.expert_params
     return math.ceil(n * bits / 8) + 4 * math.ceil(n / group)
 
@@ -878,3 +878,22 @@ def all_resident_time(valid_layers: np.ndarray | int, params: CostParams, top_k:
     if v.size == 0:
         return 0.0
     return (float(v.sum()) * per_cell + float((v > 0).sum()) * params.head_s) / v.size
+
+
+def shape_for_trace(trace: Any, name: str | None) -> ModelShape:
+    """A runtime.formats.trace.Trace's model shape: the one named, else the one matching the trace's model, else Qwen3-Next geometry
+    with the trace's L, E, k (documented in docs/simulator.md)."""
+    if name:
+        shape = load_model_shape(name)
+    else:
+        shape = None
+        model = trace.meta.model.lower()
+        for cand in list_model_shapes():
+            if cand.replace("-", "").replace(".", "") in model.replace("-", "").replace(".", "").replace("/", ""):
+                shape = load_model_shape(cand)
+        if shape is None:
+            shape = load_model_shape("qwen3-next-80b-a3b")
+    if (shape.num_experts, shape.top_k) != (trace.E, trace.k) or shape.num_layers != trace.L:
+        shape = dataclasses.replace(shape, name=f"{shape.name}[L={trace.L},E={trace.E},k={trace.k}]",
+                        num_layers=trace.L, num_experts=trace.E, top_k=trace.k)
+    return shape

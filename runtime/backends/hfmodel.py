@@ -1,12 +1,12 @@
 """Hugging Face MoE checkpoints for every backend: load offline, tokenize a text into windows, run the stream.
 
-`load` builds the model from its safetensors shards (runtime/stream.py: whole when it fits
-`max_memory`, else streamed) and attaches the policy wrappers of runtime/adapters.py;
+`load` builds the model from its safetensors shards (runtime/backends/stream.py: whole when it fits
+`max_memory`, else streamed) and attaches the policy wrappers of runtime/backends/adapters.py;
 `run_lanes` forwards the windows in stream order once per lane (the exact model, or a policy
 with its cache, recorder and decision log), one lane after the other in memory and layer-major
 when streamed (each layer read once per pass); `run_stream` does it for whatever is attached;
 `record` records the router (ids, weights, ranking); `calibration_ids` gives the warm start.
-The emulation (runtime/emulate.py), the engine (runtime/engine.py), trace recording and
+The emulation (runtime/backends/emulate.py), the engine (runtime/backends/engine.py), trace recording and
 generation all build on this module; it imports none of them.
 """
 
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from runtime import adapters, stream
-from runtime.errors import InputError
-from runtime.kernel import PolicyCache
-from runtime.trace import Trace, TraceMeta
+from runtime.backends import adapters, stream
+from runtime.core.errors import InputError
+from runtime.core.kernel import PolicyCache
+from runtime.formats.trace import Trace, TraceMeta
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype | None:
 
 def add_model_flags(p, dtype_help: str = "the dtype the model runs in") -> None:
     """`--dtype` and `--max-memory`, the same on every command that loads a checkpoint (the run-field
-    table's rows, runtime/spec.py: default and help written once)."""
-    from runtime.spec import add_run_flags
+    table's rows, runtime/core/spec.py: default and help written once)."""
+    from runtime.core.spec import add_run_flags
 
     add_run_flags(p, ("emulation", "engine"), only=("dtype", "max_memory_GiB"), notes={"dtype": dtype_help})
 
@@ -64,7 +64,7 @@ class Loaded:
     k: int
     layer_ids: tuple[int, ...]
     model_dir: Path
-    weights: stream.Weights | None = None  # where each tensor is in the shards, what is loaded (runtime/stream.py)
+    weights: stream.Weights | None = None  # where each tensor is in the shards, what is loaded (runtime/backends/stream.py)
     streamed: bool = False  # the weights do not fit max_memory (or the device): passes run layer-major (module doc)
     max_memory_GiB: float | None = None
     device: torch.device | None = None  # device mode (`--device`): where the layers compute; None: the host, plainly
@@ -106,7 +106,7 @@ def device_budget_GiB(device: torch.device) -> float:
 def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
          max_memory: float | str | None = "auto", device: str | torch.device | None = None) -> Loaded:
     """A checkpoint and its tokenizer, offline, with the policy wrappers attached. The model is built
-    on the meta device and its weights read from the safetensors shards (runtime/stream.py): all of
+    on the meta device and its weights read from the safetensors shards (runtime/backends/stream.py): all of
     them when they fit `max_memory` GiB (`auto`: available memory less a margin), else one unit at a
     time during each pass (`streamed`). `dtype`: `auto` (the checkpoint's own), a name or a torch dtype.
     `device` (device mode): `cuda` moves a model that fits the device there, unit by unit (nothing
@@ -445,7 +445,7 @@ def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, calib_max_t
                     batch_windows: int = 8, progress: bool = False) -> tuple[np.ndarray | None, str]:
     """Router ids [T, L, k] of the warm-start text (`calib_text`, else calib.txt beside the model), read
     up to `calib_max_tokens` tokens, and its name; (None, "") when there is none (the caller then holds
-    out part of the evaluated text: runtime/spec.py)."""
+    out part of the evaluated text: runtime/core/spec.py)."""
     calib = Path(calib_text) if calib_text else (m.model_dir / "calib.txt")
     if not calib.is_file():
         if calib_text:

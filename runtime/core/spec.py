@@ -1,8 +1,8 @@
 """RunSpec and Result: one evaluation request and its answer, the same for every backend.
 
 A `RunSpec` travels unchanged from a search space (sweep/) or a command line to a backend
-(runtime/backends.py: simulator, emulation, engine) and into MLflow. It holds the policy
-(runtime/policy.py's PolicyConfig), the cache size (exactly one of per-layer `capacity`,
+(runtime/backends/__init__.py: simulator, emulation, engine) and into MLflow. It holds the policy
+(runtime/core/policy.py's PolicyConfig), the cache size (exactly one of per-layer `capacity`,
 `capacity_fraction`, `vram_budget_GiB`), the inputs (a router `trace`, or a `model` and a
 `text`), the token budget, the warm-start source and the output requests. It validates itself
 when built; a backend refuses, with a one-line error, every field it cannot honour
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import InputError, check_output_path
-from runtime.policy import PolicyConfig
+from runtime.core.errors import InputError, check_output_path
+from runtime.core.policy import PolicyConfig
 
 HELD_OUT = "held-out"
 HELD_OUT_FRACTION = 0.2  # the last 20% of the tokens calibrate a held-out warm start
@@ -107,7 +107,7 @@ class RunField:
                 raise InputError(f"{label} = {value!r} must be one positive int for all layers or a list of them, "
                                  "one per layer")
             return int(vals[0]) if not isinstance(value, list | tuple | np.ndarray) else tuple(int(v) for v in vals)
-        if self.kind == "memory":  # runtime.stream.resolve_max_memory turns auto into GiB when a model loads
+        if self.kind == "memory":  # runtime.backends.stream.resolve_max_memory turns auto into GiB when a model loads
             if value == "auto":
                 return value
             try:
@@ -135,7 +135,7 @@ def _r(default: Any, flag: str | None, help: str, backends: tuple[str, ...] = _A
 class RunSpec:
     """One evaluation: a policy at a cache size on an input. Validated when built.
 
-    Every field but `policy` (its own table, runtime/policy.py) and `name` is a row of the run-field
+    Every field but `policy` (its own table, runtime/core/policy.py) and `name` is a row of the run-field
     table: its default, its one flag, its help and the backends that honour it (`RUN_FIELDS`)."""
 
     policy: PolicyConfig
@@ -148,7 +148,7 @@ class RunSpec:
         low=0.0, high=1.0, metavar="F")
     vram_budget_GiB: float | None = _r(
         None, "--vram-budget", "GiB of device memory: the slots the engine really holds "
-        "(runtime.costmodel.capacities_for_budget)", kind="float", low=0.0, metavar="GIB")
+        "(runtime.formats.costmodel.capacities_for_budget)", kind="float", low=0.0, metavar="GIB")
     trace: str | None = _r(None, "--trace", "router trace: .parquet, .arrow or .npz", _SIM)
     model: str | None = _r(None, "--model", "Hugging Face checkpoint directory", _TEXT)
     text: str | None = _r(None, "--text", "UTF-8 text file to evaluate", _TEXT)
@@ -296,7 +296,7 @@ def add_run_flags(p: argparse.ArgumentParser, backends: tuple[str, ...], *, only
     names: list[str] = []
     rows = [f for f in RUN_FIELDS
             if f.flag is not None and f.backends & set(backends) and (only is None or f.name in only)]
-    run = p.add_argument_group("run (runtime/spec.py's RunSpec fields)")
+    run = p.add_argument_group("run (runtime/core/spec.py's RunSpec fields)")
     if any(f.name in SIZE_FIELDS for f in rows):  # argparse refuses an empty exclusive group
         size = p.add_argument_group("cache size (exactly one)" + (f"; default {size_default}" if size_default else ""))
         size = size.add_mutually_exclusive_group(required=size_required)
@@ -333,7 +333,7 @@ class Result:
     num_layers: int
     num_experts: int
     top_k: int
-    counters: dict[str, float]  # runtime.kernel.COUNTER_NAMES and the masses, totals over layers
+    counters: dict[str, float]  # runtime.core.kernel.COUNTER_NAMES and the masses, totals over layers
     per_layer: list[dict]
     perplexity: float | None = None
     exact_perplexity: float | None = None

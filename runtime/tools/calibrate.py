@@ -1,8 +1,8 @@
 """Calibrate the cost model on this host: measure the engine's primitives and write a HostProfile YAML.
 
-`python -m runtime.calibrate --model DIR --out host.yaml [--device cpu|cuda] [--dtype auto|bf16|fp32] [--max-memory GIB]`
+`python -m runtime.tools.calibrate --model DIR --out host.yaml [--device cpu|cuda] [--dtype auto|bf16|fp32] [--max-memory GIB]`
 
-Measured with the engine itself (runtime/engine.py), at the model's shape and dtype, means of
+Measured with the engine itself (runtime/backends/engine.py), at the model's shape and dtype, means of
 `--repeats` runs (means, like the engine's time per token, so both see a shared host's average load):
 - link bandwidth host -> device for a large buffer, from pinned and from pageable host memory
   (CPU device mode: host -> host tensor copies; there is no pinned memory, both figures are plain
@@ -27,7 +27,7 @@ Measured with the engine itself (runtime/engine.py), at the model's shape and dt
 
 The profile's calibrated fields (`device_expert_us`, `host_expert_us`, `dense_layer_us`) replace the
 cost model's formulas; `link_latency_us` is set so that the cost model's fetch time for this model's
-shape (runtime.costmodel.expert_bytes, bf16) equals the measured fetch. The profile is therefore only
+shape (runtime.formats.costmodel.expert_bytes, bf16) equals the measured fetch. The profile is therefore only
 meaningful for this model and dtype: `python -m runtime.simulate --host host.yaml --model-shape DIR/config.json`.
 """
 
@@ -46,12 +46,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime import costmodel
-from runtime.engine import Engine, cpu_threads, engine_cli, expert_forward, load_engine
-from runtime.errors import ArgumentParser, InputError
-from runtime.hfmodel import add_model_flags
-from runtime.kernel import PolicyCache
-from runtime.policy import PRESETS
+from runtime.backends.engine import Engine, cpu_threads, engine_cli, expert_forward, load_engine
+from runtime.backends.hfmodel import add_model_flags
+from runtime.core.errors import ArgumentParser, InputError
+from runtime.core.kernel import PolicyCache
+from runtime.core.policy import PRESETS
+from runtime.formats import costmodel
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
         device_expert_us=dev_s * 1e6, host_expert_us=host_s * 1e6, dense_layer_us=dense_s * 1e6,
         head_us=head_s * 1e6 if head_s > 0 else None,
         lowbit_expert_us=None if lowbit_s is None else lowbit_s * 1e6, vram_GiB=vram,
-        sources=(f"measured by runtime.calibrate on {when}, model {m.model_dir} ({eng.dtype}, L={L}, E={E}, k={k}), "
+        sources=(f"measured by runtime.tools.calibrate on {when}, model {m.model_dir} ({eng.dtype}, L={L}, E={E}, k={k}), "
                  f"device {eng.device}, means of {repeats} runs",
                  f"link: {link_mib} MiB host->device copies; pinned memory {'used' if link['pinned_available'] else 'not available (CPU device mode): both figures are plain memcpy'}",
                  f"link_latency_us = measured expert fetch in context ({fetch_used_s * 1e6:.1f} us: fetch-every-miss "
@@ -257,7 +257,7 @@ def _shape_bytes(eng: Engine) -> tuple[int, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m runtime.calibrate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.tools.calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True, help="HostProfile YAML to write (atomically)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")

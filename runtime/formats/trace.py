@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runtime.errors import InputError, atomic_write
+from runtime.core.errors import InputError, atomic_write
 
 logger = logging.getLogger(__name__)
 

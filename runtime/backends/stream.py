@@ -20,7 +20,7 @@ a unit into memory, `release(unit)` puts its tensors back on the meta device (th
 opened per read and closed after it, so nothing stays mapped).
 
 `resolve_max_memory("auto")`: the machine's available memory less a margin, the budget the
-model's weights may use (runtime/hfmodel.py decides from it whether the model is loaded whole or
+model's weights may use (runtime/backends/hfmodel.py decides from it whether the model is loaded whole or
 streamed layer by layer).
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.errors import InputError
+from runtime.core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ def _aligned(n: int) -> int:
 
 
 class LayerPipe:
-    """Decoder layers streamed through a compute device (`--device`; runtime/hfmodel.py's layer-major pass).
+    """Decoder layers streamed through a compute device (`--device`; runtime/backends/hfmodel.py's layer-major pass).
 
     Layer i's units are read from the shards into one of two staging buffers (pinned host memory on
     CUDA, plain memory in CPU device mode) by a worker thread, then copied to freshly allocated device

@@ -1,12 +1,12 @@
 """Tiny reference Qwen3-MoE models that the project trains itself, offline, on CPU.
 
-``python -m runtime.tinymodel --size demo|test|all [--force]`` (``make model``) builds the models
+``python -m runtime.tools.tinymodel --size demo|test|all [--force]`` (``make model``) builds the models
 that are not cached yet and prints their folders and evaluation texts; ``ensure_model(size)`` is
 what the rest of the project calls when it needs one.
 
 The ``demo`` and ``test`` models are ``Qwen3MoeForCausalLM`` (64 experts, top-8, every layer
 sparse) trained on the running Python's standard library; ``mix`` (128 experts, top-8) is trained
-on a mixture of code, English prose and verse (``runtime.corpus`` source ``mix``) and has
+on a mixture of code, English prose and verse (``runtime.tools.corpus`` source ``mix``) and has
 held-out calibration and evaluation texts per domain; ``next-shape`` has Qwen3-Next's routing
 shape (48 MoE layers, 512 experts, top-10, one shared expert; ``Qwen2MoeForCausalLM``, since
 Qwen3-MoE has no shared expert) at a tiny hidden size, briefly trained, for rehearsals. Each has a
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.corpus import EOS, CorpusSplit, join_documents, load_corpus
-from runtime.errors import ArgumentParser, InputError, cli_main
+from runtime.core.errors import ArgumentParser, InputError, cli_main
+from runtime.tools.corpus import EOS, CorpusSplit, join_documents, load_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -768,9 +768,9 @@ def ensure_model(size: str | TinySpec, progress: bool = True, force: bool = Fals
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m runtime.tinymodel --size demo|test|all [--force]``."""
+    """``python -m runtime.tools.tinymodel --size demo|test|all [--force]``."""
     parser = ArgumentParser(
-        prog="python -m runtime.tinymodel",
+        prog="python -m runtime.tools.tinymodel",
         description="Build (if not cached) the tiny reference Qwen3-MoE models and print their paths.",
     )
     parser.add_argument(

@@ -1,9 +1,9 @@
 """Greedy generation under a miss policy versus the exact model: token agreement per prompt.
 
-`python -m runtime.generate --model DIR --prompt TEXT|--prompts FILE --policy PRESET
+`python -m runtime.tools.generate --model DIR --prompt TEXT|--prompts FILE --policy PRESET
  (--capacity-fraction F | --capacity C | --vram-budget GiB) --max-new-tokens N [--device cpu|cuda] [--json]`
 
-Each prompt is prefilled exactly (runtime/prefill.py) and then N tokens are generated greedily,
+Each prompt is prefilled exactly (runtime/backends/prefill.py) and then N tokens are generated greedily,
 once by the exact model (every selected expert streamed, no cache decisions) and once by the
 engine under the policy (batch 1, KV cache). Reported per prompt: the token agreement rate (the
 fraction of the N positions where both chose the same token), the first divergence position (0-based
@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime import hfmodel
-from runtime.engine import Engine, cpu_threads, engine_cli, load_engine
-from runtime.errors import ArgumentParser, InputError, atomic_write
-from runtime.kernel import PolicyCache, warm_residency
-from runtime.policy import PRESETS, preset, resolve_capacities
-from runtime.prefill import prefill
-from runtime.spec import (
+from runtime.backends import hfmodel
+from runtime.backends.engine import Engine, cpu_threads, engine_cli, load_engine
+from runtime.backends.prefill import prefill
+from runtime.core.errors import ArgumentParser, InputError, atomic_write
+from runtime.core.kernel import PolicyCache, warm_residency
+from runtime.core.policy import PRESETS, preset, resolve_capacities
+from runtime.core.spec import (
     DEFAULT_CAPACITY_FRACTION,
     HOST_STORES,
     RUN_FIELD_BY_NAME,
@@ -95,7 +95,7 @@ def run_generate(eng: Engine, prompts: list[str], policy_name: str, max_new: int
     exact = [greedy(eng, p, max_new, None, chunk) for p in ids]
     cids, init_src = hfmodel.calibration_ids(m, calib_text, RUN_FIELD_BY_NAME["calib_max_tokens"].default,
                                              hfmodel.default_window(m))
-    if cids is None:  # never warm from the evaluated prompts (runtime/spec.py)
+    if cids is None:  # never warm from the evaluated prompts (runtime/core/spec.py)
         log.warning("no calibration text (--calib-text, or calib.txt beside the model): the cache starts cold")
         init_src = "cold"
     cache = PolicyCache(pol, m.E, m.k, caps, warm_residency(cids, None, m.E, caps) if cids is not None else None)
@@ -141,14 +141,14 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.tools.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None)
     src.add_argument("--prompts", default=None, help="text file, one prompt per line")
     p.add_argument("--policy", required=True, help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    # the run-field table's rows (runtime/spec.py): --capacity C or C0,C1,..., --capacity-fraction, --vram-budget,
+    # the run-field table's rows (runtime/core/spec.py): --capacity C or C0,C1,..., --capacity-fraction, --vram-budget,
     # --device, --dtype, --max-memory, --host-store, --calib-text
     add_run_flags(p, ("engine",), only=(*SIZE_FIELDS, "device", "dtype", "max_memory_GiB", "host_store", "calib_text"),
                   size_default=f"--capacity-fraction {DEFAULT_CAPACITY_FRACTION}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.errors import InputError
+from runtime.core.errors import InputError
 
 BITS = (8, 4, 3, 2)
 HQQ_ITERS = 20  # HQQ's default number of half-quadratic iterations

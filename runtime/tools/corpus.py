@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import InputError
+from runtime.core.errors import InputError
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ Per token (docs/policies.md, "Per token, per layer, in this order" and "Addition
   6. queue admissions (a[e] >= beta, largest a first)
 
 Shape of the code: `run_layer(tok, t0, pol, st, out)` takes the layer's input (`Tokens`), the policy as
-one record (`runtime.policy.kernel_record`: one field per parameter-table row with a `kernel` encoding,
+one record (`runtime.core.policy.kernel_record`: one field per parameter-table row with a `kernel` encoding,
 read here as `pol.<field>`), the layer's cache (`LayerState`, views of PolicyCache's arrays) and its
 outputs (`Outputs`). Every load into a slot (fetch, admission, prefetch) goes through `_claim`. A new
-policy field is one `_p(..., kernel=(name, encoder))` row in runtime/policy.py and its use here.
+policy field is one `_p(..., kernel=(name, encoder))` row in runtime/core/policy.py and its use here.
 
-Input contract (checked by runtime/trace.py for files, true by construction in the adapters):
+Input contract (checked by runtime/formats/trace.py for files, true by construction in the adapters):
 a ranking row starts with the token's selection and holds distinct expert ids. Instead of a full
 ranking the adapters pass the router scores it sorts (descending, ties lower id); the substitute
 search then scans the resident slots for the best ones (`_best_resident`): the same decisions.
@@ -37,8 +37,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from runtime.errors import InputError
-from runtime.policy import (
+from runtime.core.errors import InputError
+from runtime.core.policy import (
     EVICT_CODE,
     FALLBACK_CODE,
     RULE_CODE,
@@ -245,7 +245,7 @@ def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, stamp, fr
 @njit(cache=True, error_model="numpy")
 def run_layer(tok, t0, pol, st, out):
     """Run one layer's cache over tokens t0 .. t0+T-1: `tok` Tokens, `pol` the policy record
-    (runtime.policy.kernel_record), `st` LayerState (mutated in place), `out` Outputs."""
+    (runtime.core.policy.kernel_record), `st` LayerState (mutated in place), `out` Outputs."""
     ids, w, rank, valid, score, nxt, pred = tok
     out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
     rule, tau, tau_high, fallback, beta, evict = pol.rule, pol.tau, pol.tau_high, pol.fallback, pol.beta, pol.evict
@@ -653,7 +653,7 @@ def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, vali
     else:
         if lookahead is None:
             raise InputError("prefetch = 'lookahead' (--prefetch) needs a trace with a lookahead column "
-                             "(record it with runtime.record --lookahead P)")
+                             "(record it with runtime.tools.record --lookahead P)")
         if lookahead.shape[2] < n:
             raise InputError(f"prefetch_n (--prefetch-n) = {n} exceeds the trace's lookahead depth {lookahead.shape[2]}")
         pred = np.array(lookahead[:, layer - 1, :n], dtype=np.int32)
@@ -845,7 +845,7 @@ class PolicyCache:
                                    self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_], self.pin[l_],
                                    self.qstate[l_], self.q_exp[l_], self.q_due[l_], self.counters[l_], self.mass[l_],
                                    self.age_count[l_]) for l_ in range(L)]
-        self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.policy.KERNEL_DTYPE)
+        self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.core.policy.KERNEL_DTYPE)
 
     def step(
         self,

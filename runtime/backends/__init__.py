@@ -1,19 +1,19 @@
 """The backends, chosen by name: `simulator`, `emulation`, `engine`; each `evaluate(spec) -> Result`.
 
 Like transformers' `integrations/moe.py`: one contract, several implementations behind a
-registry. Every backend drives the same policy kernel (runtime/kernel.py) through
+registry. Every backend drives the same policy kernel (runtime/core/kernel.py) through
 `PolicyCache`, so for the same router scores they make the same decisions
 (tests/test_contract.py checks it token by token).
 
-- `simulator` (runtime/simulate.py): replays a router trace; time from the host cost model.
-- `emulation` (runtime/emulate.py): exact teacher-forced perplexity of a checkpoint.
-- `engine` (runtime/engine.py): the same evaluation decoded token by token by the offloading
+- `simulator` (runtime/backends/simulate.py): replays a router trace; time from the host cost model.
+- `emulation` (runtime/backends/emulate.py): exact teacher-forced perplexity of a checkpoint.
+- `engine` (runtime/backends/engine.py): the same evaluation decoded token by token by the offloading
   engine (CPU device mode without a GPU); time measured.
 
-A backend honours the RunSpec fields whose row in the run-field table (runtime/spec.py) names it
+A backend honours the RunSpec fields whose row in the run-field table (runtime/core/spec.py) names it
 (`honours`); a spec that sets any other field, or a policy the backend cannot run, is refused by
 `check` with a one-line InputError before any work. `evaluate_many` groups specs that share an
-input so the exact pass runs once. The command lines are elsewhere: `runtime.simulate` and
+input so the exact pass runs once. The command lines are elsewhere: `runtime.backends.simulate` and
 `runtime.cli` (the emulation's, and the `expertsweep` command).
 """
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from runtime import simulate
-from runtime.errors import InputError
-from runtime.kernel import COUNTER_NAMES  # noqa: F401 - re-exported: the counters every Result reports
-from runtime.spec import FLAGS, GROUP_FIELDS, Result, RunSpec, honoured_by
+from runtime.backends import simulate
+from runtime.core.errors import InputError
+from runtime.core.kernel import COUNTER_NAMES  # noqa: F401 - re-exported: the counters every Result reports
+from runtime.core.spec import FLAGS, GROUP_FIELDS, Result, RunSpec, honoured_by
 
 
 class Backend:
@@ -98,7 +98,7 @@ class Emulation(Backend):
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
         # torch-side: imported when first used (a simulator-only sweep worker never imports torch)
-        from runtime import emulate
+        from runtime.backends import emulate
 
         m = _loaded(specs[0])
         return emulate.evaluate_group(m, specs, backend=self.name, progress=progress)
@@ -110,7 +110,11 @@ class EngineBackend(Backend):
     refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
-        from runtime import emulate, engine, hfmodel  # torch-side: imported when first used
+        from runtime.backends import (  # torch-side: imported when first used
+            emulate,
+            engine,
+            hfmodel,
+        )
 
         first = specs[0]
         dev = engine.resolve_device(first.device)
@@ -132,7 +136,7 @@ _MODELS: dict[tuple, object] = {}
 
 def _loaded(spec: RunSpec):
     """The emulation's loaded checkpoint, kept between calls (one per model and dtype)."""
-    from runtime import hfmodel
+    from runtime.backends import hfmodel
 
     key = (spec.model, spec.dtype, spec.max_memory_GiB, spec.device)
     if key not in _MODELS:

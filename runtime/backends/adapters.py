@@ -16,8 +16,8 @@ Decisions to tensors: HIT/FETCH/HOST compute the selected expert with `w_j` (exa
 computes the substitute with `w_j` (or, with `substitute_weight="own"`, with the weight the
 router would have given the substitute: `w_j * p[sub] / p[e_j]`); DROP computes nothing
 (the slot's weight is 0); LOWBIT computes the missed expert from its low-precision copy
-(runtime/lowbit.py, built once per layer and (bits, group)) with `w_j`. With `drop_renorm` every computed
-slot's weight of a token with drops is scaled by runtime.kernel.drop_renorm_scale (the engine's executor
+(runtime/backends/lowbit.py, built once per layer and (bits, group)) with `w_j`. With `drop_renorm` every computed
+slot's weight of a token with drops is scaled by runtime.core.kernel.drop_renorm_scale (the engine's executor
 gets the scaled weights too), so the dropped weight is shared out; no decision changes.
 
 Prefetch: with `prefetch = lookahead` layer l forms the predicted list of layer l + 1 from layer
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.errors import InputError
-from runtime.kernel import DROP, LOWBIT, SUB, PolicyCache, drop_renorm_scale
+from runtime.core.errors import InputError
+from runtime.core.kernel import DROP, LOWBIT, SUB, PolicyCache, drop_renorm_scale
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Context:
         self.last: list[dict | None] = [None] * num_layers  # last step's decisions per layer (tests)
         # per layer, the (kind, served, slot) [N, k] of every step in stream order, when recording
         self.decisions: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None
-        # engine hook (runtime/engine.py): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
+        # engine hook (runtime/backends/engine.py): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
         # decisions: StepResult | None) computes the experts instead of the Hugging Face module
         self.executor = None
         self.experts: list[PolicyExperts] = []  # the wrappers, in layer order
@@ -145,7 +145,7 @@ class Context:
 
     def lowbit_experts(self, layer: int, bits: int, group: int) -> nn.Module:
         """The experts module of `layer` with its low-precision copies (built once per (bits, group))."""
-        from runtime import lowbit
+        from runtime.backends import lowbit
 
         if self.lowbit_key != (bits, group):
             self.lowbit_modules, self.lowbit_key = {}, (bits, group)
@@ -260,7 +260,7 @@ class PolicyExperts(nn.Module):
         if pol.prefetch == "oracle" and self.layer > 0:
             predicted = ids_np  # this layer's own selection (the kernel keeps its first min(prefetch_n, k))
         elif pol.prefetch == "lookahead":
-            # a FIFO per layer: in a layer-major pass (runtime/hfmodel.py) layer l forms the lists of all
+            # a FIFO per layer: in a layer-major pass (runtime/backends/hfmodel.py) layer l forms the lists of all
             # batches before layer l + 1 takes them, in the same stream order
             q = ctx.pending[self.layer]
             pend = q.popleft() if q else None

@@ -6,7 +6,7 @@ reads them back, and everything else is derived from it: validation (in `__post_
 config is valid once built), the CLI flags of every backend (`add_policy_flags` /
 `policy_from_flags`), the sweep's space validation, and the MLflow params (`mlflow_params`).
 Field names are the search-space names. The semantics live in docs/policies.md; the compiled
-kernel that carries them out is runtime/kernel.py.
+kernel that carries them out is runtime/core/kernel.py.
 
 One encoding each: admission off is `beta = None`; "no threshold" is `tau = None`; the `cpu` rule
 is an alias, normalised at construction to `rule = substitute_all` (fetch nothing) with
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import InputError
+from runtime.core.errors import InputError
 
 RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "band")
 EVICTS = ("lfu", "lru", "crf", "belady", "lfuda")  # codes are positions: append only
@@ -54,7 +54,7 @@ class Param:
     nullable: bool = False  # None is a value (tau: unused, beta: admission off, prefetch_n: k)
     active: str = "always"  # when the parameter matters, as text (docs, space validation)
     # how the compiled kernel reads it: (field of the kernel's policy record, encoder of the PolicyConfig);
-    # None for parameters the kernel never reads (runtime/kernel.py reads the record as `pol.<field>`)
+    # None for parameters the kernel never reads (runtime/core/kernel.py reads the record as `pol.<field>`)
     kernel: tuple[str, Callable[[Any], float]] | None = None
 
     def is_active(self, p: PolicyConfig) -> bool:

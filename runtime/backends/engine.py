@@ -10,7 +10,7 @@ Layout (docs/engine.md):
   engine keeps no copy of the kernel's slot table or admission queue;
 - a shared pool of staging buffers for background admissions and the prefill stream.
 
-The adapters (runtime/adapters.py) route, rank and ask the kernel exactly as in the emulation, then
+The adapters (runtime/backends/adapters.py) route, rank and ask the kernel exactly as in the emulation, then
 call `Engine.run_experts(layer, hidden, ids, weights, plan)` with the kernel's plan (`StepResult`).
 The engine applies it, per token in the kernel's order (docs/engine.md "Per token and layer"):
 admissions `admitted (t, e, s)` (wait for the copy, the staging buffer becomes slot `s`), pending
@@ -19,7 +19,7 @@ FETCH (host -> slot `slot[t, j]`), then the expert compute by kind (HIT/FETCH/SU
 HOST on the host CPU overlapping the device, DROP nothing), then the admissions `queued (t, e)` start
 copying into staging buffers in the background.
 
-`Engine.teacher_forced` is the `engine` backend's runner (runtime/backends.py); `Engine.evaluate`
+`Engine.teacher_forced` is the `engine` backend's runner (runtime/backends/__init__.py); `Engine.evaluate`
 runs one policy on given windows (capacities, warm residency) and can return the per-token plan
 [T, L, k] for the contract test.
 """
@@ -46,10 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import adapters, costmodel, hfmodel
-from runtime.errors import InputError, cli_main
-from runtime.kernel import DROP, FETCH, HOST, LOWBIT, PolicyCache, StepResult, warmup
-from runtime.policy import PolicyConfig
+from runtime.backends import adapters, hfmodel
+from runtime.core.errors import InputError, cli_main
+from runtime.core.kernel import DROP, FETCH, HOST, LOWBIT, PolicyCache, StepResult, warmup
+from runtime.core.policy import PolicyConfig
+from runtime.formats import costmodel
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class HostStore:
                      units: list[str] | None = None) -> HostStore:
         """Move every layer's fused expert tensors into one flat host buffer per layer, layer by layer,
         freeing the model's originals as it goes (peak: the experts once plus one layer). With `weights`
-        (runtime/stream.py: a model above --max-memory), each layer's experts unit is read from the
+        (runtime/backends/stream.py: a model above --max-memory), each layer's experts unit is read from the
         shards just before its copy: the model's experts are never all in memory besides the store."""
         fused, flat, ptrs = [], [], []
         all_pinned = pin
@@ -273,7 +274,7 @@ class _Pending:
 
 
 class Engine:
-    """Runs a loaded checkpoint (runtime.hfmodel.load) with its experts offloaded; see the module doc."""
+    """Runs a loaded checkpoint (runtime.backends.hfmodel.load) with its experts offloaded; see the module doc."""
 
     def __init__(self, m: hfmodel.Loaded, device: str | torch.device | None = None, host_store: str = "ram",
                  pinned: bool = True, debug: bool = False) -> None:
@@ -494,7 +495,7 @@ class Engine:
 
     def capacities_for_budget(self, budget_gib: float, policies: list[PolicyConfig] | tuple = (),
                               flag: str = "--vram-budget") -> np.ndarray:
-        """Slots per layer that fit a device memory budget (GiB): runtime.costmodel.capacities_for_budget
+        """Slots per layer that fit a device memory budget (GiB): runtime.formats.costmodel.capacities_for_budget
         on this model's shape in the engine's dtype (the one meaning of a VRAM budget)."""
         if self.shape is None:
             raise InputError(f"{flag}: the cost model has no shape for model_type "
@@ -534,11 +535,11 @@ class Engine:
         self._peak_bytes = self._dev_bytes
 
     def _build_lowbit(self, bits: int, group: int) -> None:
-        """Packed low-bit copies (runtime/lowbit.py: HQQ, groups along each matrix's input dimension) of every
+        """Packed low-bit copies (runtime/backends/lowbit.py: HQQ, groups along each matrix's input dimension) of every
         expert on the device, built once per (bits, group); quantized on the device from the host store."""
         if self._lowbit_key == (bits, group):
             return
-        from runtime import lowbit  # noqa: PLC0415 - hqq is only needed for this fallback
+        from runtime.backends import lowbit  # noqa: PLC0415 - hqq is only needed for this fallback
 
         if self._lowbit is not None:
             self._dev_bytes -= self.lowbit_bytes
@@ -667,7 +668,7 @@ class Engine:
 
     def _issue_prefetch(self, layer: int, t: int) -> None:
         """Lookahead prefetch: once this layer's routing is known, the next layer's predicted list is
-        (runtime/adapters.py, `Context.pending`); copies of its experts that are not resident there start
+        (runtime/backends/adapters.py, `Context.pending`); copies of its experts that are not resident there start
         now on the copy stream (behind this layer's fetches), into staging buffers. The next layer's plan
         says which of them the kernel loads, and into which slots."""
         nxt = layer + 1
@@ -789,7 +790,7 @@ class Engine:
     def teacher_forced(self, m: hfmodel.Loaded, windows: np.ndarray, cache: PolicyCache, name: str | None = None,
                        keep_logits: bool = False) -> tuple[np.ndarray, dict]:
         """Decode every window token by token under `cache` (feeding the true tokens); NLL [n, W-1] and the
-        run's measurements. The runner of the engine backend (runtime.emulate.evaluate_group)."""
+        run's measurements. The runner of the engine backend (runtime.backends.emulate.evaluate_group)."""
         if m is not self.m:
             raise ValueError("teacher_forced: the Loaded model is not this engine's")
         self.bind(cache)

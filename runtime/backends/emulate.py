@@ -1,0 +1,254 @@
+"""Exact emulation: teacher-forced perplexity of a Hugging Face MoE checkpoint under miss policies.
+
+The text becomes one token stream cut into windows of `window` tokens (each window an
+independent context; a trailing partial window is dropped). Windows run through the model
+in stream order, several at a time; inside each MoE layer the policy kernel decides the
+tokens of the batch in stream order, so every decision equals what a one-token-at-a-time
+decode with a KV cache would make (tests/test_emulate.py checks it). The policy cache is
+carried across windows and documents.
+
+`evaluate_group(m, specs)` is the `emulation` backend (runtime/backends/__init__.py) for RunSpecs that
+share one input: the exact pass runs once (and is kept for the next call), then each policy.
+Per policy: perplexity, its change versus the exact model with a 95% bootstrap interval over
+windows, the spec's counters and substituted mass; per-token NLLs go to Parquet. Warm start:
+runtime/core/spec.py (the calibration never depends on `max_tokens`).
+`python -m runtime.emulate --model DIR --text FILE --policy PRESET --capacity-fraction F --json`
+(policy flags from runtime/core/policy.py's table; `--backend engine` decodes with the engine; the
+command line is `runtime.cli.emulate_main`, also `expertsweep emulate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.backends.adapters import Recorder, decision_arrays
+from runtime.backends.hfmodel import (  # noqa: F401 - re-exported for callers of runtime.backends.emulate
+    Lane,
+    Loaded,
+    calib_windows_ids,
+    calibration_ids,
+    default_window,
+    load,
+    make_trace,
+    read_tokens,
+    record,
+    record_routing,
+    run_lanes,
+    run_stream,
+    to_windows,
+    tokenize_file,
+)
+from runtime.core.errors import InputError, atomic_write
+from runtime.core.kernel import PolicyCache, residency_array, warm_start
+from runtime.core.policy import PolicyConfig, resolve_capacities
+from runtime.core.spec import GROUP_FIELDS, HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
+from runtime.formats import costmodel
+from runtime.formats.trace import load_trace, save_trace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Exact:
+    """The exact model on one input: evaluated windows, NLL, and the warm-start calibration ids."""
+
+    windows: np.ndarray  # [n, W] int64
+    sha: str
+    nll: np.ndarray | None  # [n, W-1] (None until a deferred exact pass ran)
+    seconds: float
+    calib_ids: np.ndarray | None  # [T_c, L, k] router ids of the calibration tokens, None = cold / file
+    init_source: str
+    init_file: list | None = None  # per-layer ids from a .npy or a calibration trace
+
+
+# kept between calls (a sweep worker evaluates many policies on one input), per loaded model and
+# only while that model lives: keyed by the module itself, never by id(), which a later model reuses
+_EXACT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def bootstrap_change(nll_exact: np.ndarray, nll_pol: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+    """Perplexity change in percent with a 95% interval, resampling windows (rows) with replacement."""
+    se, sp = nll_exact.sum(1), nll_pol.sum(1)  # [n]
+    cnt = nll_exact.shape[1]
+    point = math.expm1((sp.sum() - se.sum()) / (cnt * len(se))) * 100
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(se), size=(n_boot, len(se)))
+    diffs = (sp[idx].sum(1) - se[idx].sum(1)) / (cnt * len(se))
+    lo, hi = np.percentile(np.expm1(diffs) * 100, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+# what an exact pass depends on: the group's input fields, less the model (the cache is per model) and the
+# per-token output path (nll_out)
+EXACT_KEY = tuple(f for f in GROUP_FIELDS if f not in ("model", "nll_out"))
+
+
+def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False, defer_nll: bool = False) -> Exact:
+    """Tokenize, split off the warm-start tokens, run the exact model; cached per input. `defer_nll`:
+    leave `nll` None when it is not cached yet (the caller runs the exact model beside its policies,
+    one pass for all: `evaluate_group`)."""
+    cached = _EXACT.setdefault(m.model, {})
+    key = tuple(getattr(spec, f) for f in EXACT_KEY)
+    if key in cached:
+        ex = cached[key]
+        if ex.nll is None and not defer_nll:
+            ex.nll = run_lanes(m, ex.windows, [Lane(desc="exact")], spec.batch_windows, progress)[0]
+        return ex
+    W = spec.window or default_window(m)
+    ids, sha = read_tokens(m, spec.text)
+    ir = spec.initial_residency
+    calib_ids, source, init_file = None, "cold", None
+    if ir is None and spec.calib_text is None and not (m.model_dir / "calib.txt").is_file():
+        log.warning("no calibration text (--calib-text, or calib.txt beside the model): warm start from the "
+                    "held-out last %d%% of %s (not evaluated)", round(HELD_OUT_FRACTION * 100), spec.text)
+        ir = HELD_OUT
+    if ir == HELD_OUT:
+        cut = int(len(ids) * (1 - HELD_OUT_FRACTION))
+        cwin = to_windows(ids[cut:], spec.calib_max_tokens, W, f"--text {spec.text} (held-out part)")
+        calib_ids = calib_windows_ids(m, cwin, spec.batch_windows, progress)
+        source = f"held-out: text tokens {cut}..{len(ids) - 1} of {spec.text}"
+        ids = ids[:cut]
+    elif ir is None:
+        calib_ids, source = calibration_ids(m, spec.calib_text, spec.calib_max_tokens, W, spec.batch_windows, progress)
+    elif ir.startswith("warm:"):
+        tr = load_trace(ir[5:])
+        if (tr.E, tr.k, tr.L) != (m.E, m.k, m.num_layers):
+            raise InputError(f"--initial-residency {ir}: trace has E={tr.E}, k={tr.k}, L={tr.L}; the model has "
+                             f"E={m.E}, k={m.k}, L={m.num_layers}")
+        calib_ids, source = tr.topk_ids, ir
+    elif ir.endswith(".npy"):
+        arr = np.load(ir, allow_pickle=False) if os.path.isfile(ir) else None
+        if arr is None or arr.ndim != 2 or arr.shape[0] != m.num_layers or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"--initial-residency {ir}: expected an existing .npy of int [L={m.num_layers}, C]")
+        init_file, source = [arr[l_] for l_ in range(m.num_layers)], ir
+    windows = to_windows(ids, spec.max_tokens, W, f"--text {spec.text}")
+    lane = Lane(desc="exact")
+    nll = None if defer_nll else run_lanes(m, windows, [lane], spec.batch_windows, progress)[0]
+    ex = Exact(windows, sha, nll, lane.seconds, calib_ids, source, init_file)
+    if len(cached) >= 4:
+        cached.pop(next(iter(cached)))
+    cached[key] = ex
+    return ex
+
+
+def capacities_of(m: Loaded, spec: RunSpec) -> np.ndarray:
+    """Slots per layer of a RunSpec on a loaded model (a VRAM budget: runtime.formats.costmodel's one meaning)."""
+    if spec.vram_budget_GiB is not None:
+        shape = costmodel.model_shape_for(m.model.config.to_dict(), m.dtype)  # the dtype loaded (auto resolved)
+        caps = costmodel.capacities_for_budget(shape, spec.vram_budget_GiB, spec.policy)
+        return resolve_capacities(caps, m.num_layers, m.E, m.k, flag=f"--vram-budget {spec.vram_budget_GiB!r} GiB: capacity")
+    return resolve_capacities(spec.capacity, m.num_layers, m.E, m.k, spec.capacity_fraction)
+
+
+def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = "emulation",
+                   progress: bool = False) -> list[Result]:
+    """Evaluate RunSpecs that share one input (GROUP_FIELDS) on a loaded model.
+
+    `runner(m, windows, cache, name) -> (nll [n, W-1], extra)`, when given, replaces the batched
+    forward of each policy (the engine backend decodes token by token)."""
+    first = specs[0]
+    for s in specs[1:]:
+        for f in GROUP_FIELDS:
+            if getattr(s, f) != getattr(first, f):
+                raise InputError(f"one evaluation group: {f} differs between policies ({getattr(first, f)!r} vs "
+                                 f"{getattr(s, f)!r})")
+    ex = exact_pass(m, first, progress, defer_nll=runner is None)
+    windows = ex.windows
+    T = int(windows.size)
+    lanes, setups = [], []
+    for spec in specs:
+        # slots per layer (capacity_alloc = calibrated: spread by the calibration counts) and the warm start
+        caps, init = warm_start(spec.policy, capacities_of(m, spec), m.k, m.E, ex.calib_ids, None, given=ex.init_file,
+                                source=ex.init_source)
+        cache = PolicyCache(spec.policy, m.E, m.k, caps, init)
+        lane = Lane(cache=cache, substitute_weight=spec.substitute_weight, desc=spec.label,
+                    decisions=[[] for _ in range(m.num_layers)] if spec.record_decisions else None)
+        if spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
+            lane.recorder = Recorder.empty(m.num_layers, m.E, max(m.k, cache.prefetch_width))
+        lanes.append(lane)
+        setups.append((caps, init))
+    extras: list[dict] = [{} for _ in specs]
+    if runner is None:  # one pass: the exact model (unless cached) beside every policy
+        exact = [Lane(desc="exact")] if ex.nll is None else []
+        nlls = run_lanes(m, windows, exact + lanes, first.batch_windows, progress)
+        if exact:
+            ex.nll, ex.seconds = nlls.pop(0), exact[0].seconds
+    else:  # the engine decodes token by token, one policy after the other
+        nlls = []
+        for spec, lane, extra in zip(specs, lanes, extras, strict=True):
+            m.ctx.substitute_weight = spec.substitute_weight
+            m.ctx.decisions = lane.decisions
+            t0 = time.perf_counter()
+            try:
+                nll, more = runner(m, windows, lane.cache, spec.label)
+            finally:
+                m.ctx.decisions = None
+                m.ctx.substitute_weight = "missed"
+            lane.seconds = time.perf_counter() - t0
+            extra.update(more)
+            nlls.append(nll)
+    nll_exact = ex.nll
+    exact_ppl = float(math.exp(nll_exact.mean()))
+    out, nll_cols = [], {"nll_exact": nll_exact.ravel()}
+    for spec, lane, (caps, init), nll, extra in zip(specs, lanes, setups, nlls, extras, strict=True):
+        pol, cache = spec.policy, lane.cache
+        if spec.trace_out is not None:
+            r = lane.recorder
+            pids, pw, prank = r.arrays()
+            save_trace(make_trace(m, pids, pw, prank, windows, ex.sha, f"runtime.backends.emulate policy={pol.label()}",
+                                  r.lookahead_array()), spec.trace_out)
+        decisions = decision_arrays(lane.decisions) if spec.record_decisions else None
+        point, lo, hi = bootstrap_change(nll_exact, nll)
+        extra.update({"seconds": lane.seconds, "exact_seconds": ex.seconds, "streamed": m.streamed, "substitute_weight":
+                      spec.substitute_weight, "windows": int(windows.shape[0]), "window": int(windows.shape[1]),
+                      "scored_tokens": int(nll.size)})
+        out.append(Result(backend=backend, policy=pol.label(), policy_config=pol.to_dict(), capacity=caps.tolist(),
+                          initial_residency=ex.init_source, tokens=T, num_layers=m.num_layers, num_experts=m.E,
+                          top_k=m.k, counters=cache.counter_totals(), per_layer=cache.per_layer(),
+                          perplexity=float(math.exp(nll.mean())), exact_perplexity=exact_ppl, ppl_change_pct=point,
+                          ppl_ci_low=lo, ppl_ci_high=hi, extra=extra, decisions=decisions))
+        nll_cols[f"nll_{spec.label}"] = nll.ravel()
+        if spec.residency_out is not None:
+            arr = residency_array(init, caps, f"--residency-out {spec.residency_out}")  # [L, max C_l], -1 padded
+            atomic_write(spec.residency_out, lambda tmp, arr=arr: np.save(open(tmp, "wb"), arr))
+    if first.nll_out is not None:
+        _write_nll(first.nll_out, windows, nll_cols)
+    return out
+
+
+def emulate(model_dir: str | os.PathLike | Loaded, text_path: str | os.PathLike, policies: dict[str, PolicyConfig],
+            capacity_fraction: float | None = 0.25, capacity=None, max_tokens: int | None = None, **spec_fields) -> dict:
+    """Library shorthand: {"exact": {...}, name: Result.to_dict()} for named policies on one text."""
+    m = model_dir if isinstance(model_dir, Loaded) else load(model_dir)
+    progress = spec_fields.pop("progress", False)
+    specs = [RunSpec(policy=p, name=name, capacity=capacity, capacity_fraction=None if capacity is not None else capacity_fraction,
+                     model=str(m.model_dir), text=str(text_path), max_tokens=max_tokens, **spec_fields)
+             for name, p in policies.items()]
+    res = evaluate_group(m, specs, progress=progress)
+    ex = exact_pass(m, specs[0])
+    out: dict = {"exact": {"perplexity": res[0].exact_perplexity, "tokens": res[0].tokens,
+                           "scored_tokens": int(ex.nll.size), "windows": int(ex.windows.shape[0]),
+                           "window": int(ex.windows.shape[1]), "seconds": ex.seconds,
+                           "initial_residency": ex.init_source}}
+    for name, r in zip(policies, res, strict=True):
+        out[name] = r.to_dict()
+    return out
+
+
+def _write_nll(path, windows: np.ndarray, cols: dict) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n, W = windows.shape
+    table = pa.table({"window": np.repeat(np.arange(n, dtype=np.int32), W - 1),
+                      "position": np.tile(np.arange(1, W, dtype=np.int32), n),
+                      "token_id": windows[:, 1:].ravel().astype(np.int32),
+                      **{k: v.astype(np.float64) for k, v in cols.items()}})
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
