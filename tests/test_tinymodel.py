@@ -264,7 +264,7 @@ def test_sigterm_leaves_nothing(cache: Path) -> None:
         "import dataclasses, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from tests.test_tinymodel import MICRO\n"
-        "from runtime import tinymodel\n"
+        "from runtime.tools import tinymodel\n"
         "tinymodel.ensure_model(dataclasses.replace(MICRO, steps=10**7), progress=False)\n"
     )
     proc = subprocess.Popen(
