@@ -243,7 +243,7 @@ def test_prefill_and_exact_generation_equal_the_model(ckpts):
 
 def test_exact_path_keeps_nothing_alive(ckpts):
     """Regression: `functools.cache` sat on `stream_layer` (its tensors and the Engine were kept for the
-    process, and a reused tensor id could return a stale output); it belongs to `_takes_cache`."""
+    process, and a reused tensor id could return a stale output); it belongs to `kv_cache_kwarg`."""
     import gc
     import weakref
 
@@ -253,7 +253,7 @@ def test_exact_path_keeps_nothing_alive(ckpts):
     prompt = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(5))
     prefill(eng, prompt, chunk=3)  # the exact path: stream_layer on every MoE layer of every chunk
     assert not hasattr(engine_mod.stream_layer, "cache_info")
-    info = engine_mod._takes_cache.cache_info()
+    info = engine_mod.kv_cache_kwarg.cache_info()
     assert info.currsize >= 1
     eng.close()
     ref = weakref.ref(eng)
@@ -433,7 +433,7 @@ def test_pinned_store_buffers_own_their_pages():
     page-rounded registered range lies inside its own allocation."""
     import mmap
 
-    from runtime.backends.engine import page_aligned_empty
+    from runtime.backends.hoststore import page_aligned_empty
 
     for n, dt in ((1000, torch.float32), (12345, torch.bfloat16), (1, torch.float16)):
         t, nbytes = page_aligned_empty(n, dt)

@@ -46,8 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.backends.engine import Engine, cpu_threads, engine_cli, expert_forward, load_engine
+from runtime.backends.engine import Engine, cpu_threads, engine_cli, load_engine
 from runtime.backends.hfmodel import add_model_flags
+from runtime.backends.plan import expert_forward
 from runtime.core.errors import ArgumentParser, InputError
 from runtime.core.kernel import PolicyCache
 from runtime.core.policy import PRESETS
@@ -125,7 +126,7 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
 
     def fetch():
         i = next(cycle)
-        eng.fetch(i % L, (i // L) % E, 0)
+        eng.runner.fetch(i % L, (i // L) % E, 0)
 
     fetch_s = _mean_s(fetch, repeats, sync, clock=eng.clock)  # isolated: copy + synchronize
     eng.bind(cache)  # restore slot 0 of every layer
@@ -137,25 +138,25 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
 
     def dev():
         i = next(cycle)
-        buf = eng.slots[i % L][(i // L) % k]
+        buf = eng.pool.slots[i % L][(i // L) % k]
         out.add_((expert_forward(x, buf.gate_up, buf.down, eng.act[0]) * w)[0])
 
     def host():  # as the engine does it: the activation to the host, the expert there, the result back
         i = next(cycle)
-        y = eng.host_expert(i % L, (i // L) % E, x.to("cpu"))
-        out.add_((eng.result_to_device(y) * w)[0])
+        y = eng.runner.host_expert(i % L, (i // L) % E, x.to("cpu"))
+        out.add_((eng.runner.result_to_device(y) * w)[0])
 
     dev_s = _mean_s(dev, repeats, sync, inner=L * k, clock=eng.clock)
     host_s = _mean_s(host, repeats, sync, inner=L * k, clock=eng.clock)
     lowbit_s = None
     try:  # one expert from its packed 4-bit copy (group 64): dequantize on the device + compute
-        eng._build_lowbit(LOWBIT_BITS, LOWBIT_GROUP)
+        eng.runner.build_lowbit(LOWBIT_BITS, LOWBIT_GROUP)
     except InputError as exc:
         log.warning("no low-bit calibration: %s", exc)
     else:
         def low():
             i = next(cycle)
-            out.add_((eng.lowbit_expert(i % L, (i // L) % E, x) * w)[0])
+            out.add_((eng.runner.lowbit_expert(i % L, (i // L) % E, x) * w)[0])
 
         lowbit_s = _mean_s(low, repeats, sync, inner=L * k, clock=eng.clock)
         eng.bind(cache)  # the low-bit copies leave the device again
@@ -183,7 +184,7 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
     try:
         for r in range(windows.shape[0]):
             for what in ("full", "null", "fetch"):
-                eng.null_compute = what == "null"
+                eng.runner.null_compute = what == "null"
                 cache = PolicyCache(pol[what], E, k, np.full(L, k), [np.arange(k)] * L)
                 _, rep = eng.teacher_forced(m, windows[r : r + 1], cache)
                 if r > 0:
@@ -191,7 +192,7 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
                     if what == "fetch":
                         fetches_per_tok.append(cache.counter_totals()["fetches"] / windows.shape[1])
     finally:
-        eng.null_compute = False
+        eng.runner.null_compute = False
     full_s = sum(per_tok["full"]) / len(per_tok["full"])
     isolated_s = sum(per_tok["null"]) / len(per_tok["null"]) / L
     fetch_decode_s = sum(per_tok["fetch"]) / len(per_tok["fetch"])

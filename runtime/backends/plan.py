@@ -1,0 +1,322 @@
+"""Applying the policy kernel's plan: per MoE layer, the copies and the expert computes the kernel decided.
+
+The adapters (runtime/backends/adapters.py) route, rank and ask the kernel exactly as in the emulation,
+then call the engine's hook `PlanRunner.run_experts(layer, hidden [N, H], ids [N, k], weights [N, k],
+plan)` with the kernel's plan (`StepResult`: kind / served / slot [N, k], and the rows `admitted (t, e, s)`,
+`queued (t, e)`, `prefetched (t, e, s)`). `PlanRunner.apply` carries it out per token in the kernel's
+order (docs/engine.md, "Per token and layer"):
+
+  (1) admissions `admitted (t, e, s)`: wait for the copy, the staging buffer becomes slot s; pending
+      copies the kernel popped without admitting are released;
+  (2) prefetch loads `prefetched (t, e, s)`, (3) FETCH (host -> slot `slot[t, j]`, synchronous);
+  (3b) lookahead: the next layer's predicted experts start copying;
+  (4) device compute by kind, HIT / FETCH / SUB from slot `slot[t, j]`, LOWBIT from the expert's packed
+      low-bit copy; (5) HOST on the host CPU overlapping the device; DROP nothing;
+  (6) the admissions `queued (t, e)` start copying into staging buffers in the background.
+
+With no plan (prefill, the exact reference) `stream_layer` computes the exact experts' output, streaming
+the non-resident ones through two staging buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.backends.copies import Pending
+from runtime.core.kernel import DROP, FETCH, HOST, LOWBIT, StepResult
+from runtime.core.policy import PolicyConfig
+
+if TYPE_CHECKING:
+    from runtime.backends.copies import Copies
+    from runtime.backends.hoststore import HostStore
+    from runtime.backends.slots import SlotPool
+
+log = logging.getLogger(__name__)
+
+
+def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
+    """One expert on tokens x [n, H]: gate_up [2I, H], down [H, I] -> [n, H] (the HF fused layout's math)."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(act(gate) * up, down)
+
+
+class PlanRunner:
+    """The experts' part of one engine: the kernel's plan applied to `pool`'s slots with `copies`, host
+    compute from `store`, the low-bit copies. `act[l]`: MoE layer l's activation; `ctx`: the adapters'
+    context (the lookahead's predicted lists); counters go into `stats` (the engine's dict, shared)."""
+
+    def __init__(self, store: HostStore, pool: SlotPool, copies: Copies, act: list, E: int, stats: dict, ctx,
+                 debug: bool = False) -> None:
+        self.store, self.pool, self.copies, self.act, self.E = store, pool, copies, act, E
+        self.stats, self.ctx, self.debug = stats, ctx, debug
+        self.device, self.cuda, self.dtype, self.L = pool.device, pool.cuda, pool.dtype, len(act)
+        self.events: list[list[np.ndarray]] = [[] for _ in range(self.L)]  # the plans' kernel events, per layer
+        self.null_compute = False  # calibration only: skip the expert math (everything else runs)
+        self.lowbit: list[list[tuple]] | None = None  # [L][E] (gate_up, down) QWeight on the device
+        self.lowbit_key: tuple[int, int] | None = None
+        self.lowbit_bytes = 0
+
+    def reset(self) -> None:
+        self.events = [[] for _ in range(self.L)]
+
+    def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, plan) -> torch.Tensor:
+        """Experts' output for tokens x [N, H]: exact streaming (plan None) or the kernel's plan."""
+        if plan is None:
+            return stream_layer(self, layer, x, ids, w)
+        return self.apply(layer, x, w, plan)
+
+    # ------------------------------------------------------------------ the plan
+
+    def apply(self, layer: int, x: torch.Tensor, w: torch.Tensor, plan: StepResult) -> torch.Tensor:
+        """The kernel's plan for N tokens of `layer`: x [N, H], gate weights w [N, k] -> [N, H]."""
+        kind, served, slot = plan.kind, plan.served, plan.slot  # [N, k]
+        N, k = kind.shape
+        cache = self.pool.cache
+        t0 = int(cache.next_t[layer]) - N
+        out = torch.zeros_like(x)  # [N, H]
+        act = self.act[layer]
+        pol = cache.policy
+        adm, queued, d = plan.admitted, plan.queued, pol.admission_delay  # [n, 3] (t, e, s), [n, 2] (t, e)
+        pref = getattr(plan, "prefetched", None)
+        pref = np.zeros((0, 3), np.int64) if pref is None else pref  # [n, 3] (t, e, s)
+        lookahead = pol.prefetch == "lookahead" and N == 1
+        ai = qi = pi = 0
+        for i in range(N):
+            t = t0 + i
+            hosts = [j for j in range(k) if kind[i, j] == HOST] if not self.null_compute else []
+            # (0) the activation of a host-computed token goes to the host first: nothing but this layer's
+            # dense part (already finished: its routing was read) is queued ahead of it on the stream
+            xh = x[i : i + 1].to("cpu") if hosts else None
+            # (1) admissions the kernel applied before token t, then the copies it popped and skipped
+            while ai < len(adm) and adm[ai, 0] == t:
+                self._admit(layer, int(adm[ai, 1]), int(adm[ai, 2]))
+                ai += 1
+            self._release_popped(layer, t)
+            # (2) prefetch loads the kernel made for this token, (3) synchronous fetches in rank order
+            while pi < len(pref) and pref[pi, 0] == t:
+                self._load_prefetched(layer, int(pref[pi, 1]), int(pref[pi, 2]))
+                pi += 1
+            self._release_prefetch(layer)
+            for j in range(k):
+                if kind[i, j] == FETCH:
+                    self.fetch(layer, int(served[i, j]), int(slot[i, j]))
+            # (3b) the next layer's lookahead copies start behind this layer's fetches
+            if lookahead:
+                self._issue_prefetch(layer, t)
+            # (4) device compute, queued without waiting, in ascending expert id (the HF accumulation order):
+            # full precision from a slot, LOWBIT from the expert's packed low-bit copy
+            xi = x[i : i + 1]  # [1, H]
+            if not self.null_compute:
+                for j in np.argsort(served[i], kind="stable"):
+                    kd = kind[i, j]
+                    if kd == DROP or kd == HOST:
+                        continue
+                    if kd == LOWBIT:
+                        out[i] += (self.lowbit_expert(layer, int(served[i, j]), xi) * w[i, j])[0]
+                        self.stats["lowbit_computes"] += 1
+                        continue
+                    buf = self.pool.slots[layer][slot[i, j]]
+                    out[i] += (expert_forward(xi, buf.gate_up, buf.down, act) * w[i, j])[0]
+                    self.stats["device_computes"] += 1
+            # (5) host compute runs on the CPU while the device works through (4); results go back async
+            for j in sorted(hosts, key=lambda j: served[i, j]):
+                y = self.host_expert(layer, int(served[i, j]), xh)
+                out[i] += (self.result_to_device(y) * w[i, j])[0]
+                self.stats["host_computes"] += 1
+            # (6) the admissions queued at this token start copying in the background
+            while qi < len(queued) and queued[qi, 0] == t:
+                e = int(queued[qi, 1])
+                buf = self.pool.take_staging()
+                self.copies.pending[layer][e] = Pending(t + d, buf, self.copies.copy_async(layer, e, buf, "adm"))
+                self.stats["admission_copies"] += 1
+                qi += 1
+        if ai != len(adm) or pi != len(pref) or qi != len(queued):
+            raise RuntimeError(f"engine: MoE layer {layer}: plan rows outside tokens {t0}..{t0 + N - 1}")
+        self.events[layer].append(plan.events)
+        if self.debug:
+            self.pool.check(layer)
+        return out
+
+    def fetch(self, layer: int, e: int, s: int, prefetch_load: bool = False) -> None:
+        """Copy host -> slot s on the copy stream; the compute waits for it (CPU device mode: a plain copy)."""
+        self.copies.copy_now(layer, e, self.pool.slots[layer][s])
+        self.stats["prefetch_sync_loads" if prefetch_load else "fetch_copies"] += 1
+
+    def _admit(self, layer: int, e: int, s: int) -> None:
+        p = self.copies.pending[layer].pop(e, None)
+        if p is None:
+            raise RuntimeError(f"engine: MoE layer {layer}: the kernel admitted expert {e}, whose copy the engine "
+                               "never started (its plan's queued rows were not applied)")
+        if self.copies.wait_copy(p.handle, timed="admission_stall_s") and not self.cuda:  # CUDA: counted from the measured wait
+            self.stats["admission_stalls"] += 1
+        self.pool.install(layer, s, p.buf)
+        self.stats["admissions_applied"] += 1
+
+    def _release_popped(self, layer: int, t: int) -> None:
+        """Copies due before token t that the kernel did not admit (it skips an expert that became resident
+        meanwhile): their staging buffers go back to the pool once the copy is done."""
+        q = self.copies.pending[layer]
+        for e in [e for e, p in q.items() if p.due <= t]:
+            p = q.pop(e)
+            self.pool.give_staging(p.buf, after=p.handle)
+            self.stats["admissions_discarded"] += 1
+
+    def _load_prefetched(self, layer: int, e: int, s: int) -> None:
+        """The kernel loaded expert e into slot s ahead of this token (prefetch): the copy started one layer
+        earlier becomes the slot's buffer (waiting for it, a stall if late); without one (oracle prefetch,
+        known only now, or an expert evicted by this token's admissions after the copies were issued) it
+        is copied now, as a fetch."""
+        p = self.copies.prefetch[layer].pop(e, None)
+        if p is None:
+            self.fetch(layer, e, s, prefetch_load=True)
+            return
+        if self.copies.wait_copy(p.handle, timed="prefetch_stall_s") and not self.cuda:  # CUDA: counted from the measured wait
+            self.stats["prefetch_stalls"] += 1
+        self.pool.install(layer, s, p.buf)
+        self.stats["prefetch_applied"] += 1
+
+    def _issue_prefetch(self, layer: int, t: int) -> None:
+        """Lookahead prefetch: once this layer's routing is known, the next layer's predicted list is
+        (runtime/backends/adapters.py, `Context.pending`); copies of its experts that are not resident there start
+        now on the copy stream (behind this layer's fetches), into staging buffers. The next layer's plan
+        says which of them the kernel loads, and into which slots."""
+        nxt = layer + 1
+        pend = getattr(self.ctx, "pending", None)
+        q = pend[nxt] if pend is not None and nxt < self.L else None
+        pred = q[-1] if q else None  # the list this step just formed for the next layer
+        if pred is None or len(pred) != 1:
+            return
+        cache = self.pool.cache
+        q = self.copies.prefetch[nxt]
+        for e in pred[0][: cache.prefetch_width].tolist():
+            if e < 0:
+                break
+            if cache.expert_slot[nxt, e] >= 0 or e in q:
+                continue
+            buf = self.pool.take_staging()
+            q[e] = Pending(t, buf, self.copies.copy_async(nxt, e, buf, "copy"))
+            self.stats["prefetch_copies"] += 1
+
+    def _release_prefetch(self, layer: int) -> None:
+        """Early copies the kernel did not load (an admission made the expert resident first, or no victim)."""
+        q = self.copies.prefetch[layer]
+        for p in q.values():
+            self.pool.give_staging(p.buf, after=p.handle)
+            self.stats["prefetch_wasted"] += 1
+        q.clear()
+
+    # ------------------------------------------------------------------ host compute
+
+    def host_expert(self, layer: int, e: int, x_host: torch.Tensor) -> torch.Tensor:
+        """Expert e on the host CPU from the host store: x_host [n, H] on the host -> [n, H] on the host."""
+        gu, d = self.store.weights(layer, e)
+        return expert_forward(x_host, gu, d, self.act[layer])
+
+    def result_to_device(self, y: torch.Tensor) -> torch.Tensor:
+        """A host result back to the device: a non-blocking copy from pinned memory (CPU device mode: as is)."""
+        if not self.cuda:
+            return y
+        return y.pin_memory().to(self.device, non_blocking=True)  # the caching host allocator keeps it alive
+
+    # ------------------------------------------------------------------ low-bit copies
+
+    def bind_lowbit(self, policy: PolicyConfig) -> None:
+        """The low-bit copies `policy` needs (fallback lowbit) on the device, or none (they leave it)."""
+        if policy.fallback == "lowbit":
+            self.build_lowbit(int(policy.lowbit_bits), int(policy.lowbit_group))
+        elif self.lowbit is not None:  # another policy: the low-bit copies leave the device
+            self.lowbit, self.lowbit_key = None, None
+            self.pool.refund(self.lowbit_bytes)
+            self.lowbit_bytes = 0
+
+    def build_lowbit(self, bits: int, group: int) -> None:
+        """Packed low-bit copies (runtime/backends/lowbit.py: HQQ, groups along each matrix's input dimension) of every
+        expert on the device, built once per (bits, group); quantized on the device from the host store."""
+        if self.lowbit_key == (bits, group):
+            return
+        from runtime.backends import lowbit  # noqa: PLC0415 - hqq is only needed for this fallback
+
+        if self.lowbit is not None:
+            self.pool.refund(self.lowbit_bytes)
+        self.lowbit, self.lowbit_key, self.lowbit_bytes = None, None, 0
+        copies, nbytes = [], 0
+        for l_ in range(self.L):
+            row = []
+            for e in range(self.E):
+                gu, d = self.store.weights(l_, e)
+                q = (lowbit.quantize(gu.to(self.device), bits, group), lowbit.quantize(d.to(self.device), bits, group))
+                nbytes += q[0].nbytes + q[1].nbytes
+                row.append(q)
+            copies.append(row)
+        self.lowbit, self.lowbit_key, self.lowbit_bytes = copies, (bits, group), nbytes
+        self.pool.charge(nbytes)
+        log.info("low-bit copies (%d bits, group %d) of %d experts: %.3g MiB on %s", bits, group, self.L * self.E,
+                 nbytes / 2**20, self.device)
+
+    def lowbit_expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e from its packed low-bit copy: dequantize on the device, then compute; x [n, H] -> [n, H]."""
+        qgu, qd = self.lowbit[layer][e]
+        return expert_forward(x, qgu.dequantize(self.dtype), qd.dequantize(self.dtype), self.act[layer])
+
+
+def stream_layer(run: PlanRunner, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact experts' output for x [N, H], selection ids [N, k] and gate weights w [N, k] -> [N, H]: the
+    engine's exact mode (prefill, the exact reference). Resident experts read their slots; the others
+    stream host -> device through two staging buffers, the copy of the next expert overlapping the
+    compute of the current one. Tokens accumulate in the Hugging Face eager order (ascending expert
+    id, then rank-major token order), so the result equals the model's.
+
+    One device -> host read of the selection per call (which experts, which tokens); the token lists
+    go back to the device in one pinned, asynchronous copy; no other synchronisation."""
+    pool, copies = run.pool, run.copies
+    out = torch.zeros_like(x)  # [N, H]
+    ids_h = ids.cpu().numpy()  # [N, k]
+    experts = np.unique(ids_h).tolist()  # ascending
+    N, k = ids_h.shape
+    # per expert, (token, rank) pairs in rank-major order, as the HF eager loop accumulates them
+    pos_l, tok_l, bounds = [], [], [0]
+    for e in experts:
+        pos, tok = np.nonzero((ids_h == e).T)  # [k, N] mask: rank-major
+        pos_l.append(pos)
+        tok_l.append(tok)
+        bounds.append(bounds[-1] + len(tok))
+    idx = torch.from_numpy(np.concatenate([np.concatenate(tok_l), np.concatenate(pos_l)]).astype(np.int64))
+    if run.cuda:
+        idx = idx.pin_memory().to(run.device, non_blocking=True)
+    M = bounds[-1]
+    toks, poss = idx[:M], idx[M:]  # [M] token, [M] rank
+    slots = {e: pool.resident_slot(layer, e) for e in experts}
+    stream = [e for e in experts if slots[e] < 0]
+    bufs = [pool.take_staging() for _ in range(min(2, len(stream)))]
+    handles: list = [None, None]
+
+    def issue(n: int) -> None:
+        handles[n % 2] = copies.copy_async(layer, stream[n], bufs[n % 2], stream="copy")
+        run.stats["prefill_copies"] += 1
+
+    if stream:
+        issue(0)
+    n = 0
+    act = run.act[layer]
+    for a, e in enumerate(experts):
+        if slots[e] >= 0:
+            buf = pool.slots[layer][slots[e]]
+        else:
+            copies.wait_copy(handles[n % 2])
+            buf = bufs[n % 2]
+            if n + 1 < len(stream):
+                issue(n + 1)  # into the other buffer, whose last reader (expert n-1) was marked below
+        tok, pos = toks[bounds[a] : bounds[a + 1]], poss[bounds[a] : bounds[a + 1]]
+        y = expert_forward(x[tok], buf.gate_up, buf.down, act) * w[tok, pos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+        if slots[e] < 0:
+            pool.mark_read(buf)  # the next copy into this buffer waits for this compute
+            n += 1
+    for b in bufs:
+        pool.give_staging(b)
+    return out

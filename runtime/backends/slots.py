@@ -1,0 +1,157 @@
+"""The device's expert memory: per MoE layer a pool of slots, a shared pool of staging buffers, and the
+ledger of the device bytes the engine holds.
+
+- Slot `s` of MoE layer `l` (`slots[l][s]`, an `ExpertBuf`) holds the expert the kernel's own table says
+  (`cache.slot_expert[l, s]`): the pool reads the bound `PolicyCache` and keeps no copy of its slot table.
+- Staging buffers, shared by all layers and allocated on demand (never returned to the allocator), take
+  background admissions, lookahead prefetches and the exact path's streamed experts. A buffer whose copy
+  the kernel admits becomes the slot (`install`) and the slot's old buffer joins the staging pool: a
+  swap, not a second copy.
+- CUDA: every buffer carries its own events (`ready` after its last copy, `done_reading` after its last
+  queued reader; `freed` is the one the next writer's stream waits on), re-recorded, never new per copy.
+
+The copies into these buffers are runtime/backends/copies.py's; what goes where is the kernel's plan
+(runtime/backends/plan.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.backends.hoststore import HostStore
+    from runtime.core.kernel import PolicyCache
+
+
+@dataclass
+class ExpertBuf:
+    """One expert's weights on the device (a slot's content or a staging buffer).
+
+    CUDA: `ready` is recorded after the last copy into the buffer; `freed` points at the event after
+    which the buffer's last reader (or writer) is done, that the next writer's stream waits on. The two
+    events are the buffer's own, re-recorded (no new CUDA event per copy)."""
+
+    gate_up: torch.Tensor  # [2I, H]
+    down: torch.Tensor  # [H, I]
+    ready: object = None
+    done_reading: object = None
+    freed: object = None
+
+
+class SlotPool:
+    """Per-layer slots and the staging pool of one engine, in `store`'s dtype on `device`.
+
+    `dev_bytes` / `peak_bytes`: the device bytes the engine holds (non-expert weights `base_bytes`, every
+    buffer allocated here, and what others `charge`, such as the low-bit copies), now and at most since
+    `reset_peak` (CPU device mode's peak device memory)."""
+
+    def __init__(self, store: HostStore, device: torch.device, H: int, I: int, expert_bytes: int,  # noqa: E741
+                 base_bytes: int) -> None:
+        self.store, self.device, self.cuda = store, device, device.type == "cuda"
+        self.dtype, self.H, self.I, self.expert_bytes = store.dtype, H, I, expert_bytes
+        self.cache: PolicyCache | None = None
+        self.slots: list[list[ExpertBuf]] | None = None  # [L][C_l]
+        self.free: list[ExpertBuf] = []  # staging buffers not in use
+        self.n_staging = 0
+        self.dev_bytes = self.peak_bytes = base_bytes
+
+    # ------------------------------------------------------------------ the ledger
+
+    def charge(self, nbytes: int) -> None:
+        self.dev_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.dev_bytes)
+
+    def refund(self, nbytes: int) -> None:
+        self.dev_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.dev_bytes
+
+    def slot_bytes(self) -> int:
+        return sum(len(s) for s in self.slots or []) * self.expert_bytes
+
+    # ------------------------------------------------------------------ buffers
+
+    def new_buf(self) -> ExpertBuf:
+        with torch.inference_mode(False):  # normal tensors: the link thread (not in inference mode) writes them
+            buf = ExpertBuf(torch.empty(2 * self.I, self.H, dtype=self.dtype, device=self.device),
+                            torch.empty(self.H, self.I, dtype=self.dtype, device=self.device))
+        if self.cuda:
+            buf.ready, buf.done_reading = torch.cuda.Event(), torch.cuda.Event()
+            # the caching allocator may hand out memory that the compute stream freed a moment ago and
+            # still reads: whoever writes the new buffer on another stream waits for the compute stream
+            buf.done_reading.record(torch.cuda.current_stream(self.device))
+            buf.freed = buf.done_reading
+        self.charge(self.expert_bytes)
+        return buf
+
+    def take_staging(self) -> ExpertBuf:
+        """A free staging buffer (allocated on demand; buffers are never returned to the allocator)."""
+        if not self.free:
+            self.n_staging += 1
+            return self.new_buf()
+        return self.free.pop()
+
+    def mark_read(self, buf: ExpertBuf) -> None:
+        """CUDA: the compute stream's reads of `buf` queued so far end its use; the next writer waits for them."""
+        if self.cuda:
+            buf.done_reading.record(torch.cuda.current_stream(self.device))
+            buf.freed = buf.done_reading
+
+    def give_staging(self, buf: ExpertBuf, after=None) -> None:
+        """Return a buffer to the staging pool: free once the compute stream's reads queued so far are done,
+        or (after = its copy's handle: a copy nobody will read) once that copy is done."""
+        if self.cuda:
+            if after is None:
+                self.mark_read(buf)
+            else:
+                buf.freed = after
+        elif isinstance(after, Future):
+            after.result()
+        self.free.append(buf)
+
+    # ------------------------------------------------------------------ slots
+
+    def bind(self, cache: PolicyCache) -> None:
+        """Slots sized by `cache`'s capacities (reallocated only when they change) and loaded with its
+        residency from the host store (blocking copies on the current stream)."""
+        caps = [int(c) for c in cache.caps]
+        if self.slots is None or [len(s) for s in self.slots] != caps:
+            if self.slots is not None:
+                self.refund(self.slot_bytes())
+            self.slots = None  # the old buffers go before the new ones are allocated
+            self.slots = [[self.new_buf() for _ in range(c)] for c in caps]
+        self.cache = cache
+        for l_, row in enumerate(self.slots):
+            for s in range(len(row)):
+                e = int(cache.slot_expert[l_, s])
+                if e >= 0:
+                    self.store.copy_into(l_, e, row[s])
+
+    def install(self, layer: int, s: int, buf: ExpertBuf) -> None:
+        """`buf` (a landed copy) becomes slot s of `layer`; the slot's old buffer joins the staging pool."""
+        old = self.slots[layer][s]
+        self.slots[layer][s] = buf
+        self.give_staging(old)
+
+    def resident_slot(self, layer: int, e: int) -> int:
+        """The kernel's slot of expert e (its own table), -1 when not resident or nothing is bound."""
+        if self.slots is None or self.cache is None:
+            return -1
+        return int(self.cache.expert_slot[layer, e])
+
+    def check(self, layer: int) -> None:
+        """Debug: every slot holds the weights of the expert the kernel's table puts there."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for s in range(int(self.cache.caps[layer])):
+            e = int(self.cache.slot_expert[layer, s])
+            if e >= 0:
+                gu, d = self.store.weights(layer, e)
+                buf = self.slots[layer][s]
+                if not (torch.equal(buf.gate_up.cpu(), gu) and torch.equal(buf.down.cpu(), d)):
+                    raise AssertionError(f"engine slot {s} of MoE layer {layer} does not hold expert {e}'s weights")
