@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime.backends import hfmodel, stream  # noqa: E402
-from runtime.core.kernel import PolicyCache, warm_residency, warmup  # noqa: E402
-from runtime.core.policy import PRESETS, resolve_capacities  # noqa: E402
+from runtime.backends import hfmodel, stream
+from runtime.core.kernel import PolicyCache, warm_residency, warmup
+from runtime.core.policy import PRESETS, resolve_capacities
 
 
 def main() -> None:

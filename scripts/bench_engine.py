@@ -5,7 +5,7 @@
 1. Builds (once, under --workdir) a random Qwen3-MoE checkpoint big enough that expert copies and
    computes matter (default 4 layers, 16 experts of 3 x 256 x 4096, top-4, fp32: a small hidden size
    keeps the dense part, mostly Python overhead on a CPU, from hiding the experts; the tokenizer and
-   config come from tests/tiny_hf.py), with a calibration text and an evaluation text.
+   config come from runtime/tools/tinyhf.py), with a calibration text and an evaluation text.
 2. Calibrates the host with the engine (runtime/tools/calibrate.py) and writes host.yaml.
 3. Per policy a recorded engine run (the router trace the engine saw, ranking depth E); then
    --rounds rounds of [calibrate; one timed run of every policy] (same teacher-forced decode, same
@@ -38,17 +38,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from runtime.backends import hfmodel
+from runtime.backends.engine import Engine, cpu_threads, load_engine
+from runtime.backends.simulate import simulate
+from runtime.core.errors import atomic_write
+from runtime.core.kernel import PolicyCache, warm_residency
+from runtime.core.policy import PRESETS, PolicyConfig, resolve_capacities
+from runtime.formats import costmodel
+from runtime.tools.calibrate import calibrate
 
-from runtime.backends import hfmodel  # noqa: E402
-from runtime.backends.engine import Engine, cpu_threads, load_engine  # noqa: E402
-from runtime.backends.simulate import simulate  # noqa: E402
-from runtime.core.errors import atomic_write  # noqa: E402
-from runtime.core.kernel import PolicyCache, warm_residency  # noqa: E402
-from runtime.core.policy import PRESETS, PolicyConfig, resolve_capacities  # noqa: E402
-from runtime.formats import costmodel  # noqa: E402
-from runtime.tools.calibrate import calibrate  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench_engine")
 
@@ -67,14 +66,14 @@ COUNTERS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes
 
 
 def build_model(d: Path, hidden: int, inter: int, experts: int, top_k: int, layers: int) -> Path:
-    """A random Qwen3-MoE checkpoint (bf16) with tests/tiny_hf.py's tokenizer and config family."""
+    """A random Qwen3-MoE checkpoint (bf16) with runtime/tools/tinyhf.py's tokenizer and config family."""
     tag = d / "bench.json"
     spec = {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k, "layers": layers}
     if tag.is_file() and json.loads(tag.read_text()) == spec:
         return d
     from transformers import AutoModelForCausalLM
 
-    from tests.tiny_hf import build_tiny, tiny_config
+    from runtime.tools.tinyhf import build_tiny, tiny_config
 
     build_tiny("qwen3_moe", d, num_experts=experts, top_k=top_k)  # tokenizer + a tiny model, replaced below
     cfg = tiny_config("qwen3_moe", experts, top_k)

@@ -22,13 +22,11 @@ import argparse
 import json
 import os
 import platform
-import sys
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 TICK = os.sysconf("SC_CLK_TCK")
 

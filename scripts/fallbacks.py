@@ -24,16 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from runtime.backends import get_backend, hfmodel  # noqa: E402
-from runtime.core.errors import InputError  # noqa: E402
-from runtime.core.policy import PolicyConfig  # noqa: E402
-from runtime.core.spec import RunSpec  # noqa: E402
-from runtime.formats import costmodel  # noqa: E402
+from runtime.backends import get_backend, hfmodel
+from runtime.core.errors import InputError
+from runtime.core.policy import PolicyConfig
+from runtime.core.spec import RunSpec
+from runtime.formats import costmodel
 
 HOSTS = ("rtx3090", "rtx4090", "rtx5090")
 FALLBACKS = [("substitute", {}), ("lowbit 8", {"fallback": "lowbit", "lowbit_bits": 8}),

@@ -18,12 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from runtime.core.errors import atomic_write, cli_main
+from runtime.tools import findings
 
-from runtime.core.errors import atomic_write, cli_main  # noqa: E402
-from runtime.tools import findings  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 INTRO = """# The paper's findings on the mix reference model
 

@@ -5,7 +5,7 @@
 Writes OUT.json with: Python, torch (+ CUDA, cuDNN, GPU name, compute capability, memory), transformers,
 numba, numpy and the other packages the engine needs, each against the version in constraints.txt (the
 tested environment); the packages that are missing; whether pytest-timeout is there; and the result of
-the internals check: for every adapter family (tests/tiny_hf.py), a tiny random model built in memory
+the internals check: for every adapter family (runtime/tools/tinyhf.py), a tiny random model built in memory
 with the machine's transformers must (1) expose the sparse block the adapters wrap (router returning
 (logits, weights, indices), fused experts gate_up_proj [E, 2I, H] / down_proj [E, H, I] called as
 experts(x, indices, weights)), (2) give identical logits with the adapters attached and no cache, and
@@ -27,7 +27,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 REQUIRED = ("torch", "transformers", "numba", "numpy", "pyarrow", "yaml", "safetensors", "tokenizers", "tqdm", "pytest")
 DIST = {"yaml": "PyYAML"}
@@ -92,10 +91,10 @@ def check_family(family: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from runtime.backends import adapters
-    from runtime.backends.engine import _takes_cache
+    from runtime.backends.engine import kv_cache_kwarg
     from runtime.core.kernel import PolicyCache
     from runtime.core.policy import PRESETS
-    from tests.tiny_hf import tiny_config
+    from runtime.tools.tinyhf import tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config(family)
@@ -122,8 +121,7 @@ def check_family(family: str) -> dict:
             ctx.cache = None
     dev = float((full - ref).abs().max())
     res = {"fused_expert_layout": bool(layout), "experts_forward": params[1:4], "identity_exact": bool(same),
-           "all_resident_max_abs_diff": dev, "kv_cache_argument": "cache" if _takes_cache(type(model)) else
-           "past_key_values"}
+           "all_resident_max_abs_diff": dev, "kv_cache_argument": kv_cache_kwarg(type(model))}
     res["ok"] = bool(same and dev <= 1e-5 and len(params) >= 4)
     if family != "gpt_oss":  # the engine needs the fused layout without biases (gpt-oss is refused by design)
         res["ok"] = res["ok"] and bool(layout)
@@ -136,7 +134,7 @@ def main() -> int:
     rec = versions()
     fams: dict = {}
     if not rec["missing"]:
-        from tests.tiny_hf import FAMILIES
+        from runtime.tools.tinyhf import FAMILIES
 
         for f in FAMILIES:
             try:

@@ -37,7 +37,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _run(cmd: list[str], env: dict | None = None) -> tuple[float, str]:

@@ -20,13 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from runtime.backends import get_backend
+from runtime.core.policy import PRESETS
+from runtime.core.spec import RunSpec
+from runtime.formats.trace import save_trace, synthetic_pair
 
-from runtime.backends import get_backend  # noqa: E402
-from runtime.core.policy import PRESETS  # noqa: E402
-from runtime.core.spec import RunSpec  # noqa: E402
-from runtime.formats.trace import save_trace, synthetic_pair  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHARED = ROOT.parent / "shared" / "data" / "traces"
 NAMES = ("fetch-every-miss", "rule-0.15", "quality-first", "speed-first")

@@ -47,16 +47,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
+from runtime.backends.simulate import replay, simulate
+from runtime.core.errors import InputError, atomic_write
+from runtime.core.policy import PolicyConfig, resolve_capacities
+from runtime.formats.trace import Trace, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tqdm import tqdm  # noqa: E402
-
-from runtime.backends.simulate import replay, simulate  # noqa: E402
-from runtime.core.errors import InputError, atomic_write  # noqa: E402
-from runtime.core.policy import PolicyConfig, resolve_capacities  # noqa: E402
-from runtime.formats.trace import Trace, load_trace  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -41,16 +41,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+from tqdm import tqdm
+
+from runtime.backends import get_backend
+from runtime.core.errors import InputError, atomic_write
+from runtime.core.policy import PRESETS, PolicyConfig
+from runtime.core.spec import RunSpec
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from runtime.backends import get_backend  # noqa: E402
-from runtime.core.errors import InputError, atomic_write  # noqa: E402
-from runtime.core.policy import PRESETS, PolicyConfig  # noqa: E402
-from runtime.core.spec import RunSpec  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -13,19 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from runtime.backends import hfmodel  # noqa: E402
-from runtime.backends.simulate import simulate  # noqa: E402
-from runtime.core.policy import PRESETS  # noqa: E402
-from runtime.tools.tinymodel import ensure_model  # noqa: E402
+from runtime.backends import hfmodel
+from runtime.backends.simulate import simulate
+from runtime.core.policy import PRESETS
+from runtime.tools.tinymodel import ensure_model
 
 
 def main() -> None:
