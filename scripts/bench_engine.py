@@ -87,7 +87,7 @@ def build_model(d: Path, hidden: int, inter: int, experts: int, top_k: int, laye
             if name.endswith("gate.weight") and p.shape[0] == experts:
                 p.normal_(0, 2.0 / hidden**0.5)  # router logits with std ~2: varied gate weights
     model.to(torch.bfloat16).save_pretrained(d)
-    src = sorted((ROOT / "runtime").glob("*.py"))
+    src = sorted((ROOT / "runtime").rglob("*.py"))  # every runtime module, subpackages included
     (d / "calib.txt").write_text("\n".join(p.read_text() for p in src[: len(src) // 2]))
     (d / "eval.txt").write_text("\n".join(p.read_text() for p in src[len(src) // 2 :]))
     tag.write_text(json.dumps(spec))
