@@ -4,6 +4,7 @@
 #   bash scripts/gpu_checks.sh [RESULTS_DIR]              # on a machine with an NVIDIA GPU
 #   bash scripts/gpu_checks.sh --cpu [--tiny] RESULTS_DIR  # the same steps in CPU device mode, small sizes (dry run)
 #   bash scripts/gpu_checks.sh --wheels                    # here, with a package index: fill .gpu_wheels/ (15 MB)
+#   bash scripts/gpu_checks.sh ... --steps versions,kernel RESULTS_DIR  # only the named steps (the rest: not run)
 #
 # NOT YET RUN ON CUDA: every step has run in CPU device mode (--cpu) only; read the first CUDA run's
 # summary.md with that in mind. The device machine has no internet: `--wheels` downloads (pip) the
@@ -48,6 +49,10 @@
 #  12 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
 # Steps 5, 6 and 9 write their JSON to $WORK (lowbit.txt, fetch_exact.json, stream.json); summary.md
 # carries their figures, so the 8 files above stay 8.
+# GPU_CHECKS_CPU_K and GPU_CHECKS_EXACT_K replace the -k expressions of steps 10 and 11.
+# `--steps a,b,...` runs only the named steps (of the 12 above), in the order above; the others are logged as not
+# selected and left out of summary.md. Steps 5-8 read the model and bench_pinned.json of bench-pinned (in $WORK,
+# RESULTS_DIR): select it with them, or they fail saying what is missing.
 # The cheap CUDA steps come first. A step past its limit gets SIGINT (pytest and Python flush what they
 # have), then SIGKILL 10 s later.
 # The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 480, CPU 840 with every step's limit doubled):
@@ -63,14 +68,26 @@ MODE=cuda
 TINY=0
 RES=""
 RUN_STEP=""
+STEPS=""
+ALL_STEPS="versions kernel oom bench-pinned lowbit fetch-exact generate calibrate stream engine-cpu exactness bench-pageable"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) MODE=cpu ;;
     --tiny) TINY=1 ;;
     --_step) RUN_STEP=$2; shift ;;  # internal: run one step's function (under the caller's `timeout`)
+    --steps)
+      [ $# -ge 2 ] && [ -n "${2//[, ]/}" ] || { echo "expertsweep: error: scripts/gpu_checks.sh: --steps needs a comma-separated list of steps" >&2; exit 2; }
+      STEPS=" ${2//,/ } "
+      for s in $STEPS; do
+        case " $ALL_STEPS " in
+          *" $s "*) ;;
+          *) echo "expertsweep: error: scripts/gpu_checks.sh: --steps: unknown step $s (steps: ${ALL_STEPS// /,})" >&2; exit 2 ;;
+        esac
+      done
+      shift ;;
     --wheels) MODE=wheels ;;
     -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$SELF"; exit 0 ;;
-    -*) echo "expertsweep: error: scripts/gpu_checks.sh: unknown option $1 (use --cpu, --tiny, RESULTS_DIR)" >&2; exit 2 ;;
+    -*) echo "expertsweep: error: scripts/gpu_checks.sh: unknown option $1 (use --cpu, --tiny, --steps, RESULTS_DIR)" >&2; exit 2 ;;
     *) RES=$1 ;;
   esac
   shift
@@ -147,12 +164,20 @@ if [ "$TINY" = 1 ]; then
   EXACT_K="rule-0.15 or flat_buffer or per_token_plan"
   CPU_K="test_other_families_equal_emulation and qwen2_moe"
 fi
+# the tests the two pytest steps select (-k of tests/test_engine.py), overridable: the suite's own test of this
+# script (which runs those tests itself) selects one cheap test each
+EXACT_K=${GPU_CHECKS_EXACT_K:-$EXACT_K}
+CPU_K=${GPU_CHECKS_CPU_K:-$CPU_K}
 START=$SECONDS
 status=0
 summary() { timeout 30 "$PY" scripts/gpu_summary.py "$RES" "$WORK" >>"$LOG" 2>&1 || true; }
 step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of this script under `timeout`
   local name=$1 limit=$(($2 * SCALE)) left t0 rc st
   shift 2
+  if [ -n "$STEPS" ] && [[ "$STEPS" != *" $name "* ]]; then
+    echo "=== $name: not selected (--steps)" | tee -a "$LOG"
+    return
+  fi
   left=$((BUDGET - (SECONDS - START)))
   if [ "$left" -lt 20 ]; then
     echo "=== $name: skipped, ${left}s of the run's budget left" | tee -a "$LOG"
@@ -329,7 +354,7 @@ ARGS=()
 : >"$WORK/steps.tsv"
 rm -f "$WORK/site_path" "$WORK/site_lowbit_path" "$WORK/lowbit.txt" "$WORK/fetch_exact.json" "$WORK/stream.json"
 echo "$MODE" >"$WORK/mode"
-echo "engine checks, $MODE mode, budget ${BUDGET}s, results in $RES, scratch in $WORK" | tee -a "$LOG"
+echo "engine checks, $MODE mode, budget ${BUDGET}s, results in $RES, scratch in $WORK${STEPS:+, steps:$STEPS}" | tee -a "$LOG"
 summary
 step versions 120 versions
 [ -f "$WORK/site_path" ] && export PYTHONPATH="$(cat "$WORK/site_path"):$PYTHONPATH"

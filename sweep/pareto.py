@@ -173,12 +173,6 @@ def setup_logging(out: Path, verbose: bool) -> Path:
     return logs
 
 
-# "module:Class" of the evaluator the workers run instead of sweep.worker.Evaluator (same constructor
-# and `evaluate`); None = that one. Test support sets it (tests/sweep_faults.py: fault injection).
-EVALUATOR: str | None = None
-EVALUATOR_ARGS: Any = None
-
-
 def _out_dir(args: argparse.Namespace) -> Path:
     """--out, else results/<sweep name>/ (the config is read only for its name)."""
     return Path(args.out or Path.cwd() / "results" / load(args).name).expanduser().resolve()
@@ -336,7 +330,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
         shape_arg = shipped(str(p), f"{p.parent.name}/{p.name}" if p.name == "config.json" else p.name)
     ctx = {"trace": shipped(inputs.trace), "calib_trace": shipped(inputs.calib_trace) if inputs.calib_trace else None,
            "model_shape": shape_arg, "profiles": profiles, "max_failures": cfg.max_failures,
-           "evaluator": EVALUATOR, "evaluator_args": EVALUATOR_ARGS, "report_s": 1.0,
+           "report_s": 1.0,
            "done": sorted(r["key"] for r in ledger.rows if r.get("fidelity") == "simulator")}
     driver_node = ray.get_runtime_context().get_node_id()
     fs, files_actor = tune_filesystem(f"expertsweep-tune-{cfg.name}-{os.getpid()}", driver_node)

@@ -20,8 +20,7 @@ An item that raises is retried in place up to `max_failures` times, then reporte
 `InputError`, a bad configuration, fails at once; a policy whose staging and low-bit copies leave
 fewer than k slots in the sweep's `vram_budget_GiB`, `costmodel.BudgetTooSmall`, is reported
 `infeasible` at once, with the slots it would have had). A task whose process dies is retried by Tune
-(`FailureConfig`). `ctx["evaluator"]` ("module:Class") replaces `Evaluator` (the
-tests' fault injection, tests/sweep_faults.py, lives there, outside this module).
+(`FailureConfig`).
 
 The model's tasks (`record_task`, `evaluate_task`) are placed by `model_placement`: on the nodes
 offering the custom resource `model:NAME` (the config's `model_resource`; infra/start_host.sh
@@ -34,7 +33,6 @@ a one-CPU task).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -109,19 +107,15 @@ def _file_arg(v: Any) -> str | None:
 
 
 def evaluator(ctx: dict[str, Any]) -> Evaluator:
+    """This process's `Evaluator` of the sweep's inputs (built on first use, then kept)."""
     def ident(v: Any) -> Any:
         return v["sha256"] if isinstance(v, dict) else v
 
-    key = (ident(ctx["trace"]), ident(ctx.get("calib_trace")), ident(ctx.get("model_shape")), ctx.get("evaluator"))
+    key = (ident(ctx["trace"]), ident(ctx.get("calib_trace")), ident(ctx.get("model_shape")))
     if key not in _EVALUATORS:
         trace, calib, shape = (_file_arg(ctx.get(k)) for k in ("trace", "calib_trace", "model_shape"))
-        cls = Evaluator
-        if ctx.get("evaluator"):
-            module, name = ctx["evaluator"].split(":")
-            cls = getattr(importlib.import_module(module), name)
         _EVALUATORS.clear()  # one sweep per process at a time; free the previous trace
-        _EVALUATORS[key] = cls(trace, calib, shape, **({"args": ctx["evaluator_args"]}
-                                                       if ctx.get("evaluator_args") else {}))
+        _EVALUATORS[key] = Evaluator(trace, calib, shape)
     return _EVALUATORS[key]
 
 

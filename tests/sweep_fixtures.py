@@ -89,7 +89,8 @@ def write_config(folder: Path, name: str = "t", **kw) -> Path:
 
 
 def driver_cmd(config: Path, out: Path, *extra: str, faults: list[dict] | None = None) -> list[str]:
-    """sweep/pareto.py, or with `faults` its test-support wrapper (tests/sweep_faults.py); run from REPO."""
+    """sweep/pareto.py, or with `faults` the same driver run by tests/sweep_faults.py, whose `ray.init` gives
+    the job the runtime_env that injects the faults into its Ray workers; run from REPO."""
     head = [PY, "-m", "tests.sweep_faults", json.dumps(faults)] if faults else [PY, str(REPO / "sweep" / "pareto.py")]
     return [*head, "--config", str(config), "--out", str(out), *extra]
 

@@ -349,14 +349,14 @@ def test_other_families_equal_emulation(tmp_path, family):
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_FILES = ["bench_pageable.json", "bench_pinned.json", "calibrate.json", "generate.json", "gpu_checks.log",
                "host.yaml", "summary.md", "versions.json"]
-CHECK_STEPS = ["versions", "kernel", "engine-cpu", "oom", "bench-pinned", "exactness", "bench-pageable", "calibrate",
-               "generate"]
+CHECK_STEPS = ["versions", "kernel", "oom", "bench-pinned", "lowbit", "fetch-exact", "generate", "calibrate", "stream",
+               "engine-cpu", "exactness", "bench-pageable"]
 
 
-def run_checks(tmp_path, *args, budget: int | None = None):
+def run_checks(tmp_path, *args, budget: int | None = None, **extra_env: str):
     import subprocess
 
-    env = {**os.environ, "WORK": str(tmp_path / "work")}
+    env = {**os.environ, "WORK": str(tmp_path / "work"), **extra_env}
     if budget is not None:
         env["GPU_CHECKS_BUDGET"] = str(budget)
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), *args], cwd=ROOT, env=env,
@@ -366,7 +366,10 @@ def run_checks(tmp_path, *args, budget: int | None = None):
 def test_gpu_checks_script_options_and_budget(tmp_path):
     r = run_checks(tmp_path, "--cpu", "--bogus", str(tmp_path / "out"))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "expertsweep: error: scripts/gpu_checks.sh: unknown option --bogus (use --cpu, --tiny, RESULTS_DIR)"]
+        "expertsweep: error: scripts/gpu_checks.sh: unknown option --bogus (use --cpu, --tiny, --steps, RESULTS_DIR)"]
+    r = run_checks(tmp_path, "--cpu", "--steps", "kernel,bogus", str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "expertsweep: error: scripts/gpu_checks.sh: --steps: unknown step bogus (steps: versions,kernel,")
     # no budget left: every step is recorded as skipped, the summary still written, exit status 1
     r = run_checks(tmp_path, "--cpu", str(tmp_path / "out"), budget=10)
     assert r.returncode == 1
@@ -374,18 +377,36 @@ def test_gpu_checks_script_options_and_budget(tmp_path):
     assert "all ok: NO" in summary
     for s in CHECK_STEPS:
         assert f"| {s} | skipped | 0 |" in summary
+    # --steps: only the named steps run (the oom step, a few seconds), the others are left out of the summary
+    r = run_checks(tmp_path, "--cpu", "--steps", "oom", str(tmp_path / "sub"))
+    assert r.returncode == 0, (tmp_path / "sub" / "gpu_checks.log").read_text()[-3000:]
+    summary = (tmp_path / "sub" / "summary.md").read_text()
+    assert "Steps run: 1; all ok: yes" in summary and "| oom | ok |" in summary
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["gpu_checks.log", "summary.md"]
+    log = (tmp_path / "sub" / "gpu_checks.log").read_text()
+    assert all(f"=== {s}: not selected (--steps)" in log for s in CHECK_STEPS if s != "oom")
 
 
 @pytest.mark.slow
 def test_gpu_checks_script_cpu_mode(tmp_path):
-    """The one-shot GPU script, in CPU device mode at its smallest size (about 5 minutes on a loaded 2-core host)."""
-    r = run_checks(tmp_path, "--cpu", "--tiny", str(tmp_path / "out"))
+    """The one-shot GPU script, in CPU device mode at its smallest size: every step. Its two pytest steps run
+    tests of this module that the suite runs anyway, so here each selects one cheap test (GPU_CHECKS_CPU_K,
+    GPU_CHECKS_EXACT_K): the step, its device variable, its junit file and the summary's counts are checked."""
+    cheap = {"GPU_CHECKS_CPU_K": "test_pinned_store_buffers_own_their_pages",
+             "GPU_CHECKS_EXACT_K": "test_oom_is_a_one_line_error"}
+    r = run_checks(tmp_path, "--cpu", "--tiny", str(tmp_path / "out"), **cheap)
     out = tmp_path / "out"
     assert r.returncode == 0, (out / "gpu_checks.log").read_text()[-4000:]
     assert sorted(p.name for p in out.iterdir()) == CHECK_FILES  # the device tool returns at most 8 files
     summary = (out / "summary.md").read_text()
+    assert f"Steps run: {len(CHECK_STEPS)}; all ok: yes" in summary
     for s in CHECK_STEPS:
         assert f"| {s} | ok |" in summary
+    for tag in ("cpu", "exact"):  # each pytest step ran exactly its one selected test, which passed
+        junit = (tmp_path / "work" / f"junit_{tag}.xml").read_text()
+        assert 'tests="1"' in junit and 'failures="0"' in junit and 'errors="0"' in junit, junit[:500]
+    assert "test_pinned_store_buffers_own_their_pages" in (tmp_path / "work" / "junit_cpu.xml").read_text()
+    assert "test_oom_is_a_one_line_error" in (tmp_path / "work" / "junit_exact.xml").read_text()
     bench = json.loads((out / "bench_pinned.json").read_text())
     assert bench["capacity"] == [4, 4] and bench["vram_budget_GiB"] > 0
     assert json.loads((out / "versions.json").read_text())["ok"]

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from tests import sweep_faults
 from tests.sweep_fixtures import (  # noqa: F401 - the fixtures are used by name
     MODEL_RESOURCE,
     PY,
@@ -220,13 +221,15 @@ def test_no_worker_touches_the_output_folder(ray_cluster, micro_model, tmp_path)
     # with a checkpoint after each of the first two, then the process dies on the third (first-choice), twice
     faults = [{"match": {"rule": "first_choice", "host": "rtx3090"}, "action": "kill"},
               {"match": {}, "action": "sleep", "seconds": 1.1}]
-    renv = {"worker_process_setup_hook": "tests.sweep_audit.install",
-            "env_vars": {"EXPERTSWEEP_AUDIT_ROOT": str(out), "EXPERTSWEEP_AUDIT_LOG": str(audit),
-                         "EXPERTSWEEP_CACHE": str(cache)}}
-    entry = [PY, "-m", "tests.sweep_faults", json.dumps(faults), "--config", str(cfg), "--out", str(out),
+    audit_env = {"EXPERTSWEEP_AUDIT_ROOT": str(out), "EXPERTSWEEP_AUDIT_LOG": str(audit),
+                 "EXPERTSWEEP_CACHE": str(cache)}
+    # the job's one setup hook installs both the audit and the faults (tests/sweep_faults.py); the driver is
+    # the product's own sweep/pareto.py
+    job_env = sweep_faults.runtime_env(faults, "tests.sweep_faults.install_audited", **audit_env)
+    entry = [PY, "sweep/pareto.py", "--config", str(cfg), "--out", str(out),
              "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]
     cmd = [RAY, "job", "submit", "--address", ray_cluster.dashboard, "--working-dir", ".",
-           "--runtime-env-json", json.dumps(renv), "--", *entry]
+           "--runtime-env-json", json.dumps(job_env), "--", *entry]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "succeeded" in proc.stdout.lower(), (proc.stdout[-4000:], proc.stderr[-2000:])
 
@@ -254,7 +257,8 @@ def test_no_worker_touches_the_output_folder(ray_cluster, micro_model, tmp_path)
             "@ray.remote(num_cpus=0)\ndef peek(p):\n    return open(p).read()[:10]\n"
             "try:\n    print('READ', ray.get(peek.remote(sys.argv[3])))\n"
             "except Exception as e:\n    print('REFUSED', str(e)[-600:])\n")
-    probe = subprocess.run([PY, "-c", code, ray_cluster.address, json.dumps({**renv, "working_dir": str(REPO)}),
+    renv = {"worker_process_setup_hook": "tests.sweep_audit.install", "env_vars": audit_env, "working_dir": str(REPO)}
+    probe = subprocess.run([PY, "-c", code, ray_cluster.address, json.dumps(renv),
                             str(out / "summary.md")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert "audit: a Ray worker touched the driver's output folder" in probe.stdout, (probe.stdout[-2000:],
                                                                                       probe.stderr[-2000:])
