@@ -452,8 +452,10 @@ def run_layer(tok, t0, pol, st, out):
         stamp += 1
         st_ = stamp
         n_calls += k
-        # 1. hits (pinned for the token; skey = _IMAX protects them on the fast paths, unread otherwise);
-        # the misses are listed in rank order, with served = the missed expert and slot = -1 until decided
+        # 1. hits (pinned for the token: skey = _IMAX on the fast paths, pin = the token's stamp otherwise;
+        # lfu with gamma = 1 gives a hit its new key at once and protects the hits only if the token
+        # fetches, step 3); the misses are listed in rank order, with served = the missed expert and
+        # slot = -1 until decided
         nm = 0
         for j in range(k):
             e = ids[i, j]
@@ -462,8 +464,14 @@ def run_layer(tok, t0, pol, st, out):
             out_slot[i, j] = s
             if s >= 0:
                 out_kind[i, j] = HIT
-                pin[s] = st_
-                skey[s] = _IMAX
+                if lfu1:
+                    kv = key[e] + 1.0
+                    key[e] = kv
+                    skey[s] = ((np.int64(kv) * E + e) << sb) | s
+                elif fast:
+                    skey[s] = _IMAX
+                else:  # (pin is read only by the float keys' _victim)
+                    pin[s] = st_
                 pslots[j - nm] = s
             else:
                 out_kind[i, j] = _MISS
@@ -500,6 +508,9 @@ def run_layer(tok, t0, pol, st, out):
             if fetch and nf == fcap:  # fetch cap reached: the fallback, as if the rule had not fetched it
                 fetch = False
             if fetch:
+                if lfu1 and nf == 0:  # the token's first fetch: protect its hits now
+                    for q in range(npn):
+                        skey[pslots[q]] = _IMAX
                 # a victim exists: C_l - P_l >= k
                 s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, st_, n_res < cap)
                 if aging:
@@ -585,13 +596,14 @@ def run_layer(tok, t0, pol, st, out):
         msum += mtok
         lsum += ltok
         # 5. keys (the fast paths also re-key this token's pinned slots); lru/crf: full-precision computes only
-        if lfu1:
-            for j in range(k):
-                key[ids[i, j]] += 1.0
-            for q_ in range(npn):  # the hits' and fetches' slots: their experts are this token's
-                s = pslots[q_]
-                e = slot_expert[s]
-                skey[s] = ((np.int64(key[e]) * E + e) << sb) | s
+        if lfu1:  # (the hits have their keys from step 1)
+            for q_ in range(nm):
+                key[ids[i, mj[q_]]] += 1.0
+            if nf > 0:  # re-key the protected slots, the hits' and fetches' (their experts are this token's)
+                for q_ in range(npn):
+                    s = pslots[q_]
+                    e = slot_expert[s]
+                    skey[s] = ((np.int64(key[e]) * E + e) << sb) | s
         elif evict == K_LFU:
             for e in range(E):
                 key[e] = gamma * key[e]
