@@ -23,6 +23,12 @@ read here as `pol.<field>`), the layer's cache (`LayerState`, views of PolicyCac
 outputs (`Outputs`). Every load into a slot (fetch, admission, prefetch) goes through `_claim`. A new
 policy field is one `_p(..., kernel=(name, encoder))` row in runtime/core/policy.py and its use here.
 
+Where the time goes (docs/performance.md, issue 17): a replay streams its trace from memory, so run_layer
+asks for the rows of token i + PF_AHEAD while it decides token i (`_prefetch`, a hint); per token the
+hits pass lists the misses and the pinned slots, so the miss rule, the fallbacks and the re-keying visit
+only those; on the integer fast paths a slot key carries its slot in its low bits (`_ikey`), so a victim
+is one vectorised minimum over the slots.
+
 Input contract (checked by runtime/formats/trace.py for files, true by construction in the adapters):
 a ranking row starts with the token's selection and holds distinct expert ids. Instead of a full
 ranking the adapters pass the router scores it sorts (descending, ties lower id); the substitute
@@ -35,7 +41,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from runtime.core.errors import InputError
 from runtime.core.policy import (
@@ -74,6 +83,33 @@ K_LFU, K_LRU, K_CRF, K_BELADY, K_LFUDA = (EVICT_CODE[e] for e in ("lfu", "lru", 
 Q_AGE = 4  # LayerState.qstate[Q_AGE]: lfuda's inflation value A (an integer)
 
 
+def _prefetcher(write: int):
+    """A numba intrinsic `f(arr, i, j)` that asks the CPU for the cache line of the 2-D array's element
+    [i, j] (`write`: for writing), ahead of its use; a hint only (no fault, no effect on any value)."""
+
+    @intrinsic
+    def prefetch(typingctx, arr, i, j):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, idx, wraparound=False)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(write), i32(3), i32(1)])  # locality 3, data cache
+            return context.get_dummy_value()
+
+        return types.void(arr, i, j), codegen
+
+    return prefetch
+
+
+_prefetch, _prefetch_w = _prefetcher(0), _prefetcher(1)
+# run_layer asks for token i + PF_AHEAD's input and output rows while deciding token i: a replay streams
+# the trace from memory (tens of MB) and a token's decisions take ~100 ns, less than a miss to DRAM
+PF_AHEAD = 8
+
+
 @njit(cache=True, inline="always")
 def _victim(slot_expert, p0, cap, key, pin, stamp):
     """Slot of the resident with the smallest key (ties: lower id) whose pin != stamp among slots p0..cap-1
@@ -97,9 +133,9 @@ _IMAX = np.iinfo(np.int64).max
 
 
 @njit(cache=True, inline="always")
-def _victim_int(skey, p0, cap):
-    """Fast path: slot of the smallest composite key (key * E + id) among slots p0..cap-1; slots protected
-    for the token hold _IMAX."""
+def _victim_int(skey, p0, cap, sb):
+    """Fast path: slot of the smallest slot key among slots p0..cap-1 (slots protected for the token hold
+    _IMAX): one pass, as a slot key carries its slot in its low `sb` bits (_ikey)."""
     m = _IMAX
     if p0 == 0:
         for s in range(cap):
@@ -111,18 +147,17 @@ def _victim_int(skey, p0, cap):
             m = v if v < m else m
     if m == _IMAX:
         return -1
-    for s in range(p0, cap):
-        if skey[s] == m:
-            return s
-    return -1
+    return m & ((np.int64(1) << sb) - 1)
 
 
 @njit(cache=True, inline="always")
-def _ikey(evict, key, e, E):
-    """Composite integer key for lfu (gamma=1), lfuda and lru: smallest key, ties lower id, in one int64."""
+def _ikey(evict, key, e, E, s, sb):
+    """Slot key of slot `s` holding `e` for lfu (gamma=1), lfuda and lru: the composite key * E + id (smallest
+    key, ties lower id, in one int64), shifted left by `sb` bits with the slot in them (2**sb >= C_l): the
+    slots' order is the composite keys' (distinct per slot) and a minimum names its slot."""
     if evict == K_LRU:
-        return (np.int64(key[e]) + 1) * E + e
-    return np.int64(key[e]) * E + e
+        return (((np.int64(key[e]) + 1) * E + e) << sb) | s
+    return ((np.int64(key[e]) * E + e) << sb) | s
 
 
 @njit(cache=True, inline="always")
@@ -216,8 +251,8 @@ def _aged_load(key, qstate, age_count, e, v):
     key[e] = np.float64(qstate[Q_AGE] + age_count[e])
 
 
-@njit(cache=True, inline="always")
-def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, stamp, free):
+@njit(cache=True)
+def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, stamp, free):
     """THE slot claim (fetch, admission, prefetch): put `e` in a free slot (`free`: the layer has one),
     else in the victim's (smallest key among the slots p0.. whose pin != stamp; fast: smallest skey),
     evicting the victim. The claimed slot is pinned with `stamp`. Returns (slot, evicted expert), with
@@ -229,7 +264,7 @@ def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, stamp, fr
     if free:
         s = _free_slot(slot_expert, cap)
     else:
-        s = _victim_int(skey, p0, cap) if fast else _victim(slot_expert, p0, cap, key, pin, stamp)
+        s = _victim_int(skey, p0, cap, sb) if fast else _victim(slot_expert, p0, cap, key, pin, stamp)
         if s >= 0:
             v = slot_expert[s]
             expert_slot[v] = -1
@@ -262,13 +297,26 @@ def run_layer(tok, t0, pol, st, out):
     npw = pred.shape[1] if pred.shape[0] == T else 0  # predicted-list width (0: no prefetch)
     use_adm = beta > 0.0
     fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU or aging  # integer keys: skey mirrors them
+    sb = 0  # slot bits of a slot key (_ikey): 2**sb >= cap
+    while (1 << sb) < cap:
+        sb += 1
     cand = np.empty(k + qcap + npw + k, np.int64)  # admission candidates: non-fetched misses, evicted experts
     subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
     sel_mark = np.full(E if score.shape[0] == T else 0, -1, np.int64)  # score mode: e selected by token i
     bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
     tslots = np.empty(qcap, np.int64)  # slots admitted at the current token (all batches)
     pfe = np.empty(max(npw, 1), np.int64)  # experts prefetched at the current token
-    cnt = np.zeros(N_INT, np.int64)  # counters, kept local so they stay in registers
+    mj = np.empty(k, np.int64)  # this token's misses (positions j), in rank order
+    sj = np.empty(k, np.int64)  # those of them left to the substitute fallback, in rank order
+    pslots = np.empty(k, np.int64)  # slots of this token's hits and fetches (pinned; re-keyed after the token)
+    walk = rule != R_FETCH_ALL and fallback == F_SUBSTITUTE and score.shape[0] != T  # the walk reads rank rows
+    lfu1 = evict == K_LFU and gamma == 1.0
+    cnt = np.zeros(N_INT, np.int64)  # the rarer counters (the per-token ones are the scalars below)
+    n_calls = 0
+    n_hits = 0
+    n_fetch = 0
+    n_subs = 0
+    n_drops = 0
     n_res = qstate[3]
     q_head = qstate[0]
     q_len = qstate[1]
@@ -278,8 +326,19 @@ def run_layer(tok, t0, pol, st, out):
     if fast:
         for s in range(cap):
             e = slot_expert[s]
-            skey[s] = _ikey(evict, key, e, E) if e >= 0 else _IMAX
+            skey[s] = _ikey(evict, key, e, E, s, sb) if e >= 0 else _IMAX
     for i in range(T):
+        ia = i + PF_AHEAD
+        if ia < T:  # hints only: the rows token ia reads and writes, on their way while token i is decided
+            _prefetch(ids, ia, 0)
+            _prefetch(w, ia, 0)
+            _prefetch(w, ia, k - 1)  # a row of w may span two cache lines
+            if walk:
+                _prefetch(rank, ia, k)  # where the substitute walk starts
+            _prefetch_w(out_kind, ia, 0)
+            _prefetch_w(out_served, ia, 0)
+            _prefetch_w(out_slot, ia, 0)
+            _prefetch_w(ev, ia, 0)
         if not valid[i]:
             for j in range(k):
                 out_kind[i, j] = -1
@@ -304,7 +363,7 @@ def run_layer(tok, t0, pol, st, out):
                 if expert_slot[e] >= 0:
                     cnt[C_ADM_SKIPPED] += 1
                     continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, bstamp, n_res < cap)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, bstamp, n_res < cap)
                 if s < 0:
                     cnt[C_ADM_SKIPPED] += 1
                     if use_adm:  # not resident, no longer queued: may be queued again after the token
@@ -333,7 +392,7 @@ def run_layer(tok, t0, pol, st, out):
             if fast:  # re-key the batch's slots (they were pinned against each other)
                 for b_ in range(nb):
                     s = bslots[b_]
-                    skey[s] = _ikey(evict, key, slot_expert[s], E)
+                    skey[s] = _ikey(evict, key, slot_expert[s], E, s, sb)
         # 0b. prefetch this token's predicted list (no f, a or lru change)
         npl = 0
         if npw > 0 and pred[i, 0] >= 0:
@@ -359,7 +418,7 @@ def run_layer(tok, t0, pol, st, out):
                     break
                 if expert_slot[e] >= 0:
                     continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, ps, n_res < cap)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, ps, n_res < cap)
                 if s < 0:
                     continue  # nothing evictable: skipped
                 if aging:
@@ -380,33 +439,46 @@ def run_layer(tok, t0, pol, st, out):
             if fast:  # re-key every protected slot
                 for b_ in range(nts):
                     s = tslots[b_]
-                    skey[s] = _ikey(evict, key, slot_expert[s], E)
+                    skey[s] = _ikey(evict, key, slot_expert[s], E, s, sb)
                 for p in range(npw):
                     e = pred[i, p]
                     if e < 0:
                         break
                     s = expert_slot[e]
                     if s >= 0:
-                        skey[s] = _ikey(evict, key, e, E)
+                        skey[s] = _ikey(evict, key, e, E, s, sb)
             cnt[C_PREF] += npl
             ev[i, EV_PREFETCH] += npl
         stamp += 1
         st_ = stamp
-        cnt[C_CALLS] += k
-        # 1. hits
+        n_calls += k
+        # 1. hits (pinned for the token: skey = _IMAX on the fast paths, pin = the token's stamp otherwise;
+        # lfu with gamma = 1 gives a hit its new key at once and protects the hits only if the token
+        # fetches, step 3); the misses are listed in rank order, with served = the missed expert and
+        # slot = -1 until decided
+        nm = 0
         for j in range(k):
             e = ids[i, j]
             s = expert_slot[e]
+            out_served[i, j] = e
+            out_slot[i, j] = s
             if s >= 0:
                 out_kind[i, j] = HIT
-                out_served[i, j] = e
-                out_slot[i, j] = s
-                pin[s] = st_
-                cnt[C_HITS] += 1
-                if fast:
+                if lfu1:
+                    kv = key[e] + 1.0
+                    key[e] = kv
+                    skey[s] = ((np.int64(kv) * E + e) << sb) | s
+                elif fast:
                     skey[s] = _IMAX
+                else:  # (pin is read only by the float keys' _victim)
+                    pin[s] = st_
+                pslots[j - nm] = s
             else:
                 out_kind[i, j] = _MISS
+                mj[nm] = j
+                nm += 1
+        npn = k - nm  # pinned slots in pslots
+        n_hits += npn
         if npl > 0:
             for p in range(npl):
                 e = pfe[p]
@@ -422,24 +494,25 @@ def run_layer(tok, t0, pol, st, out):
         nneed = 0
         mtok = 0.0  # substituted mass of this token-layer
         ltok = 0.0  # lowbit mass of this token-layer
-        for j in range(k):
-            if out_kind[i, j] != _MISS:
-                continue
+        for q_ in range(nm):
+            j = mj[q_]
             e = ids[i, j]
-            wj = w[i, j]
             if rule == R_FETCH_ALL:
                 fetch = True
             elif rule == R_SUBSTITUTE_ALL:
                 fetch = False
             elif rule == R_BAND:
-                fetch = j == 0 or wj < tau or wj >= tau_high
+                fetch = j == 0 or w[i, j] < tau or w[i, j] >= tau_high
             else:  # threshold, first_choice (tau = +inf)
-                fetch = j == 0 or wj >= tau
+                fetch = j == 0 or w[i, j] >= tau
             if fetch and nf == fcap:  # fetch cap reached: the fallback, as if the rule had not fetched it
                 fetch = False
             if fetch:
+                if lfu1 and nf == 0:  # the token's first fetch: protect its hits now
+                    for q in range(npn):
+                        skey[pslots[q]] = _IMAX
                 # a victim exists: C_l - P_l >= k
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, fast, e, st_, n_res < cap)
+                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, st_, n_res < cap)
                 if aging:
                     _aged_load(key, qstate, age_count, e, v)
                 if v < 0:
@@ -449,36 +522,35 @@ def run_layer(tok, t0, pol, st, out):
                     nc += 1
                 acc[e] = 0.0
                 out_kind[i, j] = FETCH
-                out_served[i, j] = e
                 out_slot[i, j] = s
+                pslots[npn] = s
+                npn += 1
                 nf += 1
             elif fallback == F_SUBSTITUTE:
                 out_kind[i, j] = SUB
+                sj[nneed] = j
                 nneed += 1
-            elif fallback == F_HOST:
+            elif fallback == F_HOST:  # served e, slot -1 (as listed)
                 out_kind[i, j] = HOST
-                out_served[i, j] = e
-                out_slot[i, j] = -1
                 nh += 1
             elif fallback == F_LOWBIT:
+                wj = w[i, j]
                 out_kind[i, j] = LOWBIT
-                out_served[i, j] = e
-                out_slot[i, j] = -1
                 nlow += 1
                 ltok += wj
                 acc[e] += wj
                 cand[nc] = e
                 nc += 1
             else:  # drop
+                wj = w[i, j]
                 out_kind[i, j] = DROP
                 out_served[i, j] = -1
-                out_slot[i, j] = -1
                 ndrop += 1
                 mtok += wj
                 acc[e] += wj
                 cand[nc] = e
                 nc += 1
-        cnt[C_FETCHES] += nf
+        n_fetch += nf
         cnt[C_HOST] += nh
         cnt[C_LOWBIT] += nlow
         # 4. substitutes in rank order, after all fetches
@@ -502,41 +574,36 @@ def run_layer(tok, t0, pol, st, out):
                     subs[nfound] = c
                     nfound += expert_slot[c] >= 0
                     m += 1
-            q_ = 0
-            for j in range(k):
-                if out_kind[i, j] != SUB:
-                    continue
-                found = -1
+            for q_ in range(nneed):  # the q-th substitute (if found) serves the q-th of these misses
+                j = sj[q_]
+                e = ids[i, j]
+                wj = w[i, j]
                 if q_ < nfound:
                     found = subs[q_]
-                    q_ += 1
-                e = ids[i, j]
-                if found >= 0:
                     out_served[i, j] = found
                     out_slot[i, j] = expert_slot[found]
                     nsub += 1
                 else:
                     out_kind[i, j] = DROP
                     out_served[i, j] = -1
-                    out_slot[i, j] = -1
                     ndrop += 1
-                mtok += w[i, j]
-                acc[e] += w[i, j]
+                mtok += wj
+                acc[e] += wj
                 cand[nc] = e
                 nc += 1
-        cnt[C_SUBS] += nsub
-        cnt[C_DROPS] += ndrop
+        n_subs += nsub
+        n_drops += ndrop
         msum += mtok
         lsum += ltok
         # 5. keys (the fast paths also re-key this token's pinned slots); lru/crf: full-precision computes only
-        if evict == K_LFU and gamma == 1.0:
-            for j in range(k):
-                e = ids[i, j]
-                kv = key[e] + 1.0
-                key[e] = kv
-                kd = out_kind[i, j]
-                if kd == HIT or kd == FETCH:
-                    skey[out_slot[i, j]] = np.int64(kv) * E + e
+        if lfu1:  # (the hits have their keys from step 1)
+            for q_ in range(nm):
+                key[ids[i, mj[q_]]] += 1.0
+            if nf > 0:  # re-key the protected slots, the hits' and fetches' (their experts are this token's)
+                for q_ in range(npn):
+                    s = pslots[q_]
+                    e = slot_expert[s]
+                    skey[s] = ((np.int64(key[e]) * E + e) << sb) | s
         elif evict == K_LFU:
             for e in range(E):
                 key[e] = gamma * key[e]
@@ -547,17 +614,18 @@ def run_layer(tok, t0, pol, st, out):
             for j in range(k):
                 e = ids[i, j]
                 age_count[e] += 1
-                kv = age + age_count[e]
-                key[e] = np.float64(kv)
-                kd = out_kind[i, j]
-                if kd == HIT or kd == FETCH:
-                    skey[out_slot[i, j]] = kv * E + e
+                key[e] = np.float64(age + age_count[e])
+            for q_ in range(npn):
+                s = pslots[q_]
+                e = slot_expert[s]
+                skey[s] = (((age + age_count[e]) * E + e) << sb) | s
         elif evict == K_LRU:
             for j in range(k):
                 if out_kind[i, j] <= SUB:
                     e = out_served[i, j]
                     key[e] = t
-                    skey[out_slot[i, j]] = np.int64(t + 1) * E + e
+                    s = out_slot[i, j]
+                    skey[s] = ((np.int64(t + 1) * E + e) << sb) | s
         elif evict == K_CRF:
             for e in range(E):
                 key[e] = decay * key[e]
@@ -604,6 +672,11 @@ def run_layer(tok, t0, pol, st, out):
     qstate[2] = stamp
     st.mass[M_SUB] += msum
     st.mass[M_LOWBIT] += lsum
+    cnt[C_CALLS] += n_calls
+    cnt[C_HITS] += n_hits
+    cnt[C_FETCHES] += n_fetch
+    cnt[C_SUBS] += n_subs
+    cnt[C_DROPS] += n_drops
     for c_ in range(N_INT):
         st.counters[c_] += cnt[c_]
 
