@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 ACTIONS = ("raise", "kill", "sleep")
@@ -37,7 +38,10 @@ def check(faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def runtime_env(faults: list[dict[str, Any]], hook: str = HOOK, **env_vars: str) -> dict[str, Any]:
     """The sweep job's runtime_env that injects `faults` into its Ray workers."""
-    return {"worker_process_setup_hook": hook, "env_vars": {FAULTS_ENV: json.dumps(check(faults)), **env_vars}}
+    # the hook lives in tests/, which the installed package does not carry: the workers import it from the checkout
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
+    return {"worker_process_setup_hook": hook,
+            "env_vars": {FAULTS_ENV: json.dumps(check(faults)), "PYTHONPATH": path, **env_vars}}
 
 
 def install() -> None:
