@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import platform
 import subprocess
@@ -184,8 +185,9 @@ def _time_layers(mod, trace, policy, caps, init) -> tuple[float, float]:
     args = [(np.ascontiguousarray(trace.topk_ids[:, l_]), np.ascontiguousarray(trace.topk_weights[:, l_], dtype=np.float64),
              np.ascontiguousarray(trace.ranking[:, l_]), np.ascontiguousarray(trace.valid[:, l_])) for l_ in range(L)]
     c0, t0 = time.process_time(), time.perf_counter()
+    kw = {"decisions": False} if "decisions" in inspect.signature(cache.step).parameters else {}  # as replay()
     for l_ in range(L):
-        cache.step(l_, *args[l_], t0=0, events=ev[l_], logs=False)
+        cache.step(l_, *args[l_], t0=0, events=ev[l_], logs=False, **kw)
     return time.process_time() - c0, time.perf_counter() - t0
 
 

@@ -163,6 +163,37 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
         assert set(cache.resident(l_).tolist()) == set(ref["final_resident"][l_])
 
 
+@settings(max_examples=int(os.environ.get("ES_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 40), E=st.integers(3, 12), data=st.data(), policy=policies)
+def test_no_decisions_changes_nothing_else(seed, T, E, data, policy):
+    """step(decisions=False), the simulator's call (per-slot decisions to one scratch row), gives the same
+    counters, events, logs and cache state as the full call, for every family (lru and crf read the row)."""
+    assume(policy.evict != "belady")
+    k = data.draw(st.integers(1, min(4, E - 1)))
+    M = data.draw(st.integers(k, E))
+    cap = data.draw(st.integers(k, E - 1))
+    ids, w, ranking, valid = random_case(seed, T, 1, E, k, M, data.draw(st.sampled_from([1.0, 0.8])))
+    policy = _pinnable(policy, [cap], k)
+    rng = np.random.default_rng(seed + 1)
+    init = [rng.choice(E, size=int(rng.integers(pinned_count(policy.pin_fraction, cap), cap + 1)), replace=False)
+            .astype(np.int32)]
+    if policy.prefetch == "lookahead" and (policy.prefetch_n or k) > min(E, 5):
+        policy = replace(policy, prefetch_n=min(E, 5))
+    pred = predicted_lists(policy, 1, np.concatenate([ids, ids], axis=1), np.concatenate([valid, valid], axis=1),
+                           random_lookahead(seed, np.concatenate([ids, ids], axis=1), E, min(E, 5)))
+    got = []
+    for decisions in (True, False):
+        cache = PolicyCache(policy, E, k, np.array([cap]), init)
+        r = cache.step(0, ids[:, 0], w[:, 0], ranking[:, 0], valid[:, 0], predicted=pred, decisions=decisions)
+        got.append((r, cache.counter_totals(), cache.expert_slot.copy(), cache.key.copy()))
+    (full, c_full, es_full, key_full), (lean, c_lean, es_lean, key_lean) = got
+    assert lean.kind is None and lean.served is None and lean.slot is None
+    assert c_full == c_lean
+    for a, b in ((full.events, lean.events), (full.admitted, lean.admitted), (full.queued, lean.queued),
+                 (full.prefetched, lean.prefetched), (es_full, es_lean), (key_full, key_lean)):
+        assert np.array_equal(a, b)
+
+
 def test_warm_residency_matches_reference():
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 9, size=(50, 2, 3)).astype(np.int32)

@@ -88,7 +88,7 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     steps = []
     for l_ in range(L):
         steps.append(cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_],
-                                logs=False, predicted=preds[l_]))
+                                logs=False, predicted=preds[l_], decisions=decisions))
     seconds = time.perf_counter() - t_start
     dec = None
     if decisions:  # [T, L, k] per field

@@ -104,7 +104,7 @@ def _prefetcher(write: int):
     return prefetch
 
 
-_prefetch, _prefetch_w = _prefetcher(0), _prefetcher(1)
+_prefetch = _prefetcher(0)
 # run_layer asks for token i + PF_AHEAD's input and output rows while deciding token i: a replay streams
 # the trace from memory (tens of MB) and a token's decisions take ~100 ns, less than a miss to DRAM
 PF_AHEAD = 8
@@ -294,6 +294,7 @@ def run_layer(tok, t0, pol, st, out):
     M = rank.shape[1]
     E = expert_slot.shape[0]
     qcap = q_exp.shape[0]
+    orow = 1 if out_kind.shape[0] == T else 0  # per-slot outputs per token, or one scratch row (no decisions)
     npw = pred.shape[1] if pred.shape[0] == T else 0  # predicted-list width (0: no prefetch)
     use_adm = beta > 0.0
     fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU or aging  # integer keys: skey mirrors them
@@ -309,8 +310,10 @@ def run_layer(tok, t0, pol, st, out):
     mj = np.empty(k, np.int64)  # this token's misses (positions j), in rank order
     sj = np.empty(k, np.int64)  # those of them left to the substitute fallback, in rank order
     pslots = np.empty(k, np.int64)  # slots of this token's hits and fetches (pinned; re-keyed after the token)
+    psk = np.empty(k, np.int64)  # lfu1: the hits' slot keys while a fetch protects them
     walk = rule != R_FETCH_ALL and fallback == F_SUBSTITUTE and score.shape[0] != T  # the walk reads rank rows
     lfu1 = evict == K_LFU and gamma == 1.0
+    kstep = np.int64(E) << sb  # lfu1: a key's +1 in its slot key (_ikey)
     cnt = np.zeros(N_INT, np.int64)  # the rarer counters (the per-token ones are the scalars below)
     n_calls = 0
     n_hits = 0
@@ -335,15 +338,12 @@ def run_layer(tok, t0, pol, st, out):
             _prefetch(w, ia, k - 1)  # a row of w may span two cache lines
             if walk:
                 _prefetch(rank, ia, k)  # where the substitute walk starts
-            _prefetch_w(out_kind, ia, 0)
-            _prefetch_w(out_served, ia, 0)
-            _prefetch_w(out_slot, ia, 0)
-            _prefetch_w(ev, ia, 0)
+        oi = i * orow  # the outputs' row: the token's, or the one scratch row
         if not valid[i]:
             for j in range(k):
-                out_kind[i, j] = -1
-                out_served[i, j] = -1
-                out_slot[i, j] = -1
+                out_kind[oi, j] = -1
+                out_served[oi, j] = -1
+                out_slot[oi, j] = -1
             continue
         t = t0 + i
         nc = 0  # admission candidates of this token
@@ -457,27 +457,41 @@ def run_layer(tok, t0, pol, st, out):
         # fetches, step 3); the misses are listed in rank order, with served = the missed expert and
         # slot = -1 until decided
         nm = 0
-        for j in range(k):
-            e = ids[i, j]
-            s = expert_slot[e]
-            out_served[i, j] = e
-            out_slot[i, j] = s
-            if s >= 0:
-                out_kind[i, j] = HIT
-                if lfu1:
-                    kv = key[e] + 1.0
-                    key[e] = kv
-                    skey[s] = ((np.int64(kv) * E + e) << sb) | s
-                elif fast:
-                    skey[s] = _IMAX
-                else:  # (pin is read only by the float keys' _victim)
-                    pin[s] = st_
-                pslots[j - nm] = s
-            else:
-                out_kind[i, j] = _MISS
-                mj[nm] = j
-                nm += 1
-        npn = k - nm  # pinned slots in pslots
+        npn = 0  # pinned slots in pslots
+        if lfu1:  # a hit's slot key moves up by one key step (skey holds every resident's composite key here)
+            for j in range(k):
+                e = ids[i, j]
+                s = expert_slot[np.uint32(e)]  # (unsigned indices: no wraparound code in the hot loop)
+                if orow:  # (lfu never reads the scratch row: without decisions a hit writes none)
+                    out_served[oi, j] = e
+                    out_slot[oi, j] = s
+                    out_kind[oi, j] = HIT if s >= 0 else _MISS
+                key[np.uint32(e)] += 1.0  # f[e] += 1, hit or miss (a fetch's victim is chosen by slot keys)
+                if s >= 0:
+                    skey[np.uint32(s)] += kstep
+                    pslots[np.uint32(npn)] = s
+                    npn += 1
+                else:
+                    mj[np.uint32(nm)] = j
+                    nm += 1
+        else:
+            for j in range(k):
+                e = ids[i, j]
+                s = expert_slot[e]
+                out_served[oi, j] = e
+                out_slot[oi, j] = s
+                if s >= 0:
+                    out_kind[oi, j] = HIT
+                    if fast:
+                        skey[s] = _IMAX
+                    else:  # (pin is read only by the float keys' _victim)
+                        pin[s] = st_
+                    pslots[npn] = s
+                    npn += 1
+                else:
+                    out_kind[oi, j] = _MISS
+                    mj[nm] = j
+                    nm += 1
         n_hits += npn
         if npl > 0:
             for p in range(npl):
@@ -508,9 +522,11 @@ def run_layer(tok, t0, pol, st, out):
             if fetch and nf == fcap:  # fetch cap reached: the fallback, as if the rule had not fetched it
                 fetch = False
             if fetch:
-                if lfu1 and nf == 0:  # the token's first fetch: protect its hits now
+                if lfu1 and nf == 0:  # the token's first fetch: protect its hits now (their slot keys kept)
                     for q in range(npn):
-                        skey[pslots[q]] = _IMAX
+                        sq = pslots[q]
+                        psk[q] = skey[sq]
+                        skey[sq] = _IMAX
                 # a victim exists: C_l - P_l >= k
                 s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, st_, n_res < cap)
                 if aging:
@@ -521,21 +537,21 @@ def run_layer(tok, t0, pol, st, out):
                     cand[nc] = v
                     nc += 1
                 acc[e] = 0.0
-                out_kind[i, j] = FETCH
-                out_slot[i, j] = s
+                out_kind[oi, j] = FETCH
+                out_slot[oi, j] = s
                 pslots[npn] = s
                 npn += 1
                 nf += 1
             elif fallback == F_SUBSTITUTE:
-                out_kind[i, j] = SUB
+                out_kind[oi, j] = SUB
                 sj[nneed] = j
                 nneed += 1
             elif fallback == F_HOST:  # served e, slot -1 (as listed)
-                out_kind[i, j] = HOST
+                out_kind[oi, j] = HOST
                 nh += 1
             elif fallback == F_LOWBIT:
                 wj = w[i, j]
-                out_kind[i, j] = LOWBIT
+                out_kind[oi, j] = LOWBIT
                 nlow += 1
                 ltok += wj
                 acc[e] += wj
@@ -543,8 +559,8 @@ def run_layer(tok, t0, pol, st, out):
                 nc += 1
             else:  # drop
                 wj = w[i, j]
-                out_kind[i, j] = DROP
-                out_served[i, j] = -1
+                out_kind[oi, j] = DROP
+                out_served[oi, j] = -1
                 ndrop += 1
                 mtok += wj
                 acc[e] += wj
@@ -580,12 +596,12 @@ def run_layer(tok, t0, pol, st, out):
                 wj = w[i, j]
                 if q_ < nfound:
                     found = subs[q_]
-                    out_served[i, j] = found
-                    out_slot[i, j] = expert_slot[found]
+                    out_served[oi, j] = found
+                    out_slot[oi, j] = expert_slot[found]
                     nsub += 1
                 else:
-                    out_kind[i, j] = DROP
-                    out_served[i, j] = -1
+                    out_kind[oi, j] = DROP
+                    out_served[oi, j] = -1
                     ndrop += 1
                 mtok += wj
                 acc[e] += wj
@@ -596,11 +612,11 @@ def run_layer(tok, t0, pol, st, out):
         msum += mtok
         lsum += ltok
         # 5. keys (the fast paths also re-key this token's pinned slots); lru/crf: full-precision computes only
-        if lfu1:  # (the hits have their keys from step 1)
-            for q_ in range(nm):
-                key[ids[i, mj[q_]]] += 1.0
-            if nf > 0:  # re-key the protected slots, the hits' and fetches' (their experts are this token's)
-                for q_ in range(npn):
+        if lfu1:  # (every key and the hits' slot keys are up to date from step 1)
+            if nf > 0:  # unprotect the hits (their slot keys back) and key the fetched slots
+                for q_ in range(k - nm):
+                    skey[pslots[q_]] = psk[q_]
+                for q_ in range(k - nm, npn):
                     s = pslots[q_]
                     e = slot_expert[s]
                     skey[s] = ((np.int64(key[e]) * E + e) << sb) | s
@@ -621,17 +637,17 @@ def run_layer(tok, t0, pol, st, out):
                 skey[s] = (((age + age_count[e]) * E + e) << sb) | s
         elif evict == K_LRU:
             for j in range(k):
-                if out_kind[i, j] <= SUB:
-                    e = out_served[i, j]
+                if out_kind[oi, j] <= SUB:
+                    e = out_served[oi, j]
                     key[e] = t
-                    s = out_slot[i, j]
+                    s = out_slot[oi, j]
                     skey[s] = ((np.int64(t + 1) * E + e) << sb) | s
         elif evict == K_CRF:
             for e in range(E):
                 key[e] = decay * key[e]
             for j in range(k):
-                if out_kind[i, j] <= SUB:
-                    key[out_served[i, j]] += 1.0
+                if out_kind[oi, j] <= SUB:
+                    key[out_served[oi, j]] += 1.0
         else:  # belady: minus the next use
             for j in range(k):
                 key[ids[i, j]] = -nxt[i, j]
@@ -739,9 +755,10 @@ class StepResult:
     """The kernel's plan for one layer over a chunk of tokens; the engine applies it in this order per
     token: admissions (`admitted`), prefetch loads (`prefetched`), then the per-slot decisions."""
 
-    kind: np.ndarray  # int8 [T, k]: HIT/FETCH/SUB/DROP/HOST/LOWBIT, -1 for invalid cells
-    served: np.ndarray  # int32 [T, k]: expert that computes slot j (the missed expert for HOST/LOWBIT; -1 drop/invalid)
-    slot: np.ndarray  # int32 [T, k]: device slot used (-1 drop/host/lowbit/invalid)
+    # (kind, served and slot are None when step was asked for no decisions)
+    kind: np.ndarray | None  # int8 [T, k]: HIT/FETCH/SUB/DROP/HOST/LOWBIT, -1 for invalid cells
+    served: np.ndarray | None  # int32 [T, k]: expert that computes slot j (the missed expert for HOST/LOWBIT; -1 drop/invalid)
+    slot: np.ndarray | None  # int32 [T, k]: device slot used (-1 drop/host/lowbit/invalid)
     events: np.ndarray  # int32 [T, N_EV]: EV_* counts per token
     admitted: np.ndarray  # int64 [n, 3]: (token, expert, slot) admissions applied
     queued: np.ndarray  # int64 [n, 2]: (token, expert) admissions queued
@@ -933,6 +950,7 @@ class PolicyCache:
         logs: bool = True,
         predicted: np.ndarray | None = None,
         scores: np.ndarray | None = None,
+        decisions: bool = True,
     ) -> StepResult:
         """Decide tokens t0.. of one layer. ids [T, k], weights [T, k], ranking [T, M] (defaults to ids).
 
@@ -946,7 +964,11 @@ class PolicyCache:
         ranking; given instead of a full `ranking`, they decide the same substitutes without sorting
         E candidates per token (the adapters pass them). A full ranking (E columns) given beside them is
         walked instead (the same decisions; the walk stops at the first resident entries where the scores
-        pass visits every slot); a truncated one is then ignored."""
+        pass visits every slot); a truncated one is then ignored.
+
+        `decisions=False` (the simulator: counters and events only): the per-slot decisions go to one
+        scratch row, rewritten per token, and the result's kind, served and slot are None; every counter,
+        event and log is the same."""
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         T, k = ids.shape
         w = np.ascontiguousarray(weights, dtype=np.float64)
@@ -971,9 +993,10 @@ class PolicyCache:
             if pred.size and int(pred.max()) >= self.E:
                 raise InputError(f"predicted lists: expert id {int(pred.max())} outside [0, {self.E}) (layer {layer})")
         l_ = layer
-        kind = np.empty((T, k), np.int8)
-        served = np.empty((T, k), np.int32)
-        slot = np.empty((T, k), np.int32)
+        rows = T if decisions else 1
+        kind = np.empty((rows, k), np.int8)
+        served = np.empty((rows, k), np.int32)
+        slot = np.empty((rows, k), np.int32)
         ev = np.zeros((T, N_EV), np.int32) if events is None else events
         n_adm = min(T * k, 1 << 20) + self.E if logs else 0  # the simulator needs no logs
         adm_log = np.empty((n_adm, 3), np.int64)
@@ -983,6 +1006,8 @@ class PolicyCache:
         run_layer(Tokens(ids, w, rank, valid, sc, nxt, pred), t0, self._params, self._states[l_],
                   Outputs(kind, served, slot, ev, adm_log, q_log, pf_log, n_logs))
         na, nq, npf = (int(x) for x in n_logs)
+        if not decisions:
+            kind = served = slot = None
         return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],
                           pf_log[: min(npf, len(pf_log))])
 
