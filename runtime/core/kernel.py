@@ -110,7 +110,7 @@ _prefetch = _prefetcher(0)
 PF_AHEAD = 8
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _victim(slot_expert, p0, cap, key, pin, stamp):
     """Slot of the resident with the smallest key (ties: lower id) whose pin != stamp among slots p0..cap-1
     (slots 0..p0-1 hold the pinned hot set); -1 if none."""
@@ -132,7 +132,7 @@ def _victim(slot_expert, p0, cap, key, pin, stamp):
 _IMAX = np.iinfo(np.int64).max
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _victim_int(skey, p0, cap, sb):
     """Fast path: slot of the smallest slot key among slots p0..cap-1 (slots protected for the token hold
     _IMAX): one pass, as a slot key carries its slot in its low `sb` bits (_ikey)."""
@@ -186,7 +186,7 @@ def _best_resident(score_row, sel_mark, i, slot_expert, cap, nneed, subs):
     return nfound
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _free_slot(slot_expert, cap):
     for s in range(cap):
         if slot_expert[s] < 0:
@@ -277,424 +277,446 @@ def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, stamp
     return s, v
 
 
-@njit(cache=True, error_model="numpy")
-def run_layer(tok, t0, pol, st, out):
-    """Run one layer's cache over tokens t0 .. t0+T-1: `tok` Tokens, `pol` the policy record
-    (runtime.core.policy.kernel_record), `st` LayerState (mutated in place), `out` Outputs."""
-    ids, w, rank, valid, score, nxt, pred = tok
-    out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
-    rule, tau, tau_high, fallback, beta, evict = pol.rule, pol.tau, pol.tau_high, pol.fallback, pol.beta, pol.evict
-    gamma, decay, delay, fcap = pol.gamma, pol.decay, pol.delay, pol.fetch_cap  # fcap -1: no fetch cap
-    cap, p0, age_count = st.cap, st.npin, st.age_count
-    aging = evict == K_LFUDA
-    slot_expert, expert_slot, key, skey, acc, queued, pin = (st.slot_expert, st.expert_slot, st.key, st.skey, st.acc,
-                                                             st.queued, st.pin)
-    qstate, q_exp, q_due = st.qstate, st.q_exp, st.q_due
-    T, k = ids.shape
-    M = rank.shape[1]
-    E = expert_slot.shape[0]
-    qcap = q_exp.shape[0]
-    orow = 1 if out_kind.shape[0] == T else 0  # per-slot outputs per token, or one scratch row (no decisions)
-    npw = pred.shape[1] if pred.shape[0] == T else 0  # predicted-list width (0: no prefetch)
-    use_adm = beta > 0.0
-    fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU or aging  # integer keys: skey mirrors them
-    sb = 0  # slot bits of a slot key (_ikey): 2**sb >= cap
-    while (1 << sb) < cap:
-        sb += 1
-    cand = np.empty(k + qcap + npw + k, np.int64)  # admission candidates: non-fetched misses, evicted experts
-    subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
-    sel_mark = np.full(E if score.shape[0] == T else 0, -1, np.int64)  # score mode: e selected by token i
-    bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
-    tslots = np.empty(qcap, np.int64)  # slots admitted at the current token (all batches)
-    pfe = np.empty(max(npw, 1), np.int64)  # experts prefetched at the current token
-    mj = np.empty(k, np.int64)  # this token's misses (positions j), in rank order
-    sj = np.empty(k, np.int64)  # those of them left to the substitute fallback, in rank order
-    pslots = np.empty(k, np.int64)  # slots of this token's hits and fetches (pinned; re-keyed after the token)
-    psk = np.empty(k, np.int64)  # lfu1: the hits' slot keys while a fetch protects them
-    walk = rule != R_FETCH_ALL and fallback == F_SUBSTITUTE and score.shape[0] != T  # the walk reads rank rows
-    lfu1 = evict == K_LFU and gamma == 1.0
-    kstep = np.int64(E) << sb  # lfu1: a key's +1 in its slot key (_ikey)
-    cnt = np.zeros(N_INT, np.int64)  # the rarer counters (the per-token ones are the scalars below)
-    n_calls = 0
-    n_hits = 0
-    n_fetch = 0
-    n_subs = 0
-    n_drops = 0
-    n_res = qstate[3]
-    q_head = qstate[0]
-    q_len = qstate[1]
-    stamp = qstate[2]
-    msum = 0.0
-    lsum = 0.0
-    if fast:
-        for s in range(cap):
-            e = slot_expert[s]
-            skey[s] = _ikey(evict, key, e, E, s, sb) if e >= 0 else _IMAX
-    for i in range(T):
-        ia = i + PF_AHEAD
-        if ia < T:  # hints only: the rows token ia reads and writes, on their way while token i is decided
-            _prefetch(ids, ia, 0)
-            _prefetch(w, ia, 0)
-            _prefetch(w, ia, k - 1)  # a row of w may span two cache lines
-            if walk:
-                _prefetch(rank, ia, k)  # where the substitute walk starts
-        oi = i * orow  # the outputs' row: the token's, or the one scratch row
-        if not valid[i]:
-            for j in range(k):
-                out_kind[oi, j] = -1
-                out_served[oi, j] = -1
-                out_slot[oi, j] = -1
-            continue
-        t = t0 + i
-        nc = 0  # admission candidates of this token
-        nts = 0
-        # 0. admissions due before this token, batch by batch (a batch = same due token)
-        while q_len > 0 and q_due[q_head] <= t:
-            due = q_due[q_head]
-            stamp += 1
-            bstamp = stamp
-            nb = 0
-            while q_len > 0 and q_due[q_head] == due:
-                e = q_exp[q_head]
-                q_head = (q_head + 1) % qcap
-                q_len -= 1
-                queued[e] = False
-                ev[i, EV_ADM_POPPED] += 1
-                if expert_slot[e] >= 0:
-                    cnt[C_ADM_SKIPPED] += 1
-                    continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, bstamp, n_res < cap)
-                if s < 0:
-                    cnt[C_ADM_SKIPPED] += 1
-                    if use_adm:  # not resident, no longer queued: may be queued again after the token
-                        cand[nc] = e
+def _build_run_layer(lean: bool):
+    """run_layer for every policy (`lean` False), or compiled for the paper's presets' features only (`lean`
+    True: lfu with gamma 1, the substitute fallback, admission or none, no fetch cap, pinning, prefetch or
+    router scores). The same source: `lean` is a constant to numba, so the lean build drops the other
+    branches and their live values (a smaller function whose hot loops keep their pointers in registers)."""
+
+    @njit(cache=True, error_model="numpy")
+    def run_layer(tok, t0, pol, st, out):
+        """Run one layer's cache over tokens t0 .. t0+T-1: `tok` Tokens, `pol` the policy record
+        (runtime.core.policy.kernel_record), `st` LayerState (mutated in place), `out` Outputs."""
+        ids, w, rank, valid, score, nxt, pred = tok
+        out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
+        rule, tau, tau_high, beta, decay, delay = pol.rule, pol.tau, pol.tau_high, pol.beta, pol.decay, pol.delay
+        # the lean build (`lean`, a compile-time constant) knows these: lfu with gamma 1, the substitute fallback,
+        # no fetch cap (-1), no pinned slots, no prefetch, no router scores (PolicyCache.step picks it)
+        evict = K_LFU if lean else pol.evict
+        gamma = 1.0 if lean else pol.gamma
+        fallback = F_SUBSTITUTE if lean else pol.fallback
+        fcap = -1 if lean else pol.fetch_cap
+        cap, age_count = st.cap, st.age_count
+        p0 = 0 if lean else st.npin
+        aging = evict == K_LFUDA
+        slot_expert, expert_slot, key, skey, acc, queued, pin = (st.slot_expert, st.expert_slot, st.key, st.skey, st.acc,
+                                                                 st.queued, st.pin)
+        qstate, q_exp, q_due = st.qstate, st.q_exp, st.q_due
+        T, k = ids.shape
+        M = rank.shape[1]
+        E = expert_slot.shape[0]
+        qcap = q_exp.shape[0]
+        smode = False if lean else score.shape[0] == T  # router scores stand for the full ranking
+        orow = 1 if out_kind.shape[0] == T else 0  # per-slot outputs per token, or one scratch row (no decisions)
+        npw = 0 if lean else (pred.shape[1] if pred.shape[0] == T else 0)  # predicted-list width (0: no prefetch)
+        use_adm = beta > 0.0
+        fast = (evict == K_LFU and gamma == 1.0) or evict == K_LRU or aging  # integer keys: skey mirrors them
+        sb = 0  # slot bits of a slot key (_ikey): 2**sb >= cap
+        while (1 << sb) < cap:
+            sb += 1
+        cand = np.empty(k + qcap + npw + k, np.int64)  # admission candidates: non-fetched misses, evicted experts
+        subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
+        sel_mark = np.full(E if smode else 0, -1, np.int64)  # score mode: e selected by token i
+        bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
+        tslots = np.empty(qcap, np.int64)  # slots admitted at the current token (all batches)
+        pfe = np.empty(max(npw, 1), np.int64)  # experts prefetched at the current token
+        mj = np.empty(k, np.int64)  # this token's misses (positions j), in rank order
+        sj = np.empty(k, np.int64)  # those of them left to the substitute fallback, in rank order
+        pslots = np.empty(k, np.int64)  # slots of this token's hits and fetches (pinned; re-keyed after the token)
+        psk = np.empty(k, np.int64)  # lfu1: the hits' slot keys while a fetch protects them
+        walk = rule != R_FETCH_ALL and fallback == F_SUBSTITUTE and not smode  # the walk reads rank rows
+        lfu1 = evict == K_LFU and gamma == 1.0
+        kstep = np.int64(E) << sb  # lfu1: a key's +1 in its slot key (_ikey)
+        cnt = np.zeros(N_INT, np.int64)  # the rarer counters (the per-token ones are the scalars below)
+        n_calls = 0
+        n_hits = 0
+        n_fetch = 0
+        n_subs = 0
+        n_drops = 0
+        n_res = qstate[3]
+        q_head = qstate[0]
+        q_len = qstate[1]
+        stamp = qstate[2]
+        msum = 0.0
+        lsum = 0.0
+        if fast:
+            for s in range(cap):
+                e = slot_expert[s]
+                skey[s] = _ikey(evict, key, e, E, s, sb) if e >= 0 else _IMAX
+        for i in range(T):
+            ia = i + PF_AHEAD
+            if ia < T:  # hints only: the rows token ia reads and writes, on their way while token i is decided
+                _prefetch(ids, ia, 0)
+                _prefetch(w, ia, 0)
+                _prefetch(w, ia, k - 1)  # a row of w may span two cache lines
+                if walk:
+                    _prefetch(rank, ia, k)  # where the substitute walk starts
+            oi = i * orow  # the outputs' row: the token's, or the one scratch row
+            if not valid[i]:
+                for j in range(k):
+                    out_kind[oi, j] = -1
+                    out_served[oi, j] = -1
+                    out_slot[oi, j] = -1
+                continue
+            t = t0 + i
+            nc = 0  # admission candidates of this token
+            nts = 0
+            # 0. admissions due before this token, batch by batch (a batch = same due token)
+            while q_len > 0 and q_due[q_head] <= t:
+                due = q_due[q_head]
+                stamp += 1
+                bstamp = stamp
+                nb = 0
+                while q_len > 0 and q_due[q_head] == due:
+                    e = q_exp[q_head]
+                    q_head = (q_head + 1) % qcap
+                    q_len -= 1
+                    queued[e] = False
+                    ev[i, EV_ADM_POPPED] += 1
+                    if expert_slot[e] >= 0:
+                        cnt[C_ADM_SKIPPED] += 1
+                        continue
+                    s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, bstamp, n_res < cap)
+                    if s < 0:
+                        cnt[C_ADM_SKIPPED] += 1
+                        if use_adm:  # not resident, no longer queued: may be queued again after the token
+                            cand[nc] = e
+                            nc += 1
+                        continue
+                    if aging:
+                        _aged_load(key, qstate, age_count, e, v)
+                    if v < 0:
+                        n_res += 1
+                    elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
+                        cand[nc] = v
                         nc += 1
-                    continue
-                if aging:
-                    _aged_load(key, qstate, age_count, e, v)
-                if v < 0:
-                    n_res += 1
-                elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
-                    cand[nc] = v
-                    nc += 1
-                acc[e] = 0.0
-                cnt[C_ADM] += 1
-                bslots[nb] = s  # distinct pinned slots: at most cap of them
-                nb += 1
-                tslots[nts] = s
-                nts += 1
-                n = n_logs[0]
-                if n < adm_log.shape[0]:
-                    adm_log[n, 0] = t
-                    adm_log[n, 1] = e
-                    adm_log[n, 2] = s
-                n_logs[0] = n + 1
-            if fast:  # re-key the batch's slots (they were pinned against each other)
-                for b_ in range(nb):
-                    s = bslots[b_]
-                    skey[s] = _ikey(evict, key, slot_expert[s], E, s, sb)
-        # 0b. prefetch this token's predicted list (no f, a or lru change)
-        npl = 0
-        if npw > 0 and pred[i, 0] >= 0:
-            stamp += 1
-            ps = stamp
-            for b_ in range(nts):  # protected: admitted at this token ...
-                s = tslots[b_]
-                pin[s] = ps
-                if fast:
-                    skey[s] = _IMAX
-            for p in range(npw):  # ... and the members of P
-                e = pred[i, p]
-                if e < 0:
-                    break
-                s = expert_slot[e]
-                if s >= 0:
+                    acc[e] = 0.0
+                    cnt[C_ADM] += 1
+                    bslots[nb] = s  # distinct pinned slots: at most cap of them
+                    nb += 1
+                    tslots[nts] = s
+                    nts += 1
+                    n = n_logs[0]
+                    if n < adm_log.shape[0]:
+                        adm_log[n, 0] = t
+                        adm_log[n, 1] = e
+                        adm_log[n, 2] = s
+                    n_logs[0] = n + 1
+                if fast:  # re-key the batch's slots (they were pinned against each other)
+                    for b_ in range(nb):
+                        s = bslots[b_]
+                        skey[s] = _ikey(evict, key, slot_expert[s], E, s, sb)
+            # 0b. prefetch this token's predicted list (no f, a or lru change)
+            npl = 0
+            if npw > 0 and pred[i, 0] >= 0:
+                stamp += 1
+                ps = stamp
+                for b_ in range(nts):  # protected: admitted at this token ...
+                    s = tslots[b_]
                     pin[s] = ps
                     if fast:
                         skey[s] = _IMAX
-            for p in range(npw):
-                e = pred[i, p]
-                if e < 0:
-                    break
-                if expert_slot[e] >= 0:
-                    continue
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, ps, n_res < cap)
-                if s < 0:
-                    continue  # nothing evictable: skipped
-                if aging:
-                    _aged_load(key, qstate, age_count, e, v)
-                if v < 0:
-                    n_res += 1
-                elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
-                    cand[nc] = v
-                    nc += 1
-                pfe[npl] = e
-                npl += 1
-                n = n_logs[2]
-                if n < pf_log.shape[0]:
-                    pf_log[n, 0] = t
-                    pf_log[n, 1] = e
-                    pf_log[n, 2] = s
-                n_logs[2] = n + 1
-            if fast:  # re-key every protected slot
-                for b_ in range(nts):
-                    s = tslots[b_]
-                    skey[s] = _ikey(evict, key, slot_expert[s], E, s, sb)
-                for p in range(npw):
+                for p in range(npw):  # ... and the members of P
                     e = pred[i, p]
                     if e < 0:
                         break
                     s = expert_slot[e]
                     if s >= 0:
-                        skey[s] = _ikey(evict, key, e, E, s, sb)
-            cnt[C_PREF] += npl
-            ev[i, EV_PREFETCH] += npl
-        stamp += 1
-        st_ = stamp
-        n_calls += k
-        # 1. hits (pinned for the token: skey = _IMAX on the fast paths, pin = the token's stamp otherwise;
-        # lfu with gamma = 1 gives a hit its new key at once and protects the hits only if the token
-        # fetches, step 3); the misses are listed in rank order, with served = the missed expert and
-        # slot = -1 until decided
-        nm = 0
-        npn = 0  # pinned slots in pslots
-        if lfu1:  # a hit's slot key moves up by one key step (skey holds every resident's composite key here)
-            for j in range(k):
-                e = ids[i, j]
-                s = expert_slot[np.uint32(e)]  # (unsigned indices: no wraparound code in the hot loop)
-                if orow:  # (lfu never reads the scratch row: without decisions a hit writes none)
+                        pin[s] = ps
+                        if fast:
+                            skey[s] = _IMAX
+                for p in range(npw):
+                    e = pred[i, p]
+                    if e < 0:
+                        break
+                    if expert_slot[e] >= 0:
+                        continue
+                    s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, ps, n_res < cap)
+                    if s < 0:
+                        continue  # nothing evictable: skipped
+                    if aging:
+                        _aged_load(key, qstate, age_count, e, v)
+                    if v < 0:
+                        n_res += 1
+                    elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
+                        cand[nc] = v
+                        nc += 1
+                    pfe[npl] = e
+                    npl += 1
+                    n = n_logs[2]
+                    if n < pf_log.shape[0]:
+                        pf_log[n, 0] = t
+                        pf_log[n, 1] = e
+                        pf_log[n, 2] = s
+                    n_logs[2] = n + 1
+                if fast:  # re-key every protected slot
+                    for b_ in range(nts):
+                        s = tslots[b_]
+                        skey[s] = _ikey(evict, key, slot_expert[s], E, s, sb)
+                    for p in range(npw):
+                        e = pred[i, p]
+                        if e < 0:
+                            break
+                        s = expert_slot[e]
+                        if s >= 0:
+                            skey[s] = _ikey(evict, key, e, E, s, sb)
+                cnt[C_PREF] += npl
+                ev[i, EV_PREFETCH] += npl
+            stamp += 1
+            st_ = stamp
+            n_calls += k
+            # 1. hits (pinned for the token: skey = _IMAX on the fast paths, pin = the token's stamp otherwise;
+            # lfu with gamma = 1 gives a hit its new key at once and protects the hits only if the token
+            # fetches, step 3); the misses are listed in rank order, with served = the missed expert and
+            # slot = -1 until decided
+            nm = 0
+            npn = 0  # pinned slots in pslots
+            if lfu1:  # a hit's slot key moves up by one key step (skey holds every resident's composite key here)
+                if orow:  # the per-slot outputs (without decisions nothing reads them under lfu)
+                    for j in range(k):
+                        e = ids[i, j]
+                        s = expert_slot[e]
+                        out_served[oi, j] = e
+                        out_slot[oi, j] = s
+                        out_kind[oi, j] = HIT if s >= 0 else _MISS
+                for j in range(k):
+                    e = ids[i, j]
+                    s = expert_slot[np.uint32(e)]  # (unsigned indices: no wraparound code in the hot loop)
+                    key[np.uint32(e)] += 1.0  # f[e] += 1, hit or miss (a fetch's victim is chosen by slot keys)
+                    if s >= 0:
+                        skey[np.uint32(s)] += kstep
+                        pslots[np.uint32(npn)] = s
+                        npn += 1
+                    else:
+                        mj[np.uint32(nm)] = j
+                        nm += 1
+            else:
+                for j in range(k):
+                    e = ids[i, j]
+                    s = expert_slot[e]
                     out_served[oi, j] = e
                     out_slot[oi, j] = s
-                    out_kind[oi, j] = HIT if s >= 0 else _MISS
-                key[np.uint32(e)] += 1.0  # f[e] += 1, hit or miss (a fetch's victim is chosen by slot keys)
-                if s >= 0:
-                    skey[np.uint32(s)] += kstep
-                    pslots[np.uint32(npn)] = s
-                    npn += 1
-                else:
-                    mj[np.uint32(nm)] = j
-                    nm += 1
-        else:
-            for j in range(k):
+                    if s >= 0:
+                        out_kind[oi, j] = HIT
+                        if fast:
+                            skey[s] = _IMAX
+                        else:  # (pin is read only by the float keys' _victim)
+                            pin[s] = st_
+                        pslots[npn] = s
+                        npn += 1
+                    else:
+                        out_kind[oi, j] = _MISS
+                        mj[nm] = j
+                        nm += 1
+            n_hits += npn
+            if npl > 0:
+                for p in range(npl):
+                    e = pfe[p]
+                    for j in range(k):
+                        if ids[i, j] == e:
+                            cnt[C_PREF_USED] += 1
+                            break
+            # 2.+3. miss rule; fetches in rank order; 4. fallbacks other than substitute
+            nf = 0
+            nh = 0
+            nlow = 0
+            ndrop = 0
+            nneed = 0
+            mtok = 0.0  # substituted mass of this token-layer
+            ltok = 0.0  # lowbit mass of this token-layer
+            for q_ in range(nm):
+                j = mj[q_]
                 e = ids[i, j]
-                s = expert_slot[e]
-                out_served[oi, j] = e
-                out_slot[oi, j] = s
-                if s >= 0:
-                    out_kind[oi, j] = HIT
-                    if fast:
-                        skey[s] = _IMAX
-                    else:  # (pin is read only by the float keys' _victim)
-                        pin[s] = st_
+                if rule == R_FETCH_ALL:
+                    fetch = True
+                elif rule == R_SUBSTITUTE_ALL:
+                    fetch = False
+                elif rule == R_BAND:
+                    fetch = j == 0 or w[i, j] < tau or w[i, j] >= tau_high
+                else:  # threshold, first_choice (tau = +inf)
+                    fetch = j == 0 or w[i, j] >= tau
+                if fetch and nf == fcap:  # fetch cap reached: the fallback, as if the rule had not fetched it
+                    fetch = False
+                if fetch:
+                    if lfu1 and nf == 0:  # the token's first fetch: protect its hits now (their slot keys kept)
+                        for q in range(npn):
+                            sq = pslots[q]
+                            psk[q] = skey[sq]
+                            skey[sq] = _IMAX
+                    # a victim exists: C_l - P_l >= k
+                    s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, st_, n_res < cap)
+                    if aging:
+                        _aged_load(key, qstate, age_count, e, v)
+                    if v < 0:
+                        n_res += 1
+                    elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
+                        cand[nc] = v
+                        nc += 1
+                    acc[e] = 0.0
+                    out_kind[oi, j] = FETCH
+                    out_slot[oi, j] = s
                     pslots[npn] = s
                     npn += 1
-                else:
-                    out_kind[oi, j] = _MISS
-                    mj[nm] = j
-                    nm += 1
-        n_hits += npn
-        if npl > 0:
-            for p in range(npl):
-                e = pfe[p]
-                for j in range(k):
-                    if ids[i, j] == e:
-                        cnt[C_PREF_USED] += 1
-                        break
-        # 2.+3. miss rule; fetches in rank order; 4. fallbacks other than substitute
-        nf = 0
-        nh = 0
-        nlow = 0
-        ndrop = 0
-        nneed = 0
-        mtok = 0.0  # substituted mass of this token-layer
-        ltok = 0.0  # lowbit mass of this token-layer
-        for q_ in range(nm):
-            j = mj[q_]
-            e = ids[i, j]
-            if rule == R_FETCH_ALL:
-                fetch = True
-            elif rule == R_SUBSTITUTE_ALL:
-                fetch = False
-            elif rule == R_BAND:
-                fetch = j == 0 or w[i, j] < tau or w[i, j] >= tau_high
-            else:  # threshold, first_choice (tau = +inf)
-                fetch = j == 0 or w[i, j] >= tau
-            if fetch and nf == fcap:  # fetch cap reached: the fallback, as if the rule had not fetched it
-                fetch = False
-            if fetch:
-                if lfu1 and nf == 0:  # the token's first fetch: protect its hits now (their slot keys kept)
-                    for q in range(npn):
-                        sq = pslots[q]
-                        psk[q] = skey[sq]
-                        skey[sq] = _IMAX
-                # a victim exists: C_l - P_l >= k
-                s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, st_, n_res < cap)
-                if aging:
-                    _aged_load(key, qstate, age_count, e, v)
-                if v < 0:
-                    n_res += 1
-                elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
-                    cand[nc] = v
+                    nf += 1
+                elif fallback == F_SUBSTITUTE:
+                    out_kind[oi, j] = SUB
+                    sj[nneed] = j
+                    nneed += 1
+                elif fallback == F_HOST:  # served e, slot -1 (as listed)
+                    out_kind[oi, j] = HOST
+                    nh += 1
+                elif fallback == F_LOWBIT:
+                    wj = w[i, j]
+                    out_kind[oi, j] = LOWBIT
+                    nlow += 1
+                    ltok += wj
+                    acc[e] += wj
+                    cand[nc] = e
                     nc += 1
-                acc[e] = 0.0
-                out_kind[oi, j] = FETCH
-                out_slot[oi, j] = s
-                pslots[npn] = s
-                npn += 1
-                nf += 1
-            elif fallback == F_SUBSTITUTE:
-                out_kind[oi, j] = SUB
-                sj[nneed] = j
-                nneed += 1
-            elif fallback == F_HOST:  # served e, slot -1 (as listed)
-                out_kind[oi, j] = HOST
-                nh += 1
-            elif fallback == F_LOWBIT:
-                wj = w[i, j]
-                out_kind[oi, j] = LOWBIT
-                nlow += 1
-                ltok += wj
-                acc[e] += wj
-                cand[nc] = e
-                nc += 1
-            else:  # drop
-                wj = w[i, j]
-                out_kind[oi, j] = DROP
-                out_served[oi, j] = -1
-                ndrop += 1
-                mtok += wj
-                acc[e] += wj
-                cand[nc] = e
-                nc += 1
-        n_fetch += nf
-        cnt[C_HOST] += nh
-        cnt[C_LOWBIT] += nlow
-        # 4. substitutes in rank order, after all fetches
-        nsub = 0
-        if nneed > 0:
-            # ranking[:k] is the selection (each entry a hit, a fetch or a non-resident miss) and the ranking
-            # holds distinct ids, so "resident and not used by this token" is just "resident" from position k
-            # on, and the substitutes are the first nneed resident entries of ranking[k:], in rank order.
-            # Collect them branch-free: store every entry, advance only on a resident one.
-            # With `score` (the full ranking, E entries, given as the scores it sorts) the same entries
-            # come from one pass over the resident slots instead (_best_resident).
-            nfound = 0
-            if score.shape[0] == T:
-                for j in range(k):
-                    sel_mark[ids[i, j]] = i
-                nfound = _best_resident(score[i], sel_mark, i, slot_expert, cap, nneed, subs)
-            else:
-                m = k
-                while nfound < nneed and m < M:
-                    c = rank[i, m]
-                    subs[nfound] = c
-                    nfound += expert_slot[c] >= 0
-                    m += 1
-            for q_ in range(nneed):  # the q-th substitute (if found) serves the q-th of these misses
-                j = sj[q_]
-                e = ids[i, j]
-                wj = w[i, j]
-                if q_ < nfound:
-                    found = subs[q_]
-                    out_served[oi, j] = found
-                    out_slot[oi, j] = expert_slot[found]
-                    nsub += 1
-                else:
+                else:  # drop
+                    wj = w[i, j]
                     out_kind[oi, j] = DROP
                     out_served[oi, j] = -1
                     ndrop += 1
-                mtok += wj
-                acc[e] += wj
-                cand[nc] = e
-                nc += 1
-        n_subs += nsub
-        n_drops += ndrop
-        msum += mtok
-        lsum += ltok
-        # 5. keys (the fast paths also re-key this token's pinned slots); lru/crf: full-precision computes only
-        if lfu1:  # (every key and the hits' slot keys are up to date from step 1)
-            if nf > 0:  # unprotect the hits (their slot keys back) and key the fetched slots
-                for q_ in range(k - nm):
-                    skey[pslots[q_]] = psk[q_]
-                for q_ in range(k - nm, npn):
+                    mtok += wj
+                    acc[e] += wj
+                    cand[nc] = e
+                    nc += 1
+            n_fetch += nf
+            cnt[C_HOST] += nh
+            cnt[C_LOWBIT] += nlow
+            # 4. substitutes in rank order, after all fetches
+            nsub = 0
+            if nneed > 0:
+                # ranking[:k] is the selection (each entry a hit, a fetch or a non-resident miss) and the ranking
+                # holds distinct ids, so "resident and not used by this token" is just "resident" from position k
+                # on, and the substitutes are the first nneed resident entries of ranking[k:], in rank order.
+                # Collect them branch-free: store every entry, advance only on a resident one.
+                # With `score` (the full ranking, E entries, given as the scores it sorts) the same entries
+                # come from one pass over the resident slots instead (_best_resident).
+                nfound = 0
+                if smode:
+                    for j in range(k):
+                        sel_mark[ids[i, j]] = i
+                    nfound = _best_resident(score[i], sel_mark, i, slot_expert, cap, nneed, subs)
+                else:
+                    m = k
+                    while nfound < nneed and m < M:
+                        c = rank[i, m]
+                        subs[nfound] = c
+                        nfound += expert_slot[c] >= 0
+                        m += 1
+                for q_ in range(nneed):  # the q-th substitute (if found) serves the q-th of these misses
+                    j = sj[q_]
+                    e = ids[i, j]
+                    wj = w[i, j]
+                    if q_ < nfound:
+                        found = subs[q_]
+                        out_served[oi, j] = found
+                        out_slot[oi, j] = expert_slot[found]
+                        nsub += 1
+                    else:
+                        out_kind[oi, j] = DROP
+                        out_served[oi, j] = -1
+                        ndrop += 1
+                    mtok += wj
+                    acc[e] += wj
+                    cand[nc] = e
+                    nc += 1
+            n_subs += nsub
+            n_drops += ndrop
+            msum += mtok
+            lsum += ltok
+            # 5. keys (the fast paths also re-key this token's pinned slots); lru/crf: full-precision computes only
+            if lfu1:  # (every key and the hits' slot keys are up to date from step 1)
+                if nf > 0:  # unprotect the hits (their slot keys back) and key the fetched slots
+                    for q_ in range(k - nm):
+                        skey[pslots[q_]] = psk[q_]
+                    for q_ in range(k - nm, npn):
+                        s = pslots[q_]
+                        e = slot_expert[s]
+                        skey[s] = ((np.int64(key[e]) * E + e) << sb) | s
+            elif evict == K_LFU:
+                for e in range(E):
+                    key[e] = gamma * key[e]
+                for j in range(k):
+                    key[ids[i, j]] += 1.0
+            elif aging:  # lfuda: c[e] += 1, then K[e] = A + c[e]
+                age = qstate[Q_AGE]
+                for j in range(k):
+                    e = ids[i, j]
+                    age_count[e] += 1
+                    key[e] = np.float64(age + age_count[e])
+                for q_ in range(npn):
                     s = pslots[q_]
                     e = slot_expert[s]
-                    skey[s] = ((np.int64(key[e]) * E + e) << sb) | s
-        elif evict == K_LFU:
-            for e in range(E):
-                key[e] = gamma * key[e]
-            for j in range(k):
-                key[ids[i, j]] += 1.0
-        elif aging:  # lfuda: c[e] += 1, then K[e] = A + c[e]
-            age = qstate[Q_AGE]
-            for j in range(k):
-                e = ids[i, j]
-                age_count[e] += 1
-                key[e] = np.float64(age + age_count[e])
-            for q_ in range(npn):
-                s = pslots[q_]
-                e = slot_expert[s]
-                skey[s] = (((age + age_count[e]) * E + e) << sb) | s
-        elif evict == K_LRU:
-            for j in range(k):
-                if out_kind[oi, j] <= SUB:
-                    e = out_served[oi, j]
-                    key[e] = t
-                    s = out_slot[oi, j]
-                    skey[s] = ((np.int64(t + 1) * E + e) << sb) | s
-        elif evict == K_CRF:
-            for e in range(E):
-                key[e] = decay * key[e]
-            for j in range(k):
-                if out_kind[oi, j] <= SUB:
-                    key[out_served[oi, j]] += 1.0
-        else:  # belady: minus the next use
-            for j in range(k):
-                key[ids[i, j]] = -nxt[i, j]
-        ev[i, EV_DEV] += k - nh - nlow - ndrop
-        ev[i, EV_FETCH] += nf
-        ev[i, EV_HOST] += nh
-        ev[i, EV_LOWBIT] += nlow
-        # 6. queue admissions: largest a first, ties lower id
-        if use_adm and nc > 0:
-            nq = 0
-            for c_ in range(nc):
-                e = cand[c_]
-                if acc[e] >= beta and not queued[e] and expert_slot[e] < 0:
-                    queued[e] = True  # (also de-duplicates the candidates)
-                    # insertion sort by (-acc, id)
-                    p = nq
-                    while p > 0 and (acc[cand[p - 1]] < acc[e] or (acc[cand[p - 1]] == acc[e] and cand[p - 1] > e)):
-                        cand[p] = cand[p - 1]
-                        p -= 1
-                    cand[p] = e
-                    nq += 1
-            for c_ in range(nq):
-                e = cand[c_]
-                tail = (q_head + q_len) % qcap
-                q_exp[tail] = e
-                q_due[tail] = t + delay
-                q_len += 1
-                acc[e] = 0.0
-                n = n_logs[1]
-                if n < q_log.shape[0]:
-                    q_log[n, 0] = t
-                    q_log[n, 1] = e
-                n_logs[1] = n + 1
-            ev[i, EV_ADM_QUEUED] += nq
-    qstate[3] = n_res
-    qstate[0] = q_head
-    qstate[1] = q_len
-    qstate[2] = stamp
-    st.mass[M_SUB] += msum
-    st.mass[M_LOWBIT] += lsum
-    cnt[C_CALLS] += n_calls
-    cnt[C_HITS] += n_hits
-    cnt[C_FETCHES] += n_fetch
-    cnt[C_SUBS] += n_subs
-    cnt[C_DROPS] += n_drops
-    for c_ in range(N_INT):
-        st.counters[c_] += cnt[c_]
+                    skey[s] = (((age + age_count[e]) * E + e) << sb) | s
+            elif evict == K_LRU:
+                for j in range(k):
+                    if out_kind[oi, j] <= SUB:
+                        e = out_served[oi, j]
+                        key[e] = t
+                        s = out_slot[oi, j]
+                        skey[s] = ((np.int64(t + 1) * E + e) << sb) | s
+            elif evict == K_CRF:
+                for e in range(E):
+                    key[e] = decay * key[e]
+                for j in range(k):
+                    if out_kind[oi, j] <= SUB:
+                        key[out_served[oi, j]] += 1.0
+            else:  # belady: minus the next use
+                for j in range(k):
+                    key[ids[i, j]] = -nxt[i, j]
+            ev[i, EV_DEV] += k - nh - nlow - ndrop
+            ev[i, EV_FETCH] += nf
+            ev[i, EV_HOST] += nh
+            ev[i, EV_LOWBIT] += nlow
+            # 6. queue admissions: largest a first, ties lower id
+            if use_adm and nc > 0:
+                nq = 0
+                for c_ in range(nc):
+                    e = cand[c_]
+                    if acc[e] >= beta and not queued[e] and expert_slot[e] < 0:
+                        queued[e] = True  # (also de-duplicates the candidates)
+                        # insertion sort by (-acc, id)
+                        p = nq
+                        while p > 0 and (acc[cand[p - 1]] < acc[e] or (acc[cand[p - 1]] == acc[e] and cand[p - 1] > e)):
+                            cand[p] = cand[p - 1]
+                            p -= 1
+                        cand[p] = e
+                        nq += 1
+                for c_ in range(nq):
+                    e = cand[c_]
+                    tail = (q_head + q_len) % qcap
+                    q_exp[tail] = e
+                    q_due[tail] = t + delay
+                    q_len += 1
+                    acc[e] = 0.0
+                    n = n_logs[1]
+                    if n < q_log.shape[0]:
+                        q_log[n, 0] = t
+                        q_log[n, 1] = e
+                    n_logs[1] = n + 1
+                ev[i, EV_ADM_QUEUED] += nq
+        qstate[3] = n_res
+        qstate[0] = q_head
+        qstate[1] = q_len
+        qstate[2] = stamp
+        st.mass[M_SUB] += msum
+        st.mass[M_LOWBIT] += lsum
+        cnt[C_CALLS] += n_calls
+        cnt[C_HITS] += n_hits
+        cnt[C_FETCHES] += n_fetch
+        cnt[C_SUBS] += n_subs
+        cnt[C_DROPS] += n_drops
+        for c_ in range(N_INT):
+            st.counters[c_] += cnt[c_]
+
+    return run_layer
+
+
+run_layer = _build_run_layer(False)
+run_layer_lean = _build_run_layer(True)
 
 
 @njit(cache=True)
@@ -722,6 +744,9 @@ def warmup() -> None:
             predicted=np.array([[3], [-1]]))
     pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 4)))
     pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 6))[:, 1:5])  # strided
+    lean = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5), 4, 1, np.array([1]), [np.array([0])])
+    lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]))
+    lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), decisions=False)
 
 
 def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, valid: np.ndarray,
@@ -936,6 +961,9 @@ class PolicyCache:
                                    self.qstate[l_], self.q_exp[l_], self.q_due[l_], self.counters[l_], self.mass[l_],
                                    self.age_count[l_]) for l_ in range(L)]
         self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.core.policy.KERNEL_DTYPE)
+        r = self._params  # the lean build decides it (step: unless router scores are given)
+        self._lean = bool(r["evict"] == K_LFU and r["gamma"] == 1.0 and r["fallback"] == F_SUBSTITUTE
+                          and r["fetch_cap"] == -1 and self.prefetch_width == 0 and not self.npin.any())
 
     def step(
         self,
@@ -1003,7 +1031,8 @@ class PolicyCache:
         q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
-        run_layer(Tokens(ids, w, rank, valid, sc, nxt, pred), t0, self._params, self._states[l_],
+        fn = run_layer_lean if self._lean and sc.shape[0] == 0 else run_layer
+        fn(Tokens(ids, w, rank, valid, sc, nxt, pred), t0, self._params, self._states[l_],
                   Outputs(kind, served, slot, ev, adm_log, q_log, pf_log, n_logs))
         na, nq, npf = (int(x) for x in n_logs)
         if not decisions:
