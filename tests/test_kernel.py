@@ -167,13 +167,18 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
 @given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 40), E=st.integers(3, 12), data=st.data(), policy=policies)
 def test_no_decisions_changes_nothing_else(seed, T, E, data, policy):
     """step(decisions=False), the simulator's call (per-slot decisions to one scratch row), gives the same
-    counters, events, logs and cache state as the full call, for every family (lru and crf read the row)."""
+    counters, events, logs and cache state as the full call, for every family (lru and crf read the row);
+    and where the lean build decides (the presets' features), the full build decides the same."""
     assume(policy.evict != "belady")
     k = data.draw(st.integers(1, min(4, E - 1)))
     M = data.draw(st.integers(k, E))
     cap = data.draw(st.integers(k, E - 1))
     ids, w, ranking, valid = random_case(seed, T, 1, E, k, M, data.draw(st.sampled_from([1.0, 0.8])))
     policy = _pinnable(policy, [cap], k)
+    lean = data.draw(st.booleans())
+    if lean:  # the features the lean build fixes; the rule, admission and delay stay drawn
+        policy = replace(policy, evict="lfu", gamma=1.0, fallback="substitute", prefetch="off", prefetch_n=None,
+                         fetch_cap=None, pin_fraction=0.0)
     rng = np.random.default_rng(seed + 1)
     init = [rng.choice(E, size=int(rng.integers(pinned_count(policy.pin_fraction, cap), cap + 1)), replace=False)
             .astype(np.int32)]
@@ -182,15 +187,20 @@ def test_no_decisions_changes_nothing_else(seed, T, E, data, policy):
     pred = predicted_lists(policy, 1, np.concatenate([ids, ids], axis=1), np.concatenate([valid, valid], axis=1),
                            random_lookahead(seed, np.concatenate([ids, ids], axis=1), E, min(E, 5)))
     got = []
-    for decisions in (True, False):
+    for decisions, build in ((True, "picked"), (False, "picked"), (True, "full")):
         cache = PolicyCache(policy, E, k, np.array([cap]), init)
+        assert cache._lean or not lean  # a lean draw takes the lean build
+        if build == "full":
+            cache._lean = False  # the full build, whatever the policy
         r = cache.step(0, ids[:, 0], w[:, 0], ranking[:, 0], valid[:, 0], predicted=pred, decisions=decisions)
         got.append((r, cache.counter_totals(), cache.expert_slot.copy(), cache.key.copy()))
-    (full, c_full, es_full, key_full), (lean, c_lean, es_lean, key_lean) = got
+    (full, c_full, es_full, key_full), (lean, c_lean, es_lean, key_lean), (ref, c_ref, es_ref, key_ref) = got
     assert lean.kind is None and lean.served is None and lean.slot is None
-    assert c_full == c_lean
+    assert c_full == c_lean == c_ref
     for a, b in ((full.events, lean.events), (full.admitted, lean.admitted), (full.queued, lean.queued),
-                 (full.prefetched, lean.prefetched), (es_full, es_lean), (key_full, key_lean)):
+                 (full.prefetched, lean.prefetched), (es_full, es_lean), (key_full, key_lean),
+                 (full.kind, ref.kind), (full.served, ref.served), (full.slot, ref.slot), (full.events, ref.events),
+                 (full.admitted, ref.admitted), (full.queued, ref.queued), (es_full, es_ref), (key_full, key_ref)):
         assert np.array_equal(a, b)
 
 

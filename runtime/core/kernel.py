@@ -22,12 +22,16 @@ one record (`runtime.core.policy.kernel_record`: one field per parameter-table r
 read here as `pol.<field>`), the layer's cache (`LayerState`, views of PolicyCache's arrays) and its
 outputs (`Outputs`). Every load into a slot (fetch, admission, prefetch) goes through `_claim`. A new
 policy field is one `_p(..., kernel=(name, encoder))` row in runtime/core/policy.py and its use here.
+The one source is compiled twice (`_build_run_layer`): `run_layer` for every policy and `run_layer_lean`,
+in which the paper's presets' features are constants (lfu with gamma 1, the substitute fallback, no fetch
+cap, pinning, prefetch or router scores); `PolicyCache` picks the lean build when the policy allows it.
 
 Where the time goes (docs/performance.md, issue 17): a replay streams its trace from memory, so run_layer
 asks for the rows of token i + PF_AHEAD while it decides token i (`_prefetch`, a hint); per token the
 hits pass lists the misses and the pinned slots, so the miss rule, the fallbacks and the re-keying visit
 only those; on the integer fast paths a slot key carries its slot in its low bits (`_ikey`), so a victim
-is one vectorised minimum over the slots.
+is one vectorised minimum over the slots; under lfu with gamma 1 a hit moves its slot key by one key step;
+the simulator asks for no per-slot decisions (`step(decisions=False)`: one scratch row).
 
 Input contract (checked by runtime/formats/trace.py for files, true by construction in the adapters):
 a ranking row starts with the token's selection and holds distinct expert ids. Instead of a full
