@@ -146,18 +146,18 @@ def _cpp_table(trace, caps, init, repeats: int, ref=None, rev: str | None = None
                 old.append(_time_layers(ref, trace, pol, caps, init))
             cpp = subprocess.run([str(exe), str(data), str(RULE_CODE[pol.rule]), repr(pol.tau_value),
                                   repr(pol.beta or 0.0), "1"], capture_output=True, text=True, check=True)
-            h, fe, su, dr, ad, mass, cpp_c, cpp_w = cpp.stdout.split()
-            cpp_t.append((float(cpp_c), float(cpp_w)))
+            h, fe, su, dr, ad, mass, cpp_c, _ = cpp.stdout.split()
+            cpp_t.append(float(cpp_c))
         c = replay(trace, pol, caps, init).cache.counter_totals()
         same = (int(h), int(fe), int(su), int(dr), int(ad)) == (c["hits"], c["fetches"], c["substitutions"],
                                                                  c["drops"], c["admissions"])
         same = same and abs(float(mass) - c["substituted_mass"]) <= 1e-6 * max(1.0, c["substituted_mass"])
-        sc, cc = min(x[0] for x in sim), min(x[0] for x in cpp_t)
-        ratios = [c[0] / x[0] for x, c in zip(sim, cpp_t, strict=True)]
+        sc, cc = min(x[0] for x in sim), min(cpp_t)
+        ratios = [cp / x[0] for x, cp in zip(sim, cpp_t, strict=True)]
         row = (f"| {name} | {tl / sc / 1e6:.2f} M | {tl / cc / 1e6:.2f} M | "
                f"{np.median(ratios):.2f}x ({min(ratios):.2f}x) |")
         if ref is not None:
-            ro = [c[0] / x[0] for x, c in zip(old, cpp_t, strict=True)]
+            ro = [cp / x[0] for x, cp in zip(old, cpp_t, strict=True)]
             row += f" {np.median(ro):.2f}x ({min(ro):.2f}x) |"
         out.append(row + f" {'yes' if same else 'NO'} (load {la0:.1f}/{os.getloadavg()[0]:.1f}) |")
     return "\n".join(out)
@@ -191,8 +191,8 @@ def _time_layers(mod, trace, policy, caps, init) -> tuple[float, float]:
     ev = np.zeros((L, T, mod.N_EV), np.int32)
     args = [(np.ascontiguousarray(trace.topk_ids[:, l_]), np.ascontiguousarray(trace.topk_weights[:, l_], dtype=np.float64),
              np.ascontiguousarray(trace.ranking[:, l_]), np.ascontiguousarray(trace.valid[:, l_])) for l_ in range(L)]
-    c0, t0 = time.process_time(), time.perf_counter()
     kw = {"decisions": False} if "decisions" in inspect.signature(cache.step).parameters else {}  # as replay()
+    c0, t0 = time.process_time(), time.perf_counter()
     for l_ in range(L):
         cache.step(l_, *args[l_], t0=0, events=ev[l_], logs=False, **kw)
     return time.process_time() - c0, time.perf_counter() - t0

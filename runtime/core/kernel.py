@@ -87,29 +87,25 @@ K_LFU, K_LRU, K_CRF, K_BELADY, K_LFUDA = (EVICT_CODE[e] for e in ("lfu", "lru", 
 Q_AGE = 4  # LayerState.qstate[Q_AGE]: lfuda's inflation value A (an integer)
 
 
-def _prefetcher(write: int):
-    """A numba intrinsic `f(arr, i, j)` that asks the CPU for the cache line of the 2-D array's element
-    [i, j] (`write`: for writing), ahead of its use; a hint only (no fault, no effect on any value)."""
+@intrinsic
+def _prefetch(typingctx, arr, i, j):
+    """`_prefetch(arr, i, j)` asks the CPU for the cache line of the 2-D array's element [i, j] ahead of its
+    use (for reading); a hint only (no fault, no effect on any value)."""
 
-    @intrinsic
-    def prefetch(typingctx, arr, i, j):
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, idx, wraparound=False)
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                                "llvm.prefetch.p0")
-            builder.call(fn, [builder.bitcast(ptr, i8p), i32(write), i32(3), i32(1)])  # locality 3, data cache
-            return context.get_dummy_value()
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, idx, wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, locality 3, data cache
+        return context.get_dummy_value()
 
-        return types.void(arr, i, j), codegen
-
-    return prefetch
+    return types.void(arr, i, j), codegen
 
 
-_prefetch = _prefetcher(0)
-# run_layer asks for token i + PF_AHEAD's input and output rows while deciding token i: a replay streams
+# run_layer asks for token i + PF_AHEAD's input rows while deciding token i: a replay streams
 # the trace from memory (tens of MB) and a token's decisions take ~100 ns, less than a miss to DRAM
 PF_AHEAD = 8
 
