@@ -185,10 +185,18 @@ def _kernel_at(rev: str):
 
 
 def _time_layers(mod, trace, policy, caps, init) -> tuple[float, float]:
-    """(process CPU s, wall s) of the replay loop of runtime.backends.simulate.replay with a given kernel module."""
+    """(process CPU s, wall s) of the replay loop of runtime.backends.simulate.replay with a given kernel module:
+    one `step_layers` call over every layer, or (a revision before it) one `step` per layer."""
     cache = mod.PolicyCache(policy, trace.E, trace.k, caps, init)
     L, T = trace.L, trace.T
     ev = np.zeros((L, T, mod.N_EV), np.int32)
+    if hasattr(cache, "step_layers"):
+        args = [np.ascontiguousarray(np.asarray(a, dt).swapaxes(0, 1)) for a, dt in
+                ((trace.topk_ids, np.int32), (trace.topk_weights, np.float64), (trace.ranking, np.int32),
+                 (trace.valid, np.bool_))]
+        c0, t0 = time.process_time(), time.perf_counter()
+        cache.step_layers(*args, ev)
+        return time.process_time() - c0, time.perf_counter() - t0
     args = [(np.ascontiguousarray(trace.topk_ids[:, l_]), np.ascontiguousarray(trace.topk_weights[:, l_], dtype=np.float64),
              np.ascontiguousarray(trace.ranking[:, l_]), np.ascontiguousarray(trace.valid[:, l_])) for l_ in range(L)]
     kw = {"decisions": False} if "decisions" in inspect.signature(cache.step).parameters else {}  # as replay()

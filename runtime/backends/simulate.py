@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Replay:
     cache: PolicyCache
-    events: np.ndarray  # int32 [T, L, 5]
+    events: np.ndarray  # int32 [T, L, N_EV]
     seconds: float  # the kernel loop alone
     decisions: dict[str, np.ndarray] | None = None  # kind / served / slot [T, L, k] when asked for
 
@@ -67,32 +67,35 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
            decisions: bool = False) -> Replay:
     """Run the kernel over every layer of a trace (layers are independent caches)."""
     T, L = trace.T, trace.L
-    first_use, nxts = None, [None] * L
+    first_use, nxt = None, None
     if policy.evict == "belady":
-        first_use = []
+        first_use, nxt = [], np.zeros((L, T, trace.k))
         for l_ in range(L):
-            nxt, first = next_use(trace.topk_ids[:, l_], trace.valid[:, l_], trace.E, 0)
-            nxts[l_] = nxt
+            nxt[l_], first = next_use(trace.topk_ids[:, l_], trace.valid[:, l_], trace.E, 0)
             first_use.append(first)
     cache = PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use)
     events = np.zeros((L, T, N_EV), np.int32)
-    ids = [np.ascontiguousarray(trace.topk_ids[:, l_]) for l_ in range(L)]
-    ws = [np.ascontiguousarray(trace.topk_weights[:, l_], dtype=np.float64) for l_ in range(L)]
-    ranks = [np.ascontiguousarray(trace.ranking[:, l_]) for l_ in range(L)]
-    valids = [np.ascontiguousarray(trace.valid[:, l_]) for l_ in range(L)]
+    # the kernel's layer-major inputs [L, T, ...] (one call replays every layer)
+    ids = np.ascontiguousarray(np.asarray(trace.topk_ids, np.int32).transpose(1, 0, 2))
+    ws = np.ascontiguousarray(np.asarray(trace.topk_weights, np.float64).transpose(1, 0, 2))
+    ranks = np.ascontiguousarray(np.asarray(trace.ranking, np.int32).transpose(1, 0, 2))
+    valids = np.ascontiguousarray(np.asarray(trace.valid, np.bool_).T)
     # prefetch: per layer the predicted lists (lookahead column of the previous layer, or oracle: own selection)
     preds = [predicted_lists(policy, l_, trace.topk_ids, trace.valid, getattr(trace, "lookahead", None))
              for l_ in range(L)]
+    pred = None
+    if any(p_ is not None for p_ in preds):
+        width = max(p_.shape[1] for p_ in preds if p_ is not None)
+        pred = np.full((L, T, width), -1, np.int32)  # layer 0 (no previous layer): no prefetch
+        for l_, p_ in enumerate(preds):
+            if p_ is not None:
+                pred[l_, :, : p_.shape[1]] = p_
     warmup()
     t_start = time.perf_counter()
-    steps = []
-    for l_ in range(L):
-        steps.append(cache.step(l_, ids[l_], ws[l_], ranks[l_], valids[l_], t0=0, nxt=nxts[l_], events=events[l_],
-                                logs=False, predicted=preds[l_], decisions=decisions))
+    dec = cache.step_layers(ids, ws, ranks, valids, events, nxt=nxt, predicted=pred, decisions=decisions)
     seconds = time.perf_counter() - t_start
-    dec = None
-    if decisions:  # [T, L, k] per field
-        dec = {f: np.stack([getattr(st, f) for st in steps], axis=1) for f in ("kind", "served", "slot")}
+    if dec is not None:  # [T, L, k] per field
+        dec = {f: np.ascontiguousarray(a.transpose(1, 0, 2)) for f, a in zip(("kind", "served", "slot"), dec, strict=True)}
     return Replay(cache, np.ascontiguousarray(events.transpose(1, 0, 2)), seconds, dec)
 
 

@@ -226,6 +226,26 @@ class LayerState(NamedTuple):
     age_count: np.ndarray  # [E] int64 lfuda's count c[e]
 
 
+class CacheState(NamedTuple):
+    """Every layer's cache: PolicyCache's [L, ...] arrays (row l is layer l's LayerState, `_layer_state`)."""
+
+    caps: np.ndarray  # [L] int64 C_l
+    npin: np.ndarray  # [L] int64 P_l
+    slot_expert: np.ndarray  # [L, Cmax] int32
+    expert_slot: np.ndarray  # [L, E] int32
+    key: np.ndarray  # [L, E] float64
+    skey: np.ndarray  # [L, Cmax] int64
+    acc: np.ndarray  # [L, E] float64
+    queued: np.ndarray  # [L, E] bool
+    pin: np.ndarray  # [L, Cmax] int64
+    qstate: np.ndarray  # [L, 5] int64
+    q_exp: np.ndarray  # [L, E + 1] int32
+    q_due: np.ndarray  # [L, E + 1] int64
+    counters: np.ndarray  # [L, N_INT] int64
+    mass: np.ndarray  # [L, 2] float64
+    age_count: np.ndarray  # [L, E] int64
+
+
 class Outputs(NamedTuple):
     """What run_layer writes: per-slot decisions, per-token events, and the logs of the plan."""
 
@@ -249,32 +269,6 @@ def _aged_load(key, qstate, age_count, e, v):
             qstate[Q_AGE] = kv
         age_count[v] //= 2
     key[e] = np.float64(qstate[Q_AGE] + age_count[e])
-
-
-@njit(cache=True)
-def _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, stamp, free):
-    """THE slot claim (fetch, admission, prefetch): put `e` in a free slot (`free`: the layer has one),
-    else in the victim's (smallest key among the slots p0.. whose pin != stamp; fast: smallest skey),
-    evicting the victim. The claimed slot is pinned with `stamp`. Returns (slot, evicted expert), with
-    slot -1 when nothing is evictable (nothing changed) and evicted -1 when a free slot was used; the
-    caller counts the resident, may queue the evicted expert, and under lfuda calls `_aged_load` (kept
-    out of this helper: inside it the aging branch cost fetch-every-miss about a quarter of its speed,
-    docs/performance.md "Additions (2)")."""
-    v = -1
-    if free:
-        s = _free_slot(slot_expert, cap)
-    else:
-        s = _victim_int(skey, p0, cap, sb) if fast else _victim(slot_expert, p0, cap, key, pin, stamp)
-        if s >= 0:
-            v = slot_expert[s]
-            expert_slot[v] = -1
-    if s >= 0:
-        slot_expert[s] = e
-        expert_slot[e] = s
-        pin[s] = stamp
-        if fast:
-            skey[s] = _IMAX
-    return s, v
 
 
 def _build_run_layer(lean: bool):
@@ -327,6 +321,33 @@ def _build_run_layer(lean: bool):
         walk = rule != R_FETCH_ALL and fallback == F_SUBSTITUTE and not smode  # the walk reads rank rows
         lfu1 = evict == K_LFU and gamma == 1.0
         kstep = np.int64(E) << sb  # lfu1: a key's +1 in its slot key (_ikey)
+
+        def claim(e, stamp_, free):
+            """THE slot claim (fetch, admission, prefetch): put `e` in a free slot (`free`: the layer has one),
+            else in the victim's (smallest key among the slots p0.. whose pin != stamp_; fast: smallest skey),
+            evicting the victim; under lfuda the load ages the keys (`_aged_load`). The claimed slot is pinned
+            with `stamp_`. Returns (slot, evicted expert): slot -1 when nothing is evictable (nothing changed),
+            evicted -1 when a free slot was used; the caller counts the resident and may queue the evicted
+            expert. A closure, so numba inlines it at each call with the state arrays as they are: a helper
+            taking the arrays as arguments paid 10-12 atomic reference-count updates per claim, about 40% of
+            fetch-every-miss's time (docs/performance.md, "The claim without reference counts")."""
+            v = -1
+            if free:
+                s = _free_slot(slot_expert, cap)
+            else:
+                s = _victim_int(skey, p0, cap, sb) if fast else _victim(slot_expert, p0, cap, key, pin, stamp_)
+                if s >= 0:
+                    v = slot_expert[s]
+                    expert_slot[v] = -1
+            if s >= 0:
+                slot_expert[s] = e
+                expert_slot[e] = s
+                pin[s] = stamp_
+                if fast:
+                    skey[s] = _IMAX
+                if aging:
+                    _aged_load(key, qstate, age_count, e, v)
+            return s, v
         cnt = np.zeros(N_INT, np.int64)  # the rarer counters (the per-token ones are the scalars below)
         n_calls = 0
         n_hits = 0
@@ -376,15 +397,13 @@ def _build_run_layer(lean: bool):
                     if expert_slot[e] >= 0:
                         cnt[C_ADM_SKIPPED] += 1
                         continue
-                    s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, bstamp, n_res < cap)
+                    s, v = claim(e, bstamp, n_res < cap)
                     if s < 0:
                         cnt[C_ADM_SKIPPED] += 1
                         if use_adm:  # not resident, no longer queued: may be queued again after the token
                             cand[nc] = e
                             nc += 1
                         continue
-                    if aging:
-                        _aged_load(key, qstate, age_count, e, v)
                     if v < 0:
                         n_res += 1
                     elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
@@ -431,11 +450,9 @@ def _build_run_layer(lean: bool):
                         break
                     if expert_slot[e] >= 0:
                         continue
-                    s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, ps, n_res < cap)
+                    s, v = claim(e, ps, n_res < cap)
                     if s < 0:
                         continue  # nothing evictable: skipped
-                    if aging:
-                        _aged_load(key, qstate, age_count, e, v)
                     if v < 0:
                         n_res += 1
                     elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
@@ -544,9 +561,7 @@ def _build_run_layer(lean: bool):
                             psk[q] = skey[sq]
                             skey[sq] = _IMAX
                     # a victim exists: C_l - P_l >= k
-                    s, v = _claim(slot_expert, expert_slot, key, skey, pin, p0, cap, sb, fast, e, st_, n_res < cap)
-                    if aging:
-                        _aged_load(key, qstate, age_count, e, v)
+                    s, v = claim(e, st_, n_res < cap)
                     if v < 0:
                         n_res += 1
                     elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
@@ -719,6 +734,35 @@ run_layer = _build_run_layer(False)
 run_layer_lean = _build_run_layer(True)
 
 
+@njit(cache=True, inline="always")
+def _layer_state(cs, l_):
+    """Layer l_'s LayerState: views of row l_ of CacheState `cs`'s arrays."""
+    return LayerState(cs.caps[l_], cs.npin[l_], cs.slot_expert[l_], cs.expert_slot[l_], cs.key[l_], cs.skey[l_],
+                      cs.acc[l_], cs.queued[l_], cs.pin[l_], cs.qstate[l_], cs.q_exp[l_], cs.q_due[l_],
+                      cs.counters[l_], cs.mass[l_], cs.age_count[l_])
+
+
+def _build_run_layers(layer_fn):
+    """run_layers over one build of run_layer: the kernel's one entry from Python (PolicyCache.step for one
+    layer, PolicyCache.step_layers for a whole trace), so a replay of L layers is one call, not L."""
+
+    @njit(cache=True)
+    def run_layers(tok, t0, pol, cs, out, l0):
+        """Layers l0 .. l0+n-1 in order over tokens t0..: `tok` Tokens and `out` Outputs whose arrays carry a
+        leading layer axis ([n, T, k] ...: row i is layer l0 + i), `cs` the CacheState (mutated in place)."""
+        for i in range(tok.ids.shape[0]):
+            layer_fn(Tokens(tok.ids[i], tok.w[i], tok.rank[i], tok.valid[i], tok.score[i], tok.nxt[i], tok.pred[i]), t0,
+                     pol, _layer_state(cs, l0 + i),
+                     Outputs(out.kind[i], out.served[i], out.slot[i], out.ev[i], out.adm_log[i], out.q_log[i],
+                             out.pf_log[i], out.n_logs[i]))
+
+    return run_layers
+
+
+run_layers = _build_run_layers(run_layer)
+run_layers_lean = _build_run_layers(run_layer_lean)
+
+
 @njit(cache=True)
 def next_use(ids, valid, E, t0):
     """Belady helper for one layer. ids [T, k], valid [T]. Returns nxt [T, k] (next valid token index
@@ -747,6 +791,10 @@ def warmup() -> None:
     lean = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5), 4, 1, np.array([1]), [np.array([0])])
     lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]))
     lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), decisions=False)
+    ids, w, rk = np.array([[[1], [2]]], np.int32), np.array([[[0.9], [0.1]]]), np.array([[[1, 0], [2, 0]]], np.int32)
+    for c in (pc, lean):
+        c.next_t[:] = 0
+        c.step_layers(ids, w, rk, np.ones((1, 2), np.bool_), np.zeros((1, 2, N_EV), np.int32))
 
 
 def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, valid: np.ndarray,
@@ -955,11 +1003,10 @@ class PolicyCache:
         self.prefetch_width = 0 if p.prefetch == "off" else int(p.prefetch_n or self.k)
         if p.prefetch == "oracle":
             self.prefetch_width = min(self.prefetch_width, self.k)
-        # per layer its cache as the kernel takes it: views of the [L, ...] arrays above (built once)
-        self._states = [LayerState(int(self.caps[l_]), int(self.npin[l_]), self.slot_expert[l_], self.expert_slot[l_],
-                                   self.key[l_], self.skey[l_], self.acc[l_], self.queued[l_], self.pin[l_],
-                                   self.qstate[l_], self.q_exp[l_], self.q_due[l_], self.counters[l_], self.mass[l_],
-                                   self.age_count[l_]) for l_ in range(L)]
+        # every layer's cache as the kernel takes it (run_layers: row l is layer l's LayerState)
+        self._state = CacheState(self.caps, self.npin, self.slot_expert, self.expert_slot, self.key, self.skey,
+                                 self.acc, self.queued, self.pin, self.qstate, self.q_exp, self.q_due, self.counters,
+                                 self.mass, self.age_count)
         self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.core.policy.KERNEL_DTYPE)
         r = self._params  # the lean build decides it (step: unless router scores are given)
         self._lean = bool(r["evict"] == K_LFU and r["gamma"] == 1.0 and r["fallback"] == F_SUBSTITUTE
@@ -1031,14 +1078,50 @@ class PolicyCache:
         q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
-        fn = run_layer_lean if self._lean and sc.shape[0] == 0 else run_layer
-        fn(Tokens(ids, w, rank, valid, sc, nxt, pred), t0, self._params, self._states[l_],
-                  Outputs(kind, served, slot, ev, adm_log, q_log, pf_log, n_logs))
+        fn = run_layers_lean if self._lean and sc.shape[0] == 0 else run_layers
+        fn(Tokens(ids[None], w[None], rank[None], valid[None], sc[None], nxt[None], pred[None]), t0, self._params,
+           self._state, Outputs(kind[None], served[None], slot[None], ev[None], adm_log[None], q_log[None],
+                                pf_log[None], n_logs[None]), l_)
         na, nq, npf = (int(x) for x in n_logs)
         if not decisions:
             kind = served = slot = None
         return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],
                           pf_log[: min(npf, len(pf_log))])
+
+    def step_layers(
+        self,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        ranking: np.ndarray,
+        valid: np.ndarray,
+        events: np.ndarray,
+        nxt: np.ndarray | None = None,
+        predicted: np.ndarray | None = None,
+        decisions: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Decide every layer over the same tokens in one kernel call (the simulator's replay; `step` per layer
+        makes the same decisions). ids [L, T, k] int32, weights [L, T, k] float64, ranking [L, T, M] int32,
+        valid [L, T] bool, events [L, T, N_EV] int32 (added to), all C-contiguous; nxt [L, T, k] (belady) or
+        None; predicted [L, T, P] int32 (as `step`'s, a row of -1 at layer 0) or None. Writes no logs.
+        Returns (kind, served, slot), each [L, T, k], with `decisions`, else None."""
+        L, T, k = ids.shape
+        if L != self.L or k != self.k or len(set(self.next_t.tolist())) != 1:
+            raise ValueError(f"step_layers: ids {ids.shape} for L={self.L}, k={self.k} caches at one token "
+                             f"(next tokens {sorted(set(self.next_t.tolist()))})")
+        t0 = int(self.next_t[0])
+        self.next_t[:] = t0 + T
+        nxt = np.zeros((L, 0, k)) if nxt is None else nxt
+        if predicted is None or self.prefetch_width == 0:
+            pred = np.zeros((L, 0, 0), np.int32)
+        else:
+            pred = np.ascontiguousarray(predicted[:, :, : self.prefetch_width], dtype=np.int32)
+        rows = T if decisions else 1
+        out = Outputs(np.empty((L, rows, k), np.int8), np.empty((L, rows, k), np.int32),
+                      np.empty((L, rows, k), np.int32), events, np.empty((L, 0, 3), np.int64),
+                      np.empty((L, 0, 2), np.int64), np.empty((L, 0, 3), np.int64), np.zeros((L, 3), np.int64))
+        fn = run_layers_lean if self._lean else run_layers
+        fn(Tokens(ids, weights, ranking, valid, np.zeros((L, 0, 0)), nxt, pred), t0, self._params, self._state, out, 0)
+        return (out.kind, out.served, out.slot) if decisions else None
 
     def resident(self, layer: int) -> np.ndarray:
         """Sorted ids of the experts resident in one layer."""
