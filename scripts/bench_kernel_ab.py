@@ -6,8 +6,9 @@
 Both revisions are exported (`git archive`) to temporary trees; the trace of scripts/bench_simulator.py
 (Qwen3-Next shape, 48 layers, E=512, k=10, C=128, M=64, 4,000 tokens, warm start from its calibration
 twin) is generated once and saved. Each round runs one process per revision, alternating, pinned to one
-core; each process imports only its own tree's `runtime` and times the replay loop (as
-`runtime.backends.simulate.replay` does, no logs) best of --repeats per policy by process CPU time, and checks the
+core; each process imports only its own tree's `runtime` and times the replay loop as
+`runtime.backends.simulate.replay` runs it (one `step_layers` call; a revision before it: one `step` per
+layer without decisions; no logs), best of --repeats per policy by process CPU time, and checks the
 counters against the other side's. Separate processes avoid the bias of importing a second kernel module
 into one process (`bench_simulator.py --against HEAD` measured the same kernel 1.6-2.3x slower as the
 second module at load 8: docs/performance.md). Prints per policy the best over rounds for each side and
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ("fetch-every-miss", "rule-0.15", "quality-first", "speed-first")
 
 CHILD = r"""
-import json, os, sys, time
+import inspect, json, os, sys, time
 import numpy as np
 os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 try:  # the layout since the runtime subpackages; a revision before them has flat modules
@@ -46,6 +47,8 @@ init = kernel.warm_residency(calib.topk_ids, calib.valid, trace.E, caps)
 kernel.warmup()
 args = [(np.ascontiguousarray(trace.topk_ids[:, l]), np.ascontiguousarray(trace.topk_weights[:, l], dtype=np.float64),
          np.ascontiguousarray(trace.ranking[:, l]), np.ascontiguousarray(trace.valid[:, l])) for l in range(trace.L)]
+stacked = [np.ascontiguousarray(np.stack(a)) for a in zip(*args)]  # [L, T, ...]: step_layers' inputs
+kw = {"decisions": False} if "decisions" in inspect.signature(kernel.PolicyCache.step).parameters else {}
 out = {}
 for name, fields in policies.items():
     pol = PRESETS[name] if fields is None else PolicyConfig(**fields)
@@ -54,8 +57,11 @@ for name, fields in policies.items():
         cache = kernel.PolicyCache(pol, trace.E, trace.k, caps, init)
         ev = np.zeros((trace.L, trace.T, kernel.N_EV), np.int32)
         c0 = time.process_time()
-        for l in range(trace.L):
-            cache.step(l, *args[l], t0=0, events=ev[l], logs=False)
+        if hasattr(cache, "step_layers"):  # as runtime.backends.simulate.replay: one call for every layer
+            cache.step_layers(*stacked, ev)
+        else:
+            for l in range(trace.L):
+                cache.step(l, *args[l], t0=0, events=ev[l], logs=False, **kw)
         best = min(best, time.process_time() - c0)
         counters = {k: v for k, v in cache.counter_totals().items()}
     out[name] = {"cpu_s": best, "counters": counters}
