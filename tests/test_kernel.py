@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from runtime.core.errors import InputError
 from runtime.core.kernel import (
     COUNTER_NAMES,
+    N_EV,
     PolicyCache,
     next_use,
     predicted_lists,
@@ -202,6 +203,56 @@ def test_no_decisions_changes_nothing_else(seed, T, E, data, policy):
                  (full.kind, ref.kind), (full.served, ref.served), (full.slot, ref.slot), (full.events, ref.events),
                  (full.admitted, ref.admitted), (full.queued, ref.queued), (es_full, es_ref), (key_full, key_ref)):
         assert np.array_equal(a, b)
+
+
+@settings(max_examples=int(os.environ.get("ES_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 30), L=st.integers(1, 3), E=st.integers(3, 12), data=st.data(),
+       policy=policies)
+def test_step_layers_equals_a_step_per_layer(seed, T, L, E, data, policy):
+    """step_layers (the simulator's one call over every layer) decides exactly as one step per layer, for every
+    family, with per-layer capacities (rows padded to the widest layer), invalid cells, belady's next uses and
+    prefetch lists (a row of -1 at layer 0): decisions, events, counters and the final cache state."""
+    k = data.draw(st.integers(1, min(4, E - 1)))
+    M = data.draw(st.integers(k, E))
+    caps = [data.draw(st.integers(k, E - 1)) for _ in range(L)]
+    ids, w, ranking, valid = random_case(seed, T, L, E, k, M, data.draw(st.sampled_from([1.0, 0.8])))
+    policy = _pinnable(policy, caps, k)
+    rng = np.random.default_rng(seed + 1)
+    init = [rng.choice(E, size=int(rng.integers(pinned_count(policy.pin_fraction, c), c + 1)), replace=False)
+            .astype(np.int32) for c in caps]
+    if policy.prefetch == "lookahead" and (policy.prefetch_n or k) > min(E, 5):
+        policy = replace(policy, prefetch_n=min(E, 5))
+    look = random_lookahead(seed, ids, E, min(E, 5))
+    preds = [predicted_lists(policy, l_, ids, valid, look) for l_ in range(L)]
+    nxt, first = (list(x) for x in zip(*(next_use(np.ascontiguousarray(ids[:, l_]), np.ascontiguousarray(valid[:, l_]),
+                                                  E, 0) for l_ in range(L)), strict=True))
+    belady = first if policy.evict == "belady" else None
+    per = PolicyCache(policy, E, k, np.array(caps), init, belady_first_use=belady)
+    ev_per = np.zeros((L, T, N_EV), np.int32)
+    kinds = [per.step(l_, ids[:, l_], w[:, l_], ranking[:, l_], valid[:, l_], nxt=nxt[l_] if belady else None,
+                      events=ev_per[l_], predicted=preds[l_]) for l_ in range(L)]
+    one = PolicyCache(policy, E, k, np.array(caps), init, belady_first_use=belady)
+    ev_one = np.zeros((L, T, N_EV), np.int32)
+    pred = None
+    if any(p_ is not None for p_ in preds):
+        pred = np.full((L, T, max(p_.shape[1] for p_ in preds if p_ is not None)), -1, np.int32)
+        for l_, p_ in enumerate(preds):
+            if p_ is not None:
+                pred[l_, :, : p_.shape[1]] = p_
+    lay = [np.ascontiguousarray(np.asarray(a, dt).swapaxes(0, 1)) for a, dt in
+           ((ids, np.int32), (w, np.float64), (ranking, np.int32), (valid, np.bool_))]
+    kind, served, slot = one.step_layers(*lay, ev_one, nxt=np.stack(nxt) if belady else None, predicted=pred,
+                                         decisions=True)
+    for l_, r in enumerate(kinds):
+        m = valid[:, l_]
+        for a, b in ((r.kind, kind[l_]), (r.served, served[l_]), (r.slot, slot[l_])):
+            assert np.array_equal(a[m], b[m]), l_
+    assert np.array_equal(ev_per, ev_one)
+    assert per.per_layer() == one.per_layer()
+    for name in ("slot_expert", "expert_slot", "key", "acc", "queued", "qstate", "age_count"):
+        assert np.array_equal(getattr(per, name), getattr(one, name)), name
+    with pytest.raises(ValueError, match="step_layers"):  # one layer too many for the caches
+        per.step_layers(np.concatenate([lay[0], lay[0][:1]]), *lay[1:], ev_one)
 
 
 def test_warm_residency_matches_reference():
