@@ -19,12 +19,15 @@ Per token (docs/policies.md, "Per token, per layer, in this order" and "Addition
 
 Shape of the code: `run_layer(tok, t0, pol, st, out)` takes the layer's input (`Tokens`), the policy as
 one record (`runtime.core.policy.kernel_record`: one field per parameter-table row with a `kernel` encoding,
-read here as `pol.<field>`), the layer's cache (`LayerState`, views of PolicyCache's arrays) and its
-outputs (`Outputs`). Every load into a slot (fetch, admission, prefetch) goes through `_claim`. A new
-policy field is one `_p(..., kernel=(name, encoder))` row in runtime/core/policy.py and its use here.
+read here as `pol.<field>`), the layer's cache (`LayerState`, a row of the `CacheState` that PolicyCache
+holds) and its outputs (`Outputs`). Every load into a slot (fetch, admission, prefetch) goes through
+`claim`, a closure in run_layer (numba inlines it; the state arrays are not passed, so no reference counts).
+A new policy field is one `_p(..., kernel=(name, encoder))` row in runtime/core/policy.py and its use here.
 The one source is compiled twice (`_build_run_layer`): `run_layer` for every policy and `run_layer_lean`,
 in which the paper's presets' features are constants (lfu with gamma 1, the substitute fallback, no fetch
 cap, pinning, prefetch or router scores); `PolicyCache` picks the lean build when the policy allows it.
+Python enters the kernel through `run_layers` (one build's run_layer over a range of layers): `step` for one
+layer (emulation, engine), `step_layers` for every layer of a trace in one call (the simulator).
 
 Where the time goes (docs/performance.md, issue 17): a replay streams its trace from memory, so run_layer
 asks for the rows of token i + PF_AHEAD while it decides token i (`_prefetch`, a hint); per token the
@@ -259,18 +262,6 @@ class Outputs(NamedTuple):
     n_logs: np.ndarray  # [3] int64 entries written (may exceed the logs' length)
 
 
-@njit(cache=True, inline="always")
-def _aged_load(key, qstate, age_count, e, v):
-    """lfuda after a load of `e` that evicted `v` (-1: a free slot): the victim leaves first (A = max(A, K[v]),
-    c[v] = floor(c[v] / 2)), then K[e] = A + c[e]."""
-    if v >= 0:
-        kv = np.int64(key[v])
-        if kv > qstate[Q_AGE]:
-            qstate[Q_AGE] = kv
-        age_count[v] //= 2
-    key[e] = np.float64(qstate[Q_AGE] + age_count[e])
-
-
 def _build_run_layer(lean: bool):
     """run_layer for every policy (`lean` False), or compiled for the paper's presets' features only (`lean`
     True: lfu with gamma 1, the substitute fallback, admission or none, no fetch cap, pinning, prefetch or
@@ -322,18 +313,20 @@ def _build_run_layer(lean: bool):
         lfu1 = evict == K_LFU and gamma == 1.0
         kstep = np.int64(E) << sb  # lfu1: a key's +1 in its slot key (_ikey)
 
-        def claim(e, stamp_, free):
-            """THE slot claim (fetch, admission, prefetch): put `e` in a free slot (`free`: the layer has one),
-            else in the victim's (smallest key among the slots p0.. whose pin != stamp_; fast: smallest skey),
-            evicting the victim; under lfuda the load ages the keys (`_aged_load`). The claimed slot is pinned
-            with `stamp_`. Returns (slot, evicted expert): slot -1 when nothing is evictable (nothing changed),
-            evicted -1 when a free slot was used; the caller counts the resident and may queue the evicted
-            expert. A closure, so numba inlines it at each call with the state arrays as they are: a helper
+        def claim(e, stamp_):
+            """THE slot claim (fetch, admission, prefetch): put `e` in a free slot if the layer has one, else in
+            the victim's (smallest key among the slots p0.. whose pin != stamp_; fast: smallest skey), evicting
+            the victim; counts the resident (qstate[3]); under lfuda the load ages the keys. The
+            claimed slot is pinned with `stamp_`. Returns (slot, requeue): slot -1 when nothing is evictable
+            (nothing changed); requeue the evicted expert when admission is on and its accumulator is at beta
+            already (only after a prefetch: a is not reset by one), for the caller's admission candidates,
+            else -1. A closure, so numba inlines it at each call with the state arrays as they are: a helper
             taking the arrays as arguments paid 10-12 atomic reference-count updates per claim, about 40% of
             fetch-every-miss's time (docs/performance.md, "The claim without reference counts")."""
             v = -1
-            if free:
+            if qstate[3] < cap:
                 s = _free_slot(slot_expert, cap)
+                qstate[3] += 1
             else:
                 s = _victim_int(skey, p0, cap, sb) if fast else _victim(slot_expert, p0, cap, key, pin, stamp_)
                 if s >= 0:
@@ -345,16 +338,21 @@ def _build_run_layer(lean: bool):
                 pin[s] = stamp_
                 if fast:
                     skey[s] = _IMAX
-                if aging:
-                    _aged_load(key, qstate, age_count, e, v)
-            return s, v
+                if aging:  # lfuda: the victim leaves first (A = max(A, K[v]), c[v] = floor(c[v] / 2)), then K[e] = A + c[e]
+                    if v >= 0:
+                        kv = np.int64(key[v])
+                        if kv > qstate[Q_AGE]:
+                            qstate[Q_AGE] = kv
+                        age_count[v] //= 2
+                    key[e] = np.float64(qstate[Q_AGE] + age_count[e])
+            return s, (v if v >= 0 and use_adm and acc[v] >= beta else -1)
+
         cnt = np.zeros(N_INT, np.int64)  # the rarer counters (the per-token ones are the scalars below)
         n_calls = 0
         n_hits = 0
         n_fetch = 0
         n_subs = 0
         n_drops = 0
-        n_res = qstate[3]
         q_head = qstate[0]
         q_len = qstate[1]
         stamp = qstate[2]
@@ -397,17 +395,15 @@ def _build_run_layer(lean: bool):
                     if expert_slot[e] >= 0:
                         cnt[C_ADM_SKIPPED] += 1
                         continue
-                    s, v = claim(e, bstamp, n_res < cap)
+                    s, vq = claim(e, bstamp)
                     if s < 0:
                         cnt[C_ADM_SKIPPED] += 1
                         if use_adm:  # not resident, no longer queued: may be queued again after the token
                             cand[nc] = e
                             nc += 1
                         continue
-                    if v < 0:
-                        n_res += 1
-                    elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
-                        cand[nc] = v
+                    if vq >= 0:
+                        cand[nc] = vq
                         nc += 1
                     acc[e] = 0.0
                     cnt[C_ADM] += 1
@@ -450,13 +446,11 @@ def _build_run_layer(lean: bool):
                         break
                     if expert_slot[e] >= 0:
                         continue
-                    s, v = claim(e, ps, n_res < cap)
+                    s, vq = claim(e, ps)
                     if s < 0:
                         continue  # nothing evictable: skipped
-                    if v < 0:
-                        n_res += 1
-                    elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
-                        cand[nc] = v
+                    if vq >= 0:
+                        cand[nc] = vq
                         nc += 1
                     pfe[npl] = e
                     npl += 1
@@ -561,11 +555,9 @@ def _build_run_layer(lean: bool):
                             psk[q] = skey[sq]
                             skey[sq] = _IMAX
                     # a victim exists: C_l - P_l >= k
-                    s, v = claim(e, st_, n_res < cap)
-                    if v < 0:
-                        n_res += 1
-                    elif use_adm and acc[v] >= beta:  # (only after a prefetch: a is not reset by one)
-                        cand[nc] = v
+                    s, vq = claim(e, st_)
+                    if vq >= 0:
+                        cand[nc] = vq
                         nc += 1
                     acc[e] = 0.0
                     out_kind[oi, j] = FETCH
@@ -713,7 +705,6 @@ def _build_run_layer(lean: bool):
                         q_log[n, 1] = e
                     n_logs[1] = n + 1
                 ev[i, EV_ADM_QUEUED] += nq
-        qstate[3] = n_res
         qstate[0] = q_head
         qstate[1] = q_len
         qstate[2] = stamp
