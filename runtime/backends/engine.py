@@ -224,7 +224,7 @@ class Engine:
         return out.logits[0, -1], past
 
     @torch.inference_mode()
-    def teacher_forced(self, m: hfmodel.Loaded, windows: np.ndarray, cache: PolicyCache, name: str | None = None,
+    def teacher_forced(self, m: hfmodel.Loaded, windows: np.ndarray, cache: PolicyCache,
                        keep_logits: bool = False) -> tuple[np.ndarray, dict]:
         """Decode every window token by token under `cache` (feeding the true tokens); NLL [n, W-1] and the
         run's measurements. The runner of the engine backend (runtime.backends.emulate.evaluate_group)."""
