@@ -1092,20 +1092,34 @@ class PolicyCache:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Decide every layer over the same tokens in one kernel call (the simulator's replay; `step` per layer
         makes the same decisions). ids [L, T, k] int32, weights [L, T, k] float64, ranking [L, T, M] int32,
-        valid [L, T] bool, events [L, T, N_EV] int32 (added to), all C-contiguous; nxt [L, T, k] (belady) or
+        valid [L, T] bool (converted if need be), events [L, T, N_EV] int32 C-contiguous (added to); nxt [L, T, k] (belady) or
         None; predicted [L, T, P] int32 (as `step`'s, a row of -1 at layer 0) or None. Writes no logs.
         Returns (kind, served, slot), each [L, T, k], with `decisions`, else None."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        weights = np.ascontiguousarray(weights, dtype=np.float64)
+        ranking = np.ascontiguousarray(ranking, dtype=np.int32)
+        valid = np.ascontiguousarray(valid, dtype=np.bool_)
         L, T, k = ids.shape
-        if L != self.L or k != self.k or len(set(self.next_t.tolist())) != 1:
-            raise ValueError(f"step_layers: ids {ids.shape} for L={self.L}, k={self.k} caches at one token "
-                             f"(next tokens {sorted(set(self.next_t.tolist()))})")
+        shapes_ok = (weights.shape == ids.shape and ranking.shape[:2] == (L, T) and ranking.shape[2] >= k
+                     and valid.shape == (L, T) and events.shape == (L, T, N_EV) and events.dtype == np.int32
+                     and events.flags.c_contiguous)
+        if L != self.L or k != self.k or not shapes_ok or len(set(self.next_t.tolist())) != 1:
+            raise ValueError(f"step_layers: ids {ids.shape}, weights {weights.shape}, ranking {ranking.shape}, "
+                             f"valid {valid.shape}, events {events.shape} {events.dtype} for L={self.L}, k={self.k} "
+                             f"caches at one token (next tokens {sorted(set(self.next_t.tolist()))})")
         t0 = int(self.next_t[0])
         self.next_t[:] = t0 + T
-        nxt = np.zeros((L, 0, k)) if nxt is None else nxt
+        nxt = np.zeros((L, 0, k)) if nxt is None else np.ascontiguousarray(nxt, dtype=np.float64)
+        if nxt.shape[0] != L or nxt.shape[1] not in (0, T) or nxt.shape[2] != k:
+            raise ValueError(f"step_layers: nxt {nxt.shape}, expected [L={L}, T={T}, k={k}]")
         if predicted is None or self.prefetch_width == 0:
             pred = np.zeros((L, 0, 0), np.int32)
         else:
-            pred = np.ascontiguousarray(predicted[:, :, : self.prefetch_width], dtype=np.int32)
+            pred = np.ascontiguousarray(np.asarray(predicted)[:, :, : self.prefetch_width], dtype=np.int32)
+            if pred.shape[:2] != (L, T):
+                raise InputError(f"predicted lists: shape {pred.shape}, expected [L={L}, T={T}, P]")
+            if pred.size and int(pred.max()) >= self.E:
+                raise InputError(f"predicted lists: expert id {int(pred.max())} outside [0, {self.E})")
         rows = T if decisions else 1
         out = Outputs(np.empty((L, rows, k), np.int8), np.empty((L, rows, k), np.int32),
                       np.empty((L, rows, k), np.int32), events, np.empty((L, 0, 3), np.int64),
