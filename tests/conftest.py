@@ -1,10 +1,14 @@
-"""Fixtures shared by the test modules: the text the emulation, engine and fallback tests evaluate."""
+"""Fixtures shared by the test modules: the text the emulation, engine and fallback tests evaluate, and the sweep
+tests' micro model (tests/sweep_fixtures.py; defined here so that the session builds it once, not once per module
+that imports it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from tests.sweep_fixtures import micro_model_fixture  # noqa: F401 - the fixture is used by name
 
 # a text nobody tuned anything on: this project's own kernel source
 TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "core" / "kernel.py").read_text()

@@ -25,7 +25,6 @@ from tests.sweep_fixtures import (  # noqa: F401 - the fixtures are used by name
     driver_cmd,
     env,
     ledger,
-    micro_model_fixture,
     mlflow_server_fixture,
     ray_cluster_fixture,
     run_driver,

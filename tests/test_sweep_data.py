@@ -11,7 +11,7 @@ import pytest
 from runtime.core.errors import InputError
 from sweep import config as sweep_config
 from sweep import data
-from tests.sweep_fixtures import micro_model_fixture, write_config  # noqa: F401 - the fixture is used by name
+from tests.sweep_fixtures import write_config
 
 SPACE = {"rule": {"choices": ["threshold", "first_choice"]}, "tau": {"low": 0.1, "high": 0.4},
          "capacity_fraction": 0.25}

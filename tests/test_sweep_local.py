@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.sweep_fixtures import free_port, ledger, micro_model_fixture, run_driver, write_config  # noqa: F401
+from tests.sweep_fixtures import free_port, ledger, run_driver, write_config
 
 
 def _one_line_error(proc) -> str:
