@@ -31,7 +31,6 @@ from runtime.core.kernel import (
     predicted_lists,
     residency_array,
     warm_start,
-    warmup,
 )
 from runtime.core.policy import (
     PRESETS,
@@ -90,7 +89,12 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
         for l_, p_ in enumerate(preds):
             if p_ is not None:
                 pred[l_, :, : p_.shape[1]] = p_
-    warmup()
+    # compile (or load from numba's cache) the one kernel build this replay takes, on a one-token copy of its
+    # inputs, before timing: not every build (warmup()), which a fresh process, e.g. a sweep worker, pays in full
+    first = [np.ascontiguousarray(a[:, :1]) for a in (ids, ws, ranks, valids)]
+    PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use).step_layers(
+        *first, np.zeros((L, min(T, 1), N_EV), np.int32), nxt=None if nxt is None else np.ascontiguousarray(nxt[:, :1]),
+        predicted=None if pred is None else np.ascontiguousarray(pred[:, :1]), decisions=decisions)
     t_start = time.perf_counter()
     dec = cache.step_layers(ids, ws, ranks, valids, events, nxt=nxt, predicted=pred, decisions=decisions)
     seconds = time.perf_counter() - t_start
