@@ -189,7 +189,7 @@ def _time_layers(mod, trace, policy, caps, init) -> tuple[float, float]:
     one `step_layers` call over every layer, or (a revision before it) one `step` per layer."""
     cache = mod.PolicyCache(policy, trace.E, trace.k, caps, init)
     L, T = trace.L, trace.T
-    ev = np.zeros((L, T, mod.N_EV), np.int32)
+    ev = np.full((L, T, mod.N_EV), 0, np.int32)  # written here: its pages are in before the timed loop, as in replay()
     if hasattr(cache, "step_layers"):
         args = [np.ascontiguousarray(np.asarray(a, dt).swapaxes(0, 1)) for a, dt in
                 ((trace.topk_ids, np.int32), (trace.topk_weights, np.float64), (trace.ranking, np.int32),
