@@ -321,7 +321,7 @@ def _build_run_layer(lean: bool):
             (nothing changed); requeue the evicted expert when admission is on and its accumulator is at beta
             already (only after a prefetch: a is not reset by one), for the caller's admission candidates,
             else -1. A closure, so numba inlines it at each call with the state arrays as they are: a helper
-            taking the arrays as arguments paid 10-12 atomic reference-count updates per claim, about 40% of
+            taking the arrays as arguments paid 10-12 atomic reference-count updates per claim, about 45% of
             fetch-every-miss's time (docs/performance.md, "The claim without reference counts")."""
             v = -1
             if qstate[3] < cap:
