@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.backends.simulate import replay, simulate
+from runtime.backends.simulate import layer_major, replay, simulate
 from runtime.core import kernel
 from runtime.core.kernel import warm_residency, warmup
 from runtime.core.policy import PRESETS, RULE_CODE
@@ -191,9 +191,7 @@ def _time_layers(mod, trace, policy, caps, init) -> tuple[float, float]:
     L, T = trace.L, trace.T
     ev = np.full((L, T, mod.N_EV), 0, np.int32)  # written here: its pages are in before the timed loop, as in replay()
     if hasattr(cache, "step_layers"):
-        args = [np.ascontiguousarray(np.asarray(a, dt).swapaxes(0, 1)) for a, dt in
-                ((trace.topk_ids, np.int32), (trace.topk_weights, np.float64), (trace.ranking, np.int32),
-                 (trace.valid, np.bool_))]
+        args = layer_major(trace)  # as replay() builds them
         c0, t0 = time.process_time(), time.perf_counter()
         cache.step_layers(*args, ev)
         return time.process_time() - c0, time.perf_counter() - t0

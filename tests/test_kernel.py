@@ -16,6 +16,7 @@ from runtime.core.kernel import (
     N_EV,
     PolicyCache,
     next_use,
+    predicted_layers,
     predicted_lists,
     warm_residency,
 )
@@ -233,12 +234,7 @@ def test_step_layers_equals_a_step_per_layer(seed, T, L, E, data, policy):
                       events=ev_per[l_], predicted=preds[l_]) for l_ in range(L)]
     one = PolicyCache(policy, E, k, np.array(caps), init, belady_first_use=belady)
     ev_one = np.zeros((L, T, N_EV), np.int32)
-    pred = None
-    if any(p_ is not None for p_ in preds):
-        pred = np.full((L, T, max(p_.shape[1] for p_ in preds if p_ is not None)), -1, np.int32)
-        for l_, p_ in enumerate(preds):
-            if p_ is not None:
-                pred[l_, :, : p_.shape[1]] = p_
+    pred = predicted_layers(policy, ids, valid, look)
     lay = [np.ascontiguousarray(np.asarray(a, dt).swapaxes(0, 1)) for a, dt in
            ((ids, np.int32), (w, np.float64), (ranking, np.int32), (valid, np.bool_))]
     kind, served, slot = one.step_layers(*lay, ev_one, nxt=np.stack(nxt) if belady else None, predicted=pred,

@@ -28,7 +28,7 @@ from runtime.core.kernel import (
     N_EV,
     PolicyCache,
     next_use,
-    predicted_lists,
+    predicted_layers,
     residency_array,
     warm_start,
 )
@@ -62,6 +62,14 @@ class Replay:
     decisions: dict[str, np.ndarray] | None = None  # kind / served / slot [T, L, k] when asked for
 
 
+def layer_major(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The trace's selections, gate weights, rankings and validity layer-major ([L, T, ...], C-contiguous, the
+    dtypes the kernel reads): `PolicyCache.step_layers`' inputs, one call replaying every layer."""
+    return tuple(np.ascontiguousarray(np.asarray(a, dt).swapaxes(0, 1)) for a, dt in
+                 ((trace.topk_ids, np.int32), (trace.topk_weights, np.float64), (trace.ranking, np.int32),
+                  (trace.valid, np.bool_)))
+
+
 def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_residency,
            decisions: bool = False) -> Replay:
     """Run the kernel over every layer of a trace (layers are independent caches)."""
@@ -76,21 +84,9 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     # written here, so its pages are faulted in before the timed loop (np.zeros maps them lazily: the first
     # write to each page inside the kernel cost ~15% of a replay's time)
     events = np.full((L, T, N_EV), 0, np.int32)
-    # the kernel's layer-major inputs [L, T, ...] (one call replays every layer)
-    ids = np.ascontiguousarray(np.asarray(trace.topk_ids, np.int32).transpose(1, 0, 2))
-    ws = np.ascontiguousarray(np.asarray(trace.topk_weights, np.float64).transpose(1, 0, 2))
-    ranks = np.ascontiguousarray(np.asarray(trace.ranking, np.int32).transpose(1, 0, 2))
-    valids = np.ascontiguousarray(np.asarray(trace.valid, np.bool_).T)
+    ids, ws, ranks, valids = layer_major(trace)
     # prefetch: per layer the predicted lists (lookahead column of the previous layer, or oracle: own selection)
-    preds = [predicted_lists(policy, l_, trace.topk_ids, trace.valid, getattr(trace, "lookahead", None))
-             for l_ in range(L)]
-    pred = None
-    if any(p_ is not None for p_ in preds):
-        width = max(p_.shape[1] for p_ in preds if p_ is not None)
-        pred = np.full((L, T, width), -1, np.int32)  # layer 0 (no previous layer): no prefetch
-        for l_, p_ in enumerate(preds):
-            if p_ is not None:
-                pred[l_, :, : p_.shape[1]] = p_
+    pred = predicted_layers(policy, trace.topk_ids, trace.valid, getattr(trace, "lookahead", None))
     # compile (or load from numba's cache) the one kernel build this replay takes, on a one-token copy of its
     # inputs, before timing: not every build (warmup()), which a fresh process, e.g. a sweep worker, pays in full
     first = [np.ascontiguousarray(a[:, :1]) for a in (ids, ws, ranks, valids)]

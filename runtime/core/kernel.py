@@ -814,6 +814,22 @@ def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, vali
     return pred
 
 
+def predicted_layers(policy: PolicyConfig, topk_ids: np.ndarray, valid: np.ndarray,
+                     lookahead: np.ndarray | None = None) -> np.ndarray | None:
+    """Every layer's predicted lists (`predicted_lists`) as `PolicyCache.step_layers` takes them: int32 [L, T, P],
+    layer 0's rows -1 (no previous layer: no prefetch there); None when the policy prefetches nothing."""
+    T, L = topk_ids.shape[:2]
+    out = None
+    for l_ in range(1, L):
+        p = predicted_lists(policy, l_, topk_ids, valid, lookahead)
+        if p is None:
+            return None
+        if out is None:
+            out = np.full((L, T, p.shape[1]), -1, np.int32)
+        out[l_] = p
+    return out
+
+
 @dataclass
 class StepResult:
     """The kernel's plan for one layer over a chunk of tokens; the engine applies it in this order per
@@ -1053,11 +1069,7 @@ class PolicyCache:
         if predicted is None or self.prefetch_width == 0:
             pred = np.zeros((0, 0), np.int32)
         else:
-            pred = np.ascontiguousarray(np.asarray(predicted)[:, : self.prefetch_width], dtype=np.int32)
-            if pred.shape[0] != T:
-                raise InputError(f"predicted lists: {pred.shape[0]} rows for {T} tokens (layer {layer})")
-            if pred.size and int(pred.max()) >= self.E:
-                raise InputError(f"predicted lists: expert id {int(pred.max())} outside [0, {self.E}) (layer {layer})")
+            pred = self._predicted(np.asarray(predicted)[:, : self.prefetch_width], (T,), f" (layer {layer})")
         l_ = layer
         rows = T if decisions else 1
         kind = np.empty((rows, k), np.int8)
@@ -1078,6 +1090,16 @@ class PolicyCache:
             kind = served = slot = None
         return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],
                           pf_log[: min(npf, len(pf_log))])
+
+    def _predicted(self, pred: np.ndarray, lead: tuple[int, ...], where: str) -> np.ndarray:
+        """Predicted lists as the kernel takes them (int32, C-contiguous), their leading shape `lead` and ids
+        checked: a one-line InputError otherwise."""
+        pred = np.ascontiguousarray(pred, dtype=np.int32)
+        if pred.shape[: len(lead)] != lead:
+            raise InputError(f"predicted lists: shape {pred.shape}, expected {list(lead)} + [P]{where}")
+        if pred.size and int(pred.max()) >= self.E:
+            raise InputError(f"predicted lists: expert id {int(pred.max())} outside [0, {self.E}){where}")
+        return pred
 
     def step_layers(
         self,
@@ -1115,11 +1137,7 @@ class PolicyCache:
         if predicted is None or self.prefetch_width == 0:
             pred = np.zeros((L, 0, 0), np.int32)
         else:
-            pred = np.ascontiguousarray(np.asarray(predicted)[:, :, : self.prefetch_width], dtype=np.int32)
-            if pred.shape[:2] != (L, T):
-                raise InputError(f"predicted lists: shape {pred.shape}, expected [L={L}, T={T}, P]")
-            if pred.size and int(pred.max()) >= self.E:
-                raise InputError(f"predicted lists: expert id {int(pred.max())} outside [0, {self.E})")
+            pred = self._predicted(np.asarray(predicted)[:, :, : self.prefetch_width], (L, T), "")
         rows = T if decisions else 1
         out = Outputs(np.empty((L, rows, k), np.int8), np.empty((L, rows, k), np.int32),
                       np.empty((L, rows, k), np.int32), events, np.empty((L, 0, 3), np.int64),
