@@ -1,4 +1,4 @@
-"""Tests for runtime/formats/costmodel.py: hand-computed timing cases, presets, YAML errors, bytes.
+"""Tests for runtime/formats/costmodel/ (hosts, shapes, budget, timing): hand-computed timing cases, presets, YAML errors, bytes.
 
 Timing cases use CostParams with small integers (fetch 10, device expert 1, host expert 3,
 dense 2 seconds) so every expected value is exact and easy to check by hand against the
