@@ -18,8 +18,9 @@
 The target is |simulated - measured| / measured <= 15% for fetch-every-miss, rule-0.15, quality-first.
 `--out` is rewritten after EVERY round (with `rounds_done` and `complete`), so a run stopped by a
 timeout keeps what it measured. On CUDA the VRAM budget (`--budget-for-fraction`, `--vram-budget`)
-is sized with the CUDA context the engine measured after start (torch.cuda.mem_get_info), not the
-cost model's 512 MiB guess; admission stalls are the device time measured between CUDA events.
+is sized with the CUDA context the engine measured after start and cuBLAS loaded (`size_run`:
+Engine.budget_context_bytes), not the cost model's CUDA_CONTEXT_BYTES; admission stalls are the
+device time measured between CUDA events.
 `--clock thread` (CPU device mode) times calibration and decoding with the main thread's CPU time
 (time.thread_time) instead of the wall clock, which leaves out the turns other processes take on a
 shared host (it also leaves out time blocked on the link thread: admission stalls).
@@ -160,6 +161,24 @@ def summarize(name: str, row: dict, rounds: list[dict], caps, init, shape, pinne
             "peak_device_bytes": rep["peak_device_bytes"]}
 
 
+def size_run(eng: Engine, policies: list[PolicyConfig], capacity_fraction: float | None, vram_budget: float | None,
+             budget_for_fraction: float | None) -> tuple[np.ndarray, dict]:
+    """Slots per layer of the bench and the result keys saying how they were sized: a capacity fraction, a
+    VRAM budget, or the budget that holds `budget_for_fraction` of E slots per layer under every policy.
+    Budgets are the engine's (Engine.budget_for_capacities / capacities_for_budget): on CUDA with the
+    context it measured after cuBLAS loaded, not the cost model's CUDA_CONTEXT_BYTES."""
+    m = eng.m
+    if budget_for_fraction is not None:
+        c = resolve_capacities(None, m.num_layers, m.E, m.k, budget_for_fraction)
+        vram_budget = eng.budget_for_capacities(c, policies) * (1 + 1e-9)
+    if vram_budget is None:
+        caps = resolve_capacities(None, m.num_layers, m.E, m.k, capacity_fraction or 0.25)
+        return caps, {"capacity": caps.tolist()}
+    caps = eng.capacities_for_budget(vram_budget, policies)
+    return caps, {"capacity": caps.tolist(), "vram_budget_GiB": vram_budget,
+                  "budget_context_bytes": eng.budget_context_bytes}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="/tmp/expertsweep-bench")
@@ -214,19 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with cpu_threads(eng.device, a.threads):
             shape = costmodel.model_shape_from_hf_config(m.model.config.to_dict(), name="bench")
-            # the CUDA context measured after the engine started (CPU device mode: none), not a guess
-            ctx = {"context_bytes": eng.context_bytes} if eng.cuda else {}
-            if a.budget_for_fraction is not None:
-                c = resolve_capacities(None, m.num_layers, m.E, m.k, a.budget_for_fraction)
-                a.vram_budget = costmodel.budget_for_capacities(eng.shape, c, [POLICIES[n] for n in names],
-                                                                **ctx) * (1 + 1e-9)
-            if a.vram_budget is not None:
-                caps = costmodel.capacities_for_budget(eng.shape, a.vram_budget, [POLICIES[n] for n in names], **ctx)
-                results["vram_budget_GiB"] = a.vram_budget
-                results["budget_context_bytes"] = ctx.get("context_bytes", costmodel.CUDA_CONTEXT_BYTES)
-            else:
-                caps = resolve_capacities(None, m.num_layers, m.E, m.k, a.capacity_fraction or 0.25)
-            results["capacity"] = caps.tolist()
+            caps, sizing = size_run(eng, [POLICIES[n] for n in names], a.capacity_fraction, a.vram_budget,
+                                    a.budget_for_fraction)
+            results.update(sizing)
             windows, sha = hfmodel.tokenize_file(m, d / "eval.txt", a.window * a.windows, a.window)
             cids, _ = hfmodel.calibration_ids(m, None, 4096, a.window)
             init = warm_residency(cids, None, m.E, caps)

@@ -168,14 +168,33 @@ class Engine:
 
     # ------------------------------------------------------------------ binding a run
 
-    def capacities_for_budget(self, budget_gib: float, policies: list[PolicyConfig] | tuple = (),
-                              flag: str = "--vram-budget") -> np.ndarray:
-        """Slots per layer that fit a device memory budget (GiB): runtime.formats.costmodel.capacities_for_budget
-        on this model's shape in the engine's dtype (the one meaning of a VRAM budget)."""
+    @property
+    def budget_context_bytes(self) -> int:
+        """The CUDA context a VRAM budget charges: on CUDA the one measured (after cuBLAS loaded, the largest
+        seen so far); in CPU device mode, which models a GPU's budget on the host, the cost model's
+        CUDA_CONTEXT_BYTES."""
+        return int(self.context_bytes) if self.cuda else costmodel.CUDA_CONTEXT_BYTES
+
+    def _budget_shape(self, flag: str) -> costmodel.ModelShape:
         if self.shape is None:
             raise InputError(f"{flag}: the cost model has no shape for model_type "
                              f"{self.m.model.config.model_type!r}; give --capacity or --capacity-fraction")
-        return costmodel.capacities_for_budget(self.shape, budget_gib, list(policies), flag=flag)
+        return self.shape
+
+    def capacities_for_budget(self, budget_gib: float, policies: list[PolicyConfig] | tuple = (),
+                              flag: str = "--vram-budget") -> np.ndarray:
+        """Slots per layer that fit a device memory budget (GiB): runtime.formats.costmodel.capacities_for_budget
+        on this model's shape in the engine's dtype (the one meaning of a VRAM budget), with the CUDA context
+        `budget_context_bytes` (on CUDA: measured)."""
+        return costmodel.capacities_for_budget(self._budget_shape(flag), budget_gib, list(policies),
+                                               context_bytes=self.budget_context_bytes, flag=flag)
+
+    def budget_for_capacities(self, capacities, policies: list[PolicyConfig] | tuple = (),
+                              flag: str = "--vram-budget") -> float:
+        """The smallest budget (GiB) that holds `capacities` slots per layer under `policies`, counted as
+        `capacities_for_budget` counts it (the same CUDA context)."""
+        return costmodel.budget_for_capacities(self._budget_shape(flag), capacities, list(policies),
+                                               context_bytes=self.budget_context_bytes)
 
     @torch.inference_mode()
     def bind(self, cache: PolicyCache) -> None:

@@ -130,10 +130,13 @@ def capacities_for_budget(shape: ModelShape, budget_gib: float, policy=None, *,
 
 
 def budget_for_capacities(shape: ModelShape, capacities, policy=None, *,
+                          context_bytes: int = CUDA_CONTEXT_BYTES, workspace_bytes: int = CUBLAS_WORKSPACE_BYTES,
                           reserve_fraction: float = RESERVE_FRACTION) -> float:
     """The inverse of `capacities_for_budget`: the smallest VRAM budget (GiB) that holds `capacities`
-    slots per layer under `policy`, counted the same way (the simulator's `device_memory_GiB`)."""
-    b = budget_breakdown(shape, 1.0, policy, reserve_fraction=0.0)  # fixed parts (no reserve)
+    slots per layer under `policy`, counted the same way (the simulator's `device_memory_GiB`), with the
+    same `context_bytes` and `workspace_bytes` (the engine on CUDA passes the context it measured)."""
+    b = budget_breakdown(shape, 1.0, policy, context_bytes=context_bytes, workspace_bytes=workspace_bytes,
+                         reserve_fraction=0.0)  # fixed parts (no reserve)
     fixed = b.nonexpert + b.context + b.workspace + b.staging + b.lowbit
     slots = int(np.sum(np.broadcast_to(np.asarray(capacities, np.int64), (shape.num_layers,))))
     return (fixed + slots * b.slot) / (1.0 - reserve_fraction) / 2**30
