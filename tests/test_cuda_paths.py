@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from runtime.backends import emulate
 from runtime.backends.engine import Engine
@@ -90,3 +91,85 @@ def test_budget_for_capacities_is_the_inverse_at_any_context():
         shape, 16, qf, context_bytes=costmodel.CUDA_CONTEXT_BYTES)
     assert np.isclose(costmodel.budget_for_capacities(shape, 16, qf, context_bytes=1024 * MiB)
                       - costmodel.budget_for_capacities(shape, 16, qf), 512 / 1024 / 0.95)
+
+
+# ----------------------------------------------------------------------------- item 2: low-bit copies
+
+class SpyQuantizer:
+    """hqq's Quantizer, recording the device and dtype of every matrix it is asked to quantize."""
+
+    calls: list[tuple[str, torch.dtype, str]] = []
+
+    def __init__(self, real):
+        self.real = real
+
+    def quantize(self, tensor, **kw):
+        SpyQuantizer.calls.append((tensor.device.type, tensor.dtype, kw["device"]))
+        return self.real.quantize(tensor, **kw)
+
+    def dequantize(self, *a, **kw):
+        return self.real.dequantize(*a, **kw)
+
+
+def test_lowbit_copies_quantized_once_on_the_host_and_equal_the_emulations(tiny, eng, monkeypatch):
+    """The engine quantized on its device (hqq's optimizer runs in float16 when handed a CUDA device) while the
+    emulation quantizes on the host in float32: other codes, the 1e-4 checks failed on a GPU; and it rebuilt
+    the copies at every binding of a low-bit policy (the bench: ~7 times). Here the runner's device is 'meta'
+    (no data), as a CUDA device is not the host: the quantizer must see host float32 matrices only, once."""
+    pytest.importorskip("hqq")
+    from runtime.backends import adapters, lowbit
+
+    real = lowbit._quantizer()
+    SpyQuantizer.calls = []
+    monkeypatch.setattr(lowbit, "_quantizer", lambda: SpyQuantizer(real))
+    run = eng.runner
+    run.device = torch.device("meta")
+    lb = PolicyConfig(rule="threshold", tau=0.15, fallback="lowbit", lowbit_bits=4, lowbit_group=16)
+    base = run.pool.dev_bytes
+    run.bind_lowbit(lb)
+    n = 2 * eng.L * eng.E
+    assert SpyQuantizer.calls == [("cpu", torch.float32, "cpu")] * n
+    assert all(q.packed.device.type == "meta" for row in run.lowbit for pair in row for q in pair)
+    assert run.pool.dev_bytes - base == run.lowbit_bytes > 0
+    run.bind_lowbit(PRESETS["fetch-every-miss"])  # the copies leave the device ...
+    assert run.lowbit is None and run.pool.dev_bytes == base
+    run.bind_lowbit(lb)  # ... and come back from the host copies: nothing quantized again
+    assert len(SpyQuantizer.calls) == n and run.pool.dev_bytes - base == run.lowbit_bytes
+    run.build_lowbit(4, 16, experts=eng.k)  # calibration: k experts per layer, from the same host copies
+    assert len(SpyQuantizer.calls) == n and len(run.lowbit[0]) == eng.k
+    run.build_lowbit(8, 16, experts=1)  # another width: quantized (L matrices x 2) once
+    assert len(SpyQuantizer.calls) == n + 2 * eng.L
+    # the host copies dequantize to exactly the emulation's low-bit weights (runtime.backends.lowbit.dequantized_experts)
+    me = emulate.load(tiny)
+    mods = [mod.experts for mod in me.model.modules() if isinstance(mod, adapters.PolicyExperts)]
+    for l_, ex in enumerate(mods):
+        dup = lowbit.dequantized_experts(ex, eng.E, 4, 16)
+        for e in range(eng.E):
+            qgu, qd = run.lowbit_host[(4, 16)][(l_, e)]
+            assert torch.equal(qgu.dequantize(eng.dtype), dup.gate_up_proj[e].detach())
+            assert torch.equal(qd.dequantize(eng.dtype), dup.down_proj[e].detach())
+
+
+# ----------------------------------------------------------------------------- item 3: bytes as held
+
+def test_lowbit_scale_and_zero_are_counted_at_the_bytes_they_take():
+    """scale and zero were float32 tensors (holding float16 values) counted as 2 bytes each: the device held
+    more than the budget charged. They are float16 now, and an expert's copy takes what the cost model says."""
+    pytest.importorskip("hqq")
+    from runtime.backends import lowbit
+
+    torch.manual_seed(0)
+    H, inter = 128, 64
+    shape = costmodel.ModelShape(name="t", num_layers=1, num_experts=2, top_k=1, hidden=H, moe_intermediate=inter,
+                                 dense_params_per_layer=1)
+    for bits, group in ((8, 16), (4, 16), (3, 16), (2, 32), (4, 64)):
+        gu, d = lowbit.quantize(torch.randn(2 * inter, H), bits, group), lowbit.quantize(torch.randn(H, inter), bits, group)
+        for q in (gu, d):
+            assert q.meta["scale"].dtype == q.meta["zero"].dtype == torch.float16
+            held = sum(t.untyped_storage().nbytes() for t in (q.packed, q.meta["scale"], q.meta["zero"]))
+            assert q.nbytes == held
+        counted = costmodel.lowbit_expert_bytes(shape, bits, group)
+        if bits == 3:  # 10 codes per word: each matrix's last row of words may be partly empty
+            assert 0 <= gu.nbytes + d.nbytes - counted <= 2 * 4 * group, (bits, group)
+        else:
+            assert gu.nbytes + d.nbytes == counted, (bits, group)

@@ -95,13 +95,35 @@ def test_dequantized_experts_copy(in_dim):
         assert all(len(torch.unique(g)) <= 16 for g in mats.reshape(-1, 8)[:32])
 
 
+def test_quantized_on_the_host_in_float32(monkeypatch):
+    """HQQ's optimizer runs in float16 when handed a CUDA device: `quantize` hands it host float32 only, and the
+    codes, scale and zero do not depend on the input's dtype or device (here: a float16 input)."""
+    seen = []
+    real = lowbit._quantizer()
+
+    class Spy:
+        @staticmethod
+        def quantize(t, **kw):
+            seen.append((t.device.type, t.dtype, kw["device"], kw["compute_dtype"]))
+            return real.quantize(t, **kw)
+
+    monkeypatch.setattr(lowbit, "_quantizer", lambda: Spy)
+    torch.manual_seed(4)
+    w = torch.randn(32, 64).half()
+    a, b = lowbit.quantize(w, 4, 16), lowbit.quantize(w.float(), 4, 16)
+    assert seen == [("cpu", torch.float32, "cpu", torch.float32)] * 2
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.meta["scale"], b.meta["scale"])
+    assert a.meta["scale"].dtype == torch.float16 and a.meta["compute_dtype"] == torch.float32
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu():
+    """Quantized on the host whatever the input's device: the CUDA copy dequantizes to the host copy exactly."""
     torch.manual_seed(3)
     w = torch.randn(64, 128)
     cpu = lowbit.quantize(w, 3, 64).dequantize()
     gpu = lowbit.quantize(w.cuda(), 3, 64)
     assert gpu.packed.is_cuda
-    assert torch.allclose(gpu.dequantize().cpu(), cpu, atol=1e-3)
+    assert torch.equal(gpu.dequantize().cpu(), cpu)
     moved = lowbit.quantize(w, 4, 64).to("cuda")
-    assert torch.allclose(moved.dequantize().cpu(), lowbit.quantize(w, 4, 64).dequantize(), atol=0)
+    assert torch.equal(moved.dequantize().cpu(), lowbit.quantize(w, 4, 64).dequantize())

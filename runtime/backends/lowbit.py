@@ -4,11 +4,16 @@ Quantizer: HQQ (half-quadratic quantization, the maintained `hqq` package on PyP
 backend runs on CPU and CUDA). Per weight matrix of one expert, along the matrix's **input**
 dimension, groups of `group` weights (`lowbit_group`) are quantized asymmetrically to `bits` in
 {8, 4, 3, 2}: w ~ (q - zero) * scale with an integer code q in [0, 2^bits) and a scale and zero
-per group (float16 values; dequantized in float32). HQQ starts from round-to-nearest (min/max
+per group (stored as float16 tensors, 2 bytes each; dequantized in float32). HQQ starts from round-to-nearest (min/max
 scale and zero) and refines the zero point with its half-quadratic solver (20 iterations), which
 lowers the weight error against plain round-to-nearest at the same storage (tests/test_lowbit.py
 checks it for every width). Codes are bit-packed by HQQ (8 bits: 1 per byte, 4: 2 per byte,
 2: 4 per byte, 3: 10 per int32); `QWeight.dequantize` unpacks.
+
+Quantization always runs on the host in float32, whatever device the weights or the copy live on: HQQ's
+optimizer works in float16 when it is handed a CUDA device, which would give the engine on a GPU other
+codes than the emulation on the host. `quantize` returns the copy on the input's device; the engine
+quantizes each expert once per (bits, group) and keeps the host copies (runtime/backends/plan.py).
 
 Why HQQ: it has every width the spec names (8, 4, 3, 2 bits, any group size) and a pure-torch path
 that runs the same on CPU and CUDA, and it installs beside torch 2.13.0 CPU without replacing it
@@ -58,21 +63,21 @@ class QWeight:
     """One quantized matrix [rows, n_in] (groups along n_in)."""
 
     packed: torch.Tensor  # HQQ's packed codes
-    meta: dict  # HQQ's metadata: scale, zero ([n_groups, 1], float16 values), shape, nbits, group_size, packing, ...
+    meta: dict  # HQQ's metadata: scale, zero ([n_groups, 1] float16), compute_dtype float32, shape, nbits, ...
     shape: tuple[int, int]  # (rows, n_in) of the original matrix
     bits: int
     group: int  # effective group (min(lowbit_group, n_in))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The low-precision copy as a dense [rows, n_in] tensor on the device of `packed`."""
+        """The low-precision copy as a dense [rows, n_in] tensor on the device of `packed` (computed in float32:
+        the float16 scale and zero are widened exactly, so the result is the same on every device)."""
         w = _quantizer().dequantize(self.packed, self.meta)  # [rows, n_in_padded]
         return w.reshape(self.shape[0], -1)[:, : self.shape[1]].to(dtype)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored form: packed codes plus a float16 scale and zero per group."""
-        return int(self.packed.numel() * self.packed.element_size()
-                   + 2 * (self.meta["scale"].numel() + self.meta["zero"].numel()))
+        """Bytes of the stored form as held: packed codes plus the scale and zero tensors (float16)."""
+        return int(sum(t.numel() * t.element_size() for t in (self.packed, self.meta["scale"], self.meta["zero"])))
 
     def to(self, device: torch.device | str) -> QWeight:
         meta = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.meta.items()}
@@ -87,21 +92,24 @@ def check_params(bits: int, group: int) -> None:
 
 
 def quantize(w: torch.Tensor, bits: int, group: int) -> QWeight:
-    """Quantize a matrix w [rows, n_in] group-wise along n_in (see the module docstring)."""
+    """Quantize a matrix w [rows, n_in] group-wise along n_in (see the module docstring): on the host in
+    float32, whatever `w`'s device; the copy is returned on `w`'s device."""
     check_params(bits, group)
     if w.ndim != 2:
         raise ValueError(f"quantize: expected a matrix [rows, n_in], got shape {tuple(w.shape)}")
     rows, n_in = w.shape
     g = min(group, n_in)
     pad = -n_in % g
-    x = w.detach().float()
+    x = w.detach().to("cpu", torch.float32)
     if pad:
         x = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1)  # [rows, n_in + pad]
     packed, meta = _quantizer().quantize(x.contiguous(), nbits=bits, group_size=g, optimize=True, axis=1,
-                                         compute_dtype=torch.float32, device=str(w.device))
-    for key in ("scale", "zero"):  # stored as float16 values (kept in float32 tensors: dequantized in float32)
-        meta[key] = meta[key].half().float()
-    return QWeight(packed, meta, (rows, n_in), bits, g)
+                                         compute_dtype=torch.float32, device="cpu")
+    for key in ("scale", "zero"):  # stored in float16 (2 bytes each, as counted); widened exactly to dequantize
+        meta[key] = meta[key].half()
+    meta["compute_dtype"] = torch.float32  # codes unpacked to float32: (q - zero) * scale computed in float32
+    q = QWeight(packed, meta, (rows, n_in), bits, g)
+    return q if w.device.type == "cpu" else q.to(w.device)
 
 
 def expert_matrices(experts: nn.Module, num_experts: int) -> list[str]:

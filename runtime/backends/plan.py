@@ -58,8 +58,10 @@ class PlanRunner:
         self.events: list[list[np.ndarray]] = [[] for _ in range(self.L)]  # the plans' kernel events, per layer
         self.null_compute = False  # calibration only: skip the expert math (everything else runs)
         self.lowbit: list[list[tuple]] | None = None  # [L][E] (gate_up, down) QWeight on the device
-        self.lowbit_key: tuple[int, int] | None = None
+        self.lowbit_key: tuple[int, int, int] | None = None  # (bits, group, experts per layer) of `lowbit`
         self.lowbit_bytes = 0
+        # the host copies, quantized once per (bits, group) and expert: {(bits, group): {(layer, e): (gu, d)}}
+        self.lowbit_host: dict[tuple[int, int], dict[tuple[int, int], tuple]] = {}
 
     def reset(self) -> None:
         self.events = [[] for _ in range(self.L)]
@@ -234,29 +236,34 @@ class PlanRunner:
             self.pool.refund(self.lowbit_bytes)
             self.lowbit_bytes = 0
 
-    def build_lowbit(self, bits: int, group: int) -> None:
-        """Packed low-bit copies (runtime/backends/lowbit.py: HQQ, groups along each matrix's input dimension) of every
-        expert on the device, built once per (bits, group); quantized on the device from the host store."""
-        if self.lowbit_key == (bits, group):
+    def build_lowbit(self, bits: int, group: int, experts: int | None = None) -> None:
+        """Packed low-bit copies (runtime/backends/lowbit.py: HQQ, groups along each matrix's input dimension) of
+        every expert (`experts`: only the first that many of each layer, calibration) on the device. Each is
+        quantized once, on the host in float32 from the host store, as the emulation quantizes its copies
+        (so both compute with the same codes), and kept on the host (`lowbit_host`): a later build of the
+        same (bits, group) only copies them to the device again."""
+        n = self.E if experts is None else min(int(experts), self.E)
+        if self.lowbit_key == (bits, group, n):
             return
         from runtime.backends import lowbit  # noqa: PLC0415 - hqq is only needed for this fallback
 
         if self.lowbit is not None:
             self.pool.refund(self.lowbit_bytes)
         self.lowbit, self.lowbit_key, self.lowbit_bytes = None, None, 0
+        host = self.lowbit_host.setdefault((bits, group), {})
+        todo = [(l_, e) for l_ in range(self.L) for e in range(n) if (l_, e) not in host]
+        for l_, e in todo:
+            gu, d = self.store.weights(l_, e)  # [2I, H], [H, I] on the host
+            host[(l_, e)] = (lowbit.quantize(gu, bits, group), lowbit.quantize(d, bits, group))
         copies, nbytes = [], 0
         for l_ in range(self.L):
-            row = []
-            for e in range(self.E):
-                gu, d = self.store.weights(l_, e)
-                q = (lowbit.quantize(gu.to(self.device), bits, group), lowbit.quantize(d.to(self.device), bits, group))
-                nbytes += q[0].nbytes + q[1].nbytes
-                row.append(q)
+            row = [tuple(q.to(self.device) for q in host[(l_, e)]) for e in range(n)]
+            nbytes += sum(q.nbytes for pair in row for q in pair)
             copies.append(row)
-        self.lowbit, self.lowbit_key, self.lowbit_bytes = copies, (bits, group), nbytes
+        self.lowbit, self.lowbit_key, self.lowbit_bytes = copies, (bits, group, n), nbytes
         self.pool.charge(nbytes)
-        log.info("low-bit copies (%d bits, group %d) of %d experts: %.3g MiB on %s", bits, group, self.L * self.E,
-                 nbytes / 2**20, self.device)
+        log.info("low-bit copies (%d bits, group %d) of %d experts (%d quantized now): %.3g MiB on %s", bits, group,
+                 self.L * n, len(todo), nbytes / 2**20, self.device)
 
     def lowbit_expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e from its packed low-bit copy: dequantize on the device, then compute; x [n, H] -> [n, H]."""

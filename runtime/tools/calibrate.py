@@ -149,14 +149,15 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
     dev_s = _mean_s(dev, repeats, sync, inner=L * k, clock=eng.clock)
     host_s = _mean_s(host, repeats, sync, inner=L * k, clock=eng.clock)
     lowbit_s = None
-    try:  # one expert from its packed 4-bit copy (group 64): dequantize on the device + compute
-        eng.runner.build_lowbit(LOWBIT_BITS, LOWBIT_GROUP)
+    try:  # one expert from its packed 4-bit copy (group 64): dequantize on the device + compute; the copies of
+        # k experts per layer (quantized on the host: L * k, not L * E), cycled over as the slots are
+        eng.runner.build_lowbit(LOWBIT_BITS, LOWBIT_GROUP, experts=k)
     except InputError as exc:
         log.warning("no low-bit calibration: %s", exc)
     else:
         def low():
             i = next(cycle)
-            out.add_((eng.runner.lowbit_expert(i % L, (i // L) % E, x) * w)[0])
+            out.add_((eng.runner.lowbit_expert(i % L, (i // L) % k, x) * w)[0])
 
         lowbit_s = _mean_s(low, repeats, sync, inner=L * k, clock=eng.clock)
         eng.bind(cache)  # the low-bit copies leave the device again

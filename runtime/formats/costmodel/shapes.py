@@ -267,10 +267,13 @@ def nonexpert_bytes(shape: ModelShape) -> int:
 
 
 def lowbit_expert_bytes(shape: ModelShape, bits: int, group: int) -> int:
-    """Bytes of one expert's packed low-bit copy: `bits` per weight plus one fp16 scale and one fp16
-    zero point per group of `group` weights (runtime/backends/lowbit.py's group-wise layout)."""
+    """Bytes of one expert's packed low-bit copy: the codes (`bits` per weight; 3-bit codes are packed 10 per
+    32-bit word: 3.2) plus one fp16 scale and one fp16 zero point per group of `group` weights
+    (runtime/backends/lowbit.py's group-wise layout, which holds them as float16 tensors). Exactly the bytes
+    the engine holds when `group` divides hidden and moe_intermediate (3-bit: up to one partial word row)."""
     n = shape.expert_params
-    return math.ceil(n * bits / 8) + 4 * math.ceil(n / group)
+    code_bits = 3.2 if int(bits) == 3 else float(bits)
+    return math.ceil(n * code_bits / 8) + 4 * math.ceil(n / group)
 
 
 def model_shape_for(config: dict, dtype: str = "bf16", name: str | None = None) -> ModelShape:
