@@ -173,3 +173,51 @@ def test_lowbit_scale_and_zero_are_counted_at_the_bytes_they_take():
             assert 0 <= gu.nbytes + d.nbytes - counted <= 2 * 4 * group, (bits, group)
         else:
             assert gu.nbytes + d.nbytes == counted, (bits, group)
+
+
+# ----------------------------------------------------------------------------- item 3: the measured context
+
+class FakeGPU:
+    """cudaMemGetInfo and the caching allocator of a device whose context grows by `CUBLAS` bytes when the first
+    matrix product runs (cuBLAS loading its kernels), as a real one does."""
+
+    TOTAL, CONTEXT, CUBLAS, RESERVED = 80 * 2**30, 500 * MiB, 300 * MiB, 40 * MiB
+
+    def __init__(self):
+        self.products = 0
+
+    def mem_get_info(self, device=None):
+        used = self.CONTEXT + (self.CUBLAS if self.products else 0) + self.RESERVED
+        return self.TOTAL - used, self.TOTAL
+
+
+def test_cuda_context_is_measured_after_cublas_loads(monkeypatch):
+    """The engine measured the context right after torch.cuda.init, before cuBLAS loaded, but the peak it
+    reports includes cuBLAS's share: a budget sized with the early figure was exceeded by it."""
+    from runtime.backends import engine as engine_mod
+
+    gpu = FakeGPU()
+    real_linear = torch.nn.functional.linear
+
+    def linear(*a, **kw):
+        gpu.products += 1
+        return real_linear(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", gpu.mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: gpu.RESERVED)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    dev = torch.device("cpu")
+    assert engine_mod.cuda_context_bytes(dev) == gpu.CONTEXT  # nothing run yet: what the old code saw
+    got = engine_mod.cuda_context_bytes(dev, lambda: engine_mod.load_cublas(dev, torch.bfloat16))
+    assert got == gpu.CONTEXT + gpu.CUBLAS and gpu.products == 2  # with and without a bias (cuBLASLt)
+
+
+def test_warm_up_runs_the_exact_path_and_leaves_no_trace(eng):
+    """Engine.warm_up (run before the context is measured on CUDA) decodes through the exact path with no policy
+    bound and leaves the counters and the policy context as they were."""
+    before = dict(eng.stats)
+    eng.warm_up(3)
+    assert eng.stats == before and eng.m.ctx.cache is None
+    assert eng.pool.n_staging == 2  # the exact path streamed the experts through its two staging buffers
+    assert eng.budget_context_bytes == costmodel.CUDA_CONTEXT_BYTES  # CPU device mode: the constant

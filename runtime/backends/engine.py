@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.backends import adapters, hfmodel
@@ -44,9 +45,9 @@ from runtime.formats import costmodel
 
 # what callers imported from here before the split (expert_forward, stream_layer: plan.py;
 # page_aligned_empty: hoststore.py) stays importable from here
-__all__ = ["Engine", "cpu_threads", "device_errors", "engine_cli", "expert_forward", "forward_cached",
-           "kv_cache_kwarg", "load_engine", "model_shape_of", "page_aligned_empty", "resolve_device",
-           "stream_layer"]
+__all__ = ["Engine", "cpu_threads", "cuda_context_bytes", "device_errors", "engine_cli", "expert_forward",
+           "forward_cached", "kv_cache_kwarg", "load_cublas", "load_engine", "model_shape_of", "page_aligned_empty",
+           "resolve_device", "stream_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,9 @@ class Engine:
         self.dtype = experts[0].gate_up_proj.dtype
         self.act = [ex.act_fn for ex in experts]
         self.expert_bytes = 3 * self.H * self.I * torch.empty((), dtype=self.dtype).element_size()
-        self.context_bytes = 0
-        if self.cuda:  # what the process holds on the GPU outside PyTorch's allocator (the CUDA context)
+        self.context_bytes = 0  # CUDA: measured at the end of __init__, after cuBLAS and the model's kernels loaded
+        if self.cuda:
             torch.cuda.init()
-            free, total = torch.cuda.mem_get_info(self.device)
-            self.context_bytes = int(total - free - torch.cuda.memory_reserved(self.device))
         w = m.weights if m.streamed else None
         if w is not None:  # above --max-memory: the non-expert part is read whole, the experts layer by layer
             w.load(*[u for u in w.units if not u.startswith("experts.")])
@@ -130,6 +129,22 @@ class Engine:
         self.shape: costmodel.ModelShape | None = None
         with contextlib.suppress(InputError):  # a family the cost model does not describe: no --vram-budget
             self.shape = model_shape_of(m, self.dtype)
+        if self.cuda:  # what the process holds on the GPU outside PyTorch's allocator, once it has run once
+            self.context_bytes = cuda_context_bytes(self.device, self.warm_up)
+
+    @torch.inference_mode()
+    def warm_up(self, tokens: int = 2) -> None:
+        """Load what the first decode would load into the CUDA context (cuBLAS and cuBLASLt, the attention and
+        the model's other kernels, loaded lazily): `tokens` tokens through the exact path, no policy bound."""
+        load_cublas(self.device, self.dtype)
+        ids = torch.zeros(1, tokens, dtype=torch.long)
+        saved, self.m.ctx.cache = self.m.ctx.cache, None
+        try:
+            forward_cached(self.m.model, ids.to(self.device))
+        finally:
+            self.m.ctx.cache = saved
+            self.sync()
+            self.stats["prefill_copies"] = 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -216,7 +231,7 @@ class Engine:
         self.copies.drain(self.pool)
 
     def peak_device_bytes(self) -> int:
-        """CUDA: the CUDA context (measured at start) + torch.cuda.max_memory_reserved since bind (everything
+        """CUDA: the CUDA context (measured after the warm-up, the largest seen) + torch.cuda.max_memory_reserved since bind (everything
         the caching allocator held, cuBLAS workspace included); CPU device mode: non-expert weights + slots
         + staging buffers (the device-side tensors the engine holds; activations and KV not counted)."""
         if self.cuda:
@@ -226,8 +241,7 @@ class Engine:
     def _measure_context(self) -> int:
         """CUDA: device memory in use outside PyTorch's caching allocator (the CUDA context, with the kernels
         loaded lazily so far), the largest seen: used (cudaMemGetInfo) minus what PyTorch reserved."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        self.context_bytes = max(self.context_bytes, int(total - free - torch.cuda.memory_reserved(self.device)))
+        self.context_bytes = max(self.context_bytes, cuda_context_bytes(self.device))
         return self.context_bytes
 
     def trace_events(self) -> np.ndarray:
@@ -315,6 +329,25 @@ class Engine:
                         "max_memory_allocated": int(torch.cuda.max_memory_allocated(self.device)),
                         "max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device))})
         return rep
+
+
+def load_cublas(device: torch.device, dtype: torch.dtype) -> None:
+    """One matrix product without and one with a bias in `dtype` on the device: cuBLAS and cuBLASLt create their
+    handles and load their kernels into the CUDA context (their workspaces come from PyTorch's allocator)."""
+    a = torch.ones(8, 8, dtype=dtype, device=device)
+    F.linear(a, a)
+    F.linear(a, a, a[0])
+
+
+def cuda_context_bytes(device: torch.device, warm=None) -> int:
+    """Device memory in use outside PyTorch's caching allocator (the CUDA context): used (cudaMemGetInfo) minus
+    what PyTorch reserved, after `warm()` (the work that loads kernels lazily) and a synchronize. The context
+    grows as cuBLAS and kernels load: measured before them it undercounts what the run's peak includes."""
+    if warm is not None:
+        warm()
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
 
 
 @functools.cache
