@@ -221,3 +221,101 @@ def test_warm_up_runs_the_exact_path_and_leaves_no_trace(eng):
     assert eng.stats == before and eng.m.ctx.cache is None
     assert eng.pool.n_staging == 2  # the exact path streamed the experts through its two staging buffers
     assert eng.budget_context_bytes == costmodel.CUDA_CONTEXT_BYTES  # CPU device mode: the constant
+
+
+# ----------------------------------------------------------------------------- item 4: a refused pin
+
+class FakeCudart:
+    """torch.cuda.cudart() of a driver that refuses (or accepts) cudaHostRegister, with the runtime's per-thread
+    last error; like torch's binding, it has no cudaGetLastError."""
+
+    def __init__(self, refuse: bool):
+        self.refuse, self.last_error, self.registered, self.unregistered = refuse, 0, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the runtime's name
+        if self.refuse:
+            self.last_error = 2  # cudaErrorMemoryAllocation, left as the thread's last error
+            return 2
+        self.registered.append((ptr, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaGetErrorString(self, rc):  # noqa: N802
+        return "out of memory"
+
+    def launch(self):
+        """A kernel launch as PyTorch checks it: cudaGetLastError after it, raised if set (and cleared)."""
+        err, self.last_error = self.last_error, 0
+        if err:
+            raise RuntimeError(f"CUDA error: out of memory (error {err})")
+
+
+class TwoExperts(torch.nn.Module):
+    def __init__(self, E=4, H=16, inter=8):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * inter, H), requires_grad=False)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, inter), requires_grad=False)
+
+
+def fake_runtime(monkeypatch, refuse: bool) -> FakeCudart:
+    from runtime.backends import hoststore
+
+    rt = FakeCudart(refuse)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(hoststore, "_launch", rt.launch)
+    return rt
+
+
+def test_a_refused_pin_falls_back_to_pageable_without_poisoning_the_next_launch(monkeypatch, caplog):
+    """hoststore cleared the refusal with cudaGetLastError, which torch's binding does not export (the
+    AttributeError was suppressed): the error stayed, and the next kernel launch failed with it."""
+    from runtime.backends import hoststore
+
+    rt = fake_runtime(monkeypatch, refuse=True)
+    torch.manual_seed(0)
+    mods = [TwoExperts(), TwoExperts()]
+    want = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for m in mods]
+    with caplog.at_level("WARNING", logger="runtime.backends.hoststore"):
+        store = hoststore.HostStore.from_experts(mods, torch.float32, pin=True)
+    rt.launch()  # the program's next kernel launch: no error left over
+    assert not store.pinned and rt.registered == []
+    assert [r.getMessage() for r in caplog.records if "could not pin" in r.getMessage()][0].count("out of memory") == 1
+    assert sum("could not pin" in r.getMessage() for r in caplog.records) == 1  # once, the rest stays pageable
+    for l_, (gu, d) in enumerate(want):
+        assert torch.equal(store.fused[l_][0], gu) and torch.equal(store.fused[l_][1], d)
+        assert mods[l_].gate_up_proj.numel() == 0  # the store holds the only copy
+
+
+def test_a_device_fault_during_the_fallback_is_not_hidden(monkeypatch):
+    from runtime.backends import hoststore
+
+    rt = fake_runtime(monkeypatch, refuse=True)
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(hoststore, "_launch", broken)
+    buf, nbytes = hoststore.page_aligned_empty(1024, torch.float32)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        hoststore.pin_in_place(buf, nbytes, "a test buffer")
+    assert rt.last_error == 2
+
+
+def test_an_accepted_pin_registers_whole_pages_and_unregisters_them(monkeypatch):
+    import gc
+    import mmap
+
+    from runtime.backends import hoststore
+
+    rt = fake_runtime(monkeypatch, refuse=False)
+    store = hoststore.HostStore.from_experts([TwoExperts(), TwoExperts()], torch.float32, pin=True)
+    assert store.pinned and len(rt.registered) == 2
+    assert [p for p, _ in rt.registered] == [b.data_ptr() for b in store.flat]
+    assert all(p % mmap.PAGESIZE == 0 and n % mmap.PAGESIZE == 0 for p, n in rt.registered)
+    ptrs = [p for p, _ in rt.registered]
+    del store
+    gc.collect()
+    assert rt.unregistered == ptrs

@@ -69,20 +69,41 @@ def page_aligned_empty(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, in
 def pin_in_place(t: torch.Tensor, nbytes: int, what: str) -> bool:
     """Page-lock `nbytes` of host memory from `t`'s first byte where it is (cudaHostRegister): no copy and
     no power-of-two rounding (only to whole pages). On failure (not enough lockable memory, ulimit -l, a
-    driver that refuses) the CUDA error is cleared, a warning says what it costs, and False is returned:
-    the caller keeps the memory pageable (copies then block the host) instead of stopping."""
+    driver that refuses) a warning says what it costs and False is returned: the caller keeps the memory
+    pageable (copies then block the host) instead of stopping. The refusal's error is taken off the thread
+    first (`_take_last_error`), so that it is not reported by the next kernel launch."""
     try:
         rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
-        why = f"cudaHostRegister error {rc}"
     except (RuntimeError, AttributeError) as exc:
         rc, why = -1, str(exc).splitlines()[0][:160]
+    else:
+        why = f"cudaHostRegister error {rc}"
+        with contextlib.suppress(Exception):
+            why += f" ({torch.cuda.cudart().cudaGetErrorString(rc)})"
     if rc == 0:
         return True
-    with contextlib.suppress(RuntimeError, AttributeError):
-        torch.cuda.cudart().cudaGetLastError()  # clear it: the next CUDA call must not report it
+    _take_last_error()
     log.warning("could not pin %s (%.3g GiB of host memory: %s): it stays pageable, so its host->device copies "
                 "block the host thread", what, nbytes / 2**30, why)
     return False
+
+
+def _launch() -> None:
+    """One one-element kernel on the current CUDA device. PyTorch checks every launch with cudaGetLastError,
+    which returns the thread's last runtime error (of any earlier call) and clears it."""
+    torch.ones(1, device="cuda").add_(1)
+
+
+def _take_last_error() -> None:
+    """Clear the error a refused runtime call (cudaHostRegister) left as the thread's last CUDA error, which
+    PyTorch's check after the next kernel launch would report as that kernel's failure. torch's binding
+    exports no cudaGetLastError, so a probe launch takes it (its check reads and clears it; the error is
+    swallowed); a second probe that fails too is a device fault, not a refused registration: raised."""
+    try:
+        _launch()
+    except RuntimeError as exc:
+        log.debug("cleared the CUDA error a refused cudaHostRegister left: %s", str(exc).splitlines()[0][:160])
+        _launch()
 
 
 def _unpin(ptrs: list[int]) -> None:
