@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from runtime.core.errors import atomic_write
+from sweep.plot import label, plot_panels
 from sweep.space import PARAMETERS, policy_of
 
 RATIO_COLUMNS = ("speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute", "speed_ratio_vs_all_resident")
@@ -189,10 +190,6 @@ def _capacity_text(r: pd.Series) -> str:
     return f"{r['capacity_fraction']:.3g}"
 
 
-def _label(r: pd.Series) -> str:
-    return f"{r['baseline']}" if isinstance(r.get("baseline"), str) else r["policy"]
-
-
 def quality_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """Full-budget emulation rows (host independent): policy key -> perplexity change and interval."""
     recs = [{"policy_key": policy_key(r["params"]), "ppl_change_pct": r.get("ppl_change_pct"),
@@ -244,14 +241,28 @@ def bounds(df: pd.DataFrame, hosts: list[str]) -> pd.DataFrame:
         d = df[(df["host"] == host) & (df["status"] == "ok") & df["bound"].notna()]
         for kind, g in d.groupby("bound"):
             r = g.sort_values("time_per_token_s").iloc[0]
-            recs.append({"host": host, "bound": kind, "policy": _label(r), "capacity": _capacity_text(r),
+            recs.append({"host": host, "bound": kind, "policy": label(r), "capacity": _capacity_text(r),
                          "time_per_token_ms": r["time_per_token_ms"],
                          "speed_ratio_vs_fetch_all": r["speed_ratio_vs_fetch_all"], "screened": len(g)})
     return pd.DataFrame(recs)
 
 
+BETTER_THAN_EXACT = "better than exact: the model, not the policy"
+"""The answer table's flag on a policy whose whole interval lies below 0 (see `better_than_exact`)."""
+
+
+def better_than_exact(r: pd.Series | dict[str, Any]) -> bool:
+    """Whether a lossy policy's perplexity change is negative beyond its 95% interval (upper bound < 0).
+
+    Skipping or substituting computation cannot make a well-trained model better, so such a row says
+    the model is under-trained (or the text is odd), not that the policy is good; the answer flags it."""
+    hi = r.get("ppl_ci_high")
+    return bool(hi is not None and pd.notna(hi) and float(hi) < 0)
+
+
 def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFrame:
-    """Per host and budget: the fastest measured policy whose upper 95% bound stays within the budget."""
+    """Per host and budget: the fastest measured policy whose upper 95% bound stays within the budget
+    (`better_than_exact` marks one whose interval lies wholly below 0)."""
     recs = []
     for host, m in tables.items():
         for b in budgets:
@@ -261,12 +272,12 @@ def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFram
                 rec["policy"] = None
             else:
                 r = ok.sort_values(["time_per_token_s", "ppl_ci_high"]).iloc[0]
-                rec.update(policy=_label(r), family=r["family"], capacity=_capacity_text(r),
+                rec.update(policy=label(r), family=r["family"], capacity=_capacity_text(r),
                            device_memory_GiB=r.get("device_memory_GiB", np.nan),
                            vram_budget_GiB=r.get("vram_budget_GiB", np.nan), ratio_basis=r.get("ratio_basis"),
                            time_per_token_ms=r["time_per_token_ms"], speed_ratio_vs_fetch_all=r["speed_ratio_vs_fetch_all"],
                            ppl_change_pct=r["ppl_change_pct"], ppl_ci_low=r["ppl_ci_low"], ppl_ci_high=r["ppl_ci_high"],
-                           policy_key=r["policy_key"])
+                           policy_key=r["policy_key"], better_than_exact=better_than_exact(r))
                 if pd.notna(r.get("engine_time_per_token_ms", np.nan)):
                     rec["engine_time_per_token_ms"] = r["engine_time_per_token_ms"]
             recs.append(rec)
@@ -296,7 +307,7 @@ def policy_by_host(df: pd.DataFrame, quality: pd.DataFrame, ans: pd.DataFrame, h
         for _, r in rows.iterrows():
             if r["host"] not in hosts:
                 continue
-            rec = {"policy": _label(r), "family": r["family"], "host": r["host"], "capacity": _capacity_text(r),
+            rec = {"policy": label(r), "family": r["family"], "host": r["host"], "capacity": _capacity_text(r),
                    "device_memory_GiB": r.get("device_memory_GiB", np.nan), "time_per_token_ms": r["time_per_token_ms"],
                    "speed_ratio_vs_fetch_all": r["speed_ratio_vs_fetch_all"], "in_answer": pk in in_answer,
                    "screened_on": ",".join(on), "policy_key": pk}
@@ -336,136 +347,24 @@ def _basis_text(ans: pd.DataFrame) -> str:
 
 def answer_text(ans: pd.DataFrame) -> str:
     lines = ["| host | perplexity budget | fastest policy within it (upper 95% bound) | family | device GiB | "
-             "ms/token | x fetch-every-miss | ppl change % [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+             "ms/token | x fetch-every-miss | ppl change % [95% CI] | flag |", "|---|---|---|---|---|---|---|---|---|"]
+    flagged = 0
     for _, r in ans.iterrows():
         if r["policy"] is None or (isinstance(r["policy"], float) and math.isnan(r["policy"])):
-            lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | none measured within it | | | | | |")
+            lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | none measured within it | | | | | | |")
             continue
+        flag = better_than_exact(r)
+        flagged += flag
         lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | {r['policy']} | {r['family']} | "
                      f"{_gib(r.get('device_memory_GiB'))} | {r['time_per_token_ms']:.3f} | "
                      f"{r['speed_ratio_vs_fetch_all']:.2f} | "
-                     f"{r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] |")
+                     f"{r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] | "
+                     f"{BETTER_THAN_EXACT if flag else ''} |")
+    if flagged:
+        lines += ["", f"{flagged} answer row(s) flagged '{BETTER_THAN_EXACT}': the policy's whole 95% interval "
+                  "lies below 0, i.e. dropping or substituting experts lowered perplexity; that is the model "
+                  "(under-trained, or the text), not a policy worth recommending."]
     return "\n".join(lines)
-
-
-def _edge_limits(panels: dict[str, dict[str, Any]], budgets: list[float]) -> tuple[float, float] | None:
-    """The perplexity axis' limits when a measured policy lies far beyond the budgets (its interval
-    reaches past 4x the largest): linear from just left of the measured points to 3x the largest
-    budget, so the budgets' region fills a third of the panel; None when everything fits as it is."""
-    ms = [p["measured"] for p in panels.values() if not p["measured"].empty]
-    if not budgets or not ms:
-        return None
-    lo_all = float(min(np.nanmin(m["ppl_ci_low"].to_numpy(dtype=float)) for m in ms))
-    hi_all = float(max(np.nanmax(np.abs(m["ppl_ci_high"].to_numpy(dtype=float))) for m in ms))
-    b = max(budgets)
-    if not hi_all > 4 * b:
-        return None
-    hi = 3 * b
-    return max(min(-0.25 * b, lo_all - 0.1 * b), -hi), hi
-
-
-def _plot(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: list[float]) -> str:
-    """Left: ms/token against perplexity change (interval bars, front drawn, baselines labelled) over
-    the full-budget policies; right: the screening fidelity's mass view. One colour per host.
-
-    A policy far beyond the budgets would squeeze their region into a few pixels: then the axis ends
-    at 3x the largest budget (`_edge_limits`) and such a policy is drawn at the edge as a triangle
-    pointing out, labelled with its perplexity change. Returns "linear" or "clipped at X%"."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    lim = _edge_limits(panels, budgets)
-
-    def clip(v: Any) -> Any:
-        return v if lim is None else np.clip(np.asarray(v, dtype=float), lim[0], lim[1])
-
-    one = len(panels) == 1
-    edge_n = 0
-    for i, (host, p) in enumerate(panels.items()):
-        c = colors[i % len(colors)]
-        m, fr, trials, scr = p["measured"], p["front"], p["trials"], p["screening"]
-        trials = trials[trials["bound"].isna()] if "bound" in trials else trials
-        for j, (_, b) in enumerate(p.get("bounds", pd.DataFrame()).iterrows()):
-            for a in (ax, bx):  # an offline bound: a line at its time, not a point among the policies
-                a.axhline(b["time_per_token_ms"], color=c, ls=(0, (4, 2 + 2 * j)), lw=0.9)
-                a.annotate(f"bound: {b['bound']}" + (f" ({host})" if not one else "") +
-                           f" {b['time_per_token_ms']:.3f} ms", (0.01 + 0.33 * (j % 3), b["time_per_token_ms"]),
-                           xycoords=("axes fraction", "data"), fontsize=7, color=c, xytext=(0, 2),
-                           textcoords="offset points")
-        if not m.empty:
-            x = m["ppl_change_pct"].to_numpy(dtype=float)
-            inside = np.ones(len(m), bool) if lim is None else (x >= lim[0]) & (x <= lim[1])
-            mi = m[inside]
-            if not mi.empty:
-                lo_e = clip(mi["ppl_ci_low"])
-                hi_e = clip(mi["ppl_ci_high"])
-                err = np.vstack([mi["ppl_change_pct"] - lo_e, hi_e - mi["ppl_change_pct"]])
-                ax.errorbar(mi["ppl_change_pct"], mi["time_per_token_ms"], xerr=np.clip(err, 0, None), fmt="o", ms=4,
-                            color=c, alpha=0.45 if not one else 0.6, elinewidth=0.8, capsize=2,
-                            label=f"{host}: measured ({len(m)})")
-            for _, r in m[~inside].iterrows():  # far off: at the edge, pointing out, with its value
-                right = r["ppl_change_pct"] > 0
-                ax.scatter([lim[1] if right else lim[0]], [r["time_per_token_ms"]], marker=">" if right else "<",
-                           s=40, color=c, edgecolor="k", zorder=3, clip_on=False)
-                ax.annotate(f"{r['ppl_change_pct']:+.3g}%", (lim[1] if right else lim[0], r["time_per_token_ms"]),
-                            fontsize=7, color=c, ha="right" if right else "left", va="center",
-                            xytext=(-7 if right else 7, 0), textcoords="offset points",
-                            annotation_clip=False)
-                edge_n += 1
-            if not fr.empty:
-                st = fr.sort_values(["ppl_change_pct", "time_per_token_ms"])
-                ax.step(clip(st["ppl_change_pct"]), st["time_per_token_ms"], where="post", color=c, lw=1.5)
-                ax.scatter(clip(fr["ppl_change_pct"]), fr["time_per_token_ms"], s=36, color=c, edgecolor="k",
-                           zorder=3, label=f"{host}: front ({len(fr)})")
-            for _, r in m[m["baseline"].notna()].iterrows() if "baseline" in m else []:
-                if one or i == 0:
-                    ax.annotate(r["baseline"], (float(clip(r["ppl_change_pct"])), r["time_per_token_ms"]),
-                                fontsize=7, xytext=(3, 3), textcoords="offset points",
-                                ha="right" if lim is not None and r["ppl_change_pct"] > lim[1] else "left")
-            picked = m[m["policy_key"].isin(p.get("answer_keys", ()))]
-            for _, r in picked.iterrows():  # the answer's policies, labelled in bold
-                px = float(clip(r["ppl_change_pct"]))
-                ax.scatter([px], [r["time_per_token_ms"]], s=90, facecolor="none", edgecolor=c,
-                           lw=1.6, zorder=4)
-                ax.annotate(f"answer: {_label(r)}", (px, r["time_per_token_ms"]), fontsize=7,
-                            fontweight="bold", color=c, xytext=(4, -10), textcoords="offset points")
-        if one and not trials.empty:
-            bx.scatter(trials["mass_per_token"], trials["time_per_token_ms"], s=10, alpha=0.3, color=c,
-                       label=f"{host}: screened ({len(trials)})")
-        if not scr.empty:
-            bx.scatter(scr["mass_per_token"], scr["time_per_token_ms"], s=24, color=c, edgecolor="k",
-                       label=f"{host}: screening front ({len(scr)})")
-        base = trials[trials["baseline"].notna()] if "baseline" in trials and not trials.empty else trials.iloc[:0]
-        for _, r in base.iterrows():
-            bx.scatter([r["mass_per_token"]], [r["time_per_token_ms"]], marker="x", color=c)
-            if one or i == 0:
-                bx.annotate(r["baseline"], (r["mass_per_token"], r["time_per_token_ms"]), fontsize=7,
-                            xytext=(3, 3), textcoords="offset points")
-    for b in budgets:
-        ax.axvline(b, color="grey", ls=":", lw=0.8)
-    if budgets:  # the budgets' region shaded: where the answer lives
-        ax.axvspan(min(0.0, lim[0] if lim else 0.0), max(budgets), color="grey", alpha=0.07, lw=0)
-    if lim is not None:
-        ax.set_xlim(*lim)
-    ax.set_xlabel("perplexity change % (exact emulation, full budget)\nbars: 95% CI; dotted: budgets (shaded: within)"
-                  + (f"; triangles: beyond {lim[1]:g}%, value beside" if lim is not None and edge_n else ""))
-    ax.set_ylabel("time per token (ms, simulated)")
-    ax.set_title(f"{title}: speed vs perplexity")
-    bx.set_xlabel("substituted mass per token (simulator)")
-    bx.set_ylabel("time per token (ms, simulated)")
-    bx.set_title("screening fidelity (mass ranks only within a family)")
-    for a in (ax, bx):
-        a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
-    return "linear" if lim is None else f"clipped at {lim[1]:g}%"
 
 
 def write_tables(out: Path, rows: list[dict[str, Any]], hosts: list[str],
@@ -538,7 +437,7 @@ def speed_ratios(fronts: dict[str, pd.DataFrame]) -> pd.DataFrame:
     recs = []
     for host, fr in fronts.items():
         for _, r in fr.iterrows():
-            recs.append({"host": host, "policy": _label(r), "family": r["family"], "capacity": _capacity_text(r),
+            recs.append({"host": host, "policy": label(r), "family": r["family"], "capacity": _capacity_text(r),
                          "device_memory_GiB": r.get("device_memory_GiB", np.nan),
                          "time_per_token_ms": r["time_per_token_ms"], "mass_per_token": r["mass_per_token"],
                          **{c: r[c] for c in RATIO_COLUMNS},
@@ -564,7 +463,7 @@ def host_table_text(host: str, fr: pd.DataFrame, gpu: str = "") -> str:
     sep += "---|"
     lines = [f"### {host}" + (f" ({gpu})" if gpu else ""), "", head, sep]
     for _, r in fr.iterrows():
-        line = (f"| {_label(r)} | {r['family']} | {_capacity_text(r)} | {_gib(r.get('device_memory_GiB'))} | "
+        line = (f"| {label(r)} | {r['family']} | {_capacity_text(r)} | {_gib(r.get('device_memory_GiB'))} | "
                 f"{r['time_per_token_ms']:.3f} |")
         if has_engine:
             v = r.get("engine_time_per_token_ms")
@@ -618,10 +517,10 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
                      "answer_keys": set(ans.loc[ans["host"] == h, "policy_key"].dropna())
                      if not ans.empty and "policy_key" in ans else set()}
         if not df.empty:
-            xscale[h] = _plot({h: panels[h]}, out / f"pareto_{h}.png", h, budgets)
+            xscale[h] = plot_panels({h: panels[h]}, out / f"pareto_{h}.png", h, budgets)
             paths[f"plot_{h}"] = out / f"pareto_{h}.png"
     if not df.empty:
-        _plot(panels, out / "pareto.png", "all hosts", budgets)
+        plot_panels(panels, out / "pareto.png", "all hosts", budgets)
         paths["plot"] = out / "pareto.png"
     pbh = policy_by_host(df, quality, ans, hosts)
     if not pbh.empty:
