@@ -1,4 +1,6 @@
-"""The project's modules import each other without a cycle (deferred imports inside functions included)."""
+"""How the project's modules import each other (deferred imports inside functions included): without a
+cycle, runtime's subpackages in layers, and sweep/ and runtime/tools/ through the public API
+(`runtime.__all__`) or an allowlist of runtime modules, each entry with its reason."""
 
 from __future__ import annotations
 
@@ -149,3 +151,139 @@ def test_sweep_uses_the_public_runtime_api():
         if bad:
             found[mod] = bad
     assert found == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the public API: what sweep/ and runtime/tools/ may import from runtime
+
+# module -> (the importers it is open to, why). A module under sweep/ or runtime/tools/ imports from
+# runtime only (a) a name of runtime.__all__, from `runtime` or from the module that defines it
+# (runtime.EXPORTS), (b) within runtime.tools, another tool, or (c) a module listed here for it.
+SWEEP, TOOLS = "sweep", "runtime.tools"
+ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
+    "runtime.core.errors": ((SWEEP, TOOLS), "ArgumentParser, atomic_write, cli_main, check_output_path: the "
+                                            "one-line-error command-line helpers every command shares"),
+    "runtime.core.policy": ((SWEEP, TOOLS), "the policy table (PARAMS, PARAM_BY_NAME, PARAM_NAMES) the search "
+                                            "space is built from; preset and resolve_capacities"),
+    "runtime.core.spec": ((SWEEP, TOOLS), "the run-field table (RUN_FIELD_BY_NAME, add_run_flags) and HELD_OUT: "
+                                          "sweep and tool options are run fields"),
+    "runtime.formats.costmodel": ((SWEEP, TOOLS), "host profiles, model shapes and the VRAM budget: the sweep's "
+                                                  "host axis and its budget-to-capacity mapping"),
+    "runtime.formats.trace": ((SWEEP, TOOLS), "Trace, save_trace, synthetic_trace: the sweep builds and stores "
+                                              "its traces; record writes one"),
+    "runtime.backends": ((SWEEP,), "COUNTER_NAMES: the counter columns of a Result, the sweep's table columns"),
+    "runtime.backends.hfmodel": ((TOOLS,), "the Hugging Face model adapter: record and the engine tools load "
+                                           "a model through it"),
+    "runtime.backends.engine": ((SWEEP, TOOLS), "load_engine, Engine, cpu_threads, engine_cli: calibrate and "
+                                                "generate drive an engine; the sweep calibrates a host with one"),
+    "runtime.backends.plan": ((TOOLS,), "expert_forward: calibrate times one expert call"),
+    "runtime.backends.prefill": ((TOOLS,), "prefill: generate fills the cache from a prompt"),
+    "runtime.backends.emulate": ((TOOLS,), "exact_pass, evaluate_group: the findings evaluate policies on text"),
+    "runtime.backends.simulate": ((TOOLS,), "replay: the findings replay traces under many policies"),
+    "runtime.core.kernel": ((TOOLS,), "PolicyCache, warm_residency: calibrate and generate bind a cache to an "
+                                      "engine directly; the findings warm a cache"),
+    "runtime.tools.record": ((SWEEP,), "record_trace: the sweep records the traces it replays"),
+    "runtime.tools.tinymodel": ((SWEEP,), "ensure_model: the sweep builds its tiny reference model"),
+}
+
+
+def _is_module(name: str) -> bool:
+    p = ROOT.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def runtime_imports(tree: ast.AST) -> list[tuple[int, str, str | None]]:
+    """(line, module, name or None) for every import of runtime in `tree`, deferred and `__main__` ones
+    included; `from runtime.x import y` with y a module is (line, "runtime.x.y", None)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == "runtime"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "runtime":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.append((node.lineno, sub, None) if _is_module(sub) else (node.lineno, node.module, a.name))
+    return out
+
+
+def api_violations(importer: str, source: str, allowed=None) -> list[str]:
+    """The imports of runtime in `source` (the module `importer`, under sweep or runtime.tools) that are
+    outside the public API and the allowlist, as 'importer:line: module[.name]'."""
+    import runtime
+
+    allowed = ALLOWED if allowed is None else allowed
+    scope = TOOLS if importer.startswith(TOOLS + ".") else SWEEP
+    bad = []
+    for line, mod, name in runtime_imports(ast.parse(source)):
+        if name is not None and name in runtime.__all__ and mod in ("runtime", runtime.EXPORTS[name]):
+            continue
+        if scope == TOOLS and (mod == TOOLS or mod.startswith(TOOLS + ".")):
+            continue
+        if scope in allowed.get(mod, ((), ""))[0]:
+            continue
+        bad.append(f"{importer}:{line}: {mod}" + (f".{name}" if name else ""))
+    return bad
+
+
+def _api_importers() -> dict[str, Path]:
+    return {module_name(p): p for d in ("sweep", "runtime/tools") for p in sorted((ROOT / d).rglob("*.py"))}
+
+
+def test_public_api_is_declared_and_lazy():
+    """`runtime.__all__` lists the public API; each name is the object its defining module holds, and
+    `import runtime` alone loads none of them (nor numpy, numba, pyarrow, torch)."""
+    import importlib
+    import subprocess
+    import sys
+
+    import runtime
+
+    assert runtime.__all__ == list(runtime.EXPORTS)
+    assert {"PolicyConfig", "PRESETS", "RunSpec", "Result", "get_backend", "load_trace", "HostProfile",
+            "load_host_profile", "list_host_profiles", "calibrate"} <= set(runtime.__all__)
+    for name, mod in runtime.EXPORTS.items():
+        assert getattr(runtime, name) is getattr(importlib.import_module(mod), name), name
+    code = ("import sys, runtime; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('numpy', 'numba', 'pyarrow', 'torch') or m.startswith('runtime.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_sweep_and_tools_import_only_the_public_api_or_the_allowlist():
+    bad = [v for m, p in _api_importers().items() for v in api_violations(m, p.read_text())]
+    assert bad == [], "imports outside runtime.__all__ and ALLOWED:\n" + "\n".join(bad)
+
+
+def test_allowlist_has_no_stale_entry():
+    """Every allowlist entry is used by an importer it is open to (a stale entry would widen the API)."""
+    used: dict[str, set[str]] = {}
+    for m, p in _api_importers().items():
+        scope = TOOLS if m.startswith(TOOLS + ".") else SWEEP
+        for _, mod, _ in runtime_imports(ast.parse(p.read_text())):
+            used.setdefault(mod, set()).add(scope)
+    stale = {mod: sorted(set(scopes) - used.get(mod, set())) for mod, (scopes, _) in ALLOWED.items()}
+    assert {m: s for m, s in stale.items() if s} == {}
+    assert all(reason.strip() for _, reason in ALLOWED.values())
+
+
+def test_api_check_fails_on_an_import_outside_it():
+    src = ("from runtime import RunSpec, get_backend\n"
+           "from runtime.core.spec import Result\n"
+           "from runtime.formats import costmodel\n"
+           "def f():\n"
+           "    from runtime.core.kernel import PolicyCache\n"
+           "    import runtime.backends.simulate\n"
+           "    from runtime import cli\n"
+           "    from runtime.core.policy import PolicyConfig as P, preset\n")
+    assert api_violations("sweep.synthetic", src) == [
+        "sweep.synthetic:5: runtime.core.kernel.PolicyCache", "sweep.synthetic:6: runtime.backends.simulate",
+        "sweep.synthetic:7: runtime.cli"]
+    # a tool may import the kernel and other tools, not the command line
+    assert api_violations("runtime.tools.synthetic", src + "from runtime.tools.record import main\n") == [
+        "runtime.tools.synthetic:7: runtime.cli"]
+    # with an empty allowlist only the public names pass
+    assert api_violations("sweep.synthetic", src, allowed={}) == [
+        "sweep.synthetic:3: runtime.formats.costmodel", "sweep.synthetic:5: runtime.core.kernel.PolicyCache",
+        "sweep.synthetic:6: runtime.backends.simulate", "sweep.synthetic:7: runtime.cli",
+        "sweep.synthetic:8: runtime.core.policy.preset"]
