@@ -1,47 +1,25 @@
 """Sweep configuration: a YAML file (search_spaces/*.yaml) -> a validated, frozen `SweepConfig`.
 
-Top-level keys (all optional except `space`):
+`SweepConfig`'s fields *are* the table of the file's top-level keys, like PolicyConfig's
+(runtime/core/policy.py) and RunSpec's (runtime/core/spec.py): each field read from the file carries
+in `dataclasses.field` metadata (`_k(...)`) its YAML key (the field name unless given), its kind
+(with range or choices) and its help; its default is the field's. `SWEEP_KEYS` reads the rows back,
+and the reading of a file (`from_dict`, `load_config`), the command-line overrides (`with_overrides`),
+the unknown-key message and the key table (`key_table`, `python -m sweep.config`) derive from it.
+Kinds: `str` (a non-empty string), `int` (>= low), `number` (a positive number), `choice`, `run` (a
+RunSpec field: the run-field table's row checks it, so the sweep and the command lines agree) and
+`custom` (a reader for the nested keys: hosts, trace, baselines, emulation, space, ...). The fields
+without a row (`baseline_capacity_fraction`, `source`, ...) are set by a reader or by the sweep.
 
-    name: demo                # results go to results/<name>/ unless --out
-    model: demo               # tiny model size (demo | test) or any local Hugging Face checkpoint folder;
-                              #   its traces are recorded once and cached by a checkpoint digest (sweep/data.py)
-    model_resource: null      # NAME: the model's files are on the Ray nodes offering `model:NAME` (paths of
-                              #   model/text/calib_text are paths there); null: on the driver's node
-    max_memory_GiB: auto      # host RAM the model's weights may use in recording and emulation (auto: the
-                              #   node's available memory less a margin); above it passes stream layer by layer
-    dtype: auto               # auto (the checkpoint's own) | fp32 | bf16 | fp16, for recording and emulation
-    text: null                # evaluated text (default: the model's eval.txt)
-    calib_text: null          # warm-start calibration text (default: the model's calib.txt; without one,
-                              #   the held-out last 20% of the evaluated tokens, runtime/core/spec.py)
-    trace: null               # a router trace file instead of a model, or {synthetic: {...}}
-    calib_trace: null         # warm-start calibration trace (default: the model's calib.txt trace)
-    model_shape: null         # cost-model shape preset/YAML; null = from the trace (runtime.backends.simulate)
-    max_tokens: null          # tokens of each text recorded and emulated (null: the whole text)
-    hosts: [rtx3090, rtx4090] # host names, or {name, profile: preset | preset:NAME | calibrate | FILE}
-    trials: 40                # simulator trials per host, after the baselines
-    sampler: tpe              # tpe | nsga2
-    population: 16            # nsga2 population size
-    seed: 0
-    objectives: [time_per_token_s, mass_per_token]   # + device_memory_GiB
-    batch: auto               # simulator evaluations per Ray task (auto: about task_seconds each)
-    task_seconds: 2.0
-    max_failures: 2           # retries of a failing trial before it is recorded failed
-    baselines: {policies: [fetch-every-miss, ...], capacity_fraction: 0.25}
-    emulation: {rungs: [2048], eta: 3, max_full: 8, engine: true, cpus: auto}   # the ladder (sweep/ladder.py);
-                              #   false: off; cpus: Ray CPUs (= torch threads) of each recording / emulation task,
-                              #   auto: every CPU of the smallest node that holds the model
-    ppl_budgets_pct: [0.5, 1, 2]  # the answer: per host and budget, the fastest policy within it
-    space: {...}              # sweep/space.py; `vram_budget_GiB: auto` compares every policy at one
-                              #   device-memory budget: what fetch-every-miss needs at 25% residency
-                              #   (`resolve_vram_budget`, once the model's shape is known)
-
-Unknown keys, bad types and values are one-line `InputError`s naming the file and the key.
+Unknown keys, bad types and values are one-line `InputError`s naming the file, the key and the value.
+The keys are documented in docs/sweep.md ("Sweep configuration").
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +35,7 @@ SAMPLERS = ("tpe", "nsga2")
 SYNTHETIC_KEYS = {"num_tokens", "num_layers", "num_experts", "top_k", "ranking_depth", "seed", "skew",
                   "num_topics", "topic_locality", "switch_prob", "seq_len", "weight_norm", "temperature",
                   "noise", "sample", "calib_sample"}
+_NAME_CHARS = ' :/,"{}'  # not in a host or model-resource name (Ray resources are host:NAME, model:NAME)
 
 
 @dataclass(frozen=True)
@@ -81,64 +60,10 @@ class Emulation:
     cpus: int | None = None  # CPUs (and torch threads) of a recording / emulation task; None: auto (sweep/worker.py)
 
 
-@dataclass(frozen=True)
-class SweepConfig:
-    space: Space
-    name: str = "sweep"
-    model: str | None = None
-    model_resource: str | None = None  # the model's files are on nodes offering `model:<this>`
-    max_memory_GiB: float | str = RUN["max_memory_GiB"].default  # RunSpec's, for every recording and emulation
-    dtype: str = RUN["dtype"].default  # RunSpec's, for every recording and emulation
-    text: str | None = None
-    calib_text: str | None = None
-    trace: str | dict | None = None
-    calib_trace: str | None = None
-    model_shape: str | None = None
-    max_tokens: int | None = None
-    hosts: tuple[HostSpec, ...] = (HostSpec("rtx3090"), HostSpec("rtx4090"))
-    trials: int = 40
-    sampler: str = "tpe"
-    population: int = 16
-    seed: int = 0
-    objectives: tuple[str, ...] = ("time_per_token_s", "mass_per_token")
-    batch: int | str = "auto"
-    task_seconds: float = 2.0
-    max_failures: int = 2
-    baseline_policies: tuple[str, ...] = tuple(PRESETS)
-    baseline_capacity_fraction: float | None = None
-    emulation: Emulation = field(default_factory=Emulation)
-    ppl_budgets_pct: tuple[float, ...] = (0.5, 1.0, 2.0)
-    source: str = "<config>"
-    vram_budget_auto: bool = False  # space.vram_budget_GiB: auto, resolved by resolve_vram_budget
-    budget_notes: tuple[str, ...] = ()  # what fit_to_budget removed from the space (the summary lists it)
-    space_spec: Any = field(default=None, compare=False, repr=False)  # the space mapping as given
+# ---------------------------------------------------------------------------------------------------
+# readers of the keys whose values are nested or cross-checked: (where, value, fields read so far)
 
-    def baseline_capacity(self) -> dict[str, float]:
-        """The capacity the named baselines run at: the space's fixed one, else the configured one."""
-        p = self.space[self.space.capacity_field]
-        if p.kind == "fixed":
-            return {p.name: p.value}
-        if self.baseline_capacity_fraction is not None:
-            return {"capacity_fraction": self.baseline_capacity_fraction}
-        if p.name == "capacity_fraction":
-            v = 0.25 if p.contains(0.25) else (p.values()[0] if p.kind == "choice" else (p.low + p.high) / 2)
-            return {"capacity_fraction": v}
-        return {"vram_budget_GiB": p.values()[0] if p.kind == "choice" else (p.low * p.high) ** 0.5}
-
-
-def _model_keys(source: str, data: dict[str, Any]) -> dict[str, Any]:
-    """model_resource, max_memory_GiB and dtype, validated (each a one-line InputError naming the key)."""
-    kw: dict[str, Any] = {}
-    res = data.get("model_resource")
-    if res is not None:
-        if not isinstance(res, str) or not res or any(c in res for c in ' :/,"{}'):
-            raise InputError(f"{source}: model_resource = {res!r}: use letters, digits, ., - and _ "
-                             f"(the nodes holding the model offer the Ray resource model:NAME)")
-        kw["model_resource"] = res
-    for key in ("max_memory_GiB", "dtype"):  # RunSpec fields: checked by the run-field table's row
-        if key in data:
-            kw[key] = RUN[key].check(data[key], f"{source}: {key}")
-    return kw
+Reader = Callable[[str, Any, dict[str, Any]], dict[str, Any]]
 
 
 def _int(where: str, v: Any, lo: int) -> int:
@@ -159,7 +84,7 @@ def _hosts(where: str, v: Any) -> tuple[HostSpec, ...]:
         if not isinstance(h, dict) or set(h) - {"name", "profile"} or not isinstance(h.get("name"), str):
             raise InputError(f"{where}[{i}] = {h!r}: expected a name or {{name, profile}}")
         name = h["name"].strip()
-        if not name or any(c in name for c in ' :/,"{}'):
+        if not name or any(c in name for c in _NAME_CHARS):
             raise InputError(f"{where}[{i}].name = {name!r}: use letters, digits, - and _")
         prof = h.get("profile", "preset")
         if not isinstance(prof, str) or not prof:
@@ -186,89 +111,273 @@ def _trace(where: str, v: Any) -> str | dict | None:
     raise InputError(f"{where} = {v!r}: expected a trace file or {{synthetic: {{num_tokens, ...}}}}")
 
 
-_KEYS = {"name", "model", "model_resource", "max_memory_GiB", "dtype", "text", "calib_text", "trace", "calib_trace",
-         "model_shape", "max_tokens", "hosts", "trials", "sampler",
-         "population", "seed", "objectives", "batch", "task_seconds", "max_failures", "baselines",
-         "emulation", "ppl_budgets_pct", "space"}
+def _emulation(where: str, v: Any, max_tokens: int | None) -> Emulation:
+    if v is False or v is None:
+        return Emulation(enabled=False)
+    if v is True:
+        return Emulation()
+    keys = {"rungs", "eta", "max_full", "engine", "cpus"}
+    if not isinstance(v, dict) or set(v) - keys:
+        raise InputError(f"{where} = {v!r}: expected false or {{rungs: [TOKENS, ...], eta, max_full, engine, cpus}}")
+    rungs = v.get("rungs", list(Emulation.rungs))
+    if not isinstance(rungs, list) or any(isinstance(r, bool) or not isinstance(r, int) or r < 16 for r in rungs) \
+            or rungs != sorted(set(rungs)):
+        raise InputError(f"{where}.rungs = {rungs!r} must be increasing token budgets >= 16")
+    if max_tokens is not None and rungs and rungs[-1] >= max_tokens:
+        raise InputError(f"{where}.rungs = {rungs!r}: every rung must be below max_tokens = {max_tokens}")
+    if "engine" in v and not isinstance(v["engine"], bool):
+        raise InputError(f"{where}.engine = {v['engine']!r} must be true or false")
+    cpus = v.get("cpus", "auto")
+    return Emulation(True, tuple(rungs), _int(f"{where}.eta", v.get("eta", 3), 2),
+                     _int(f"{where}.max_full", v.get("max_full", 8), 1), v.get("engine", True),
+                     None if cpus == "auto" else _int(f"{where}.cpus", cpus, 1))
 
 
-def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
-    """Validate a parsed sweep YAML document."""
-    if not isinstance(data, dict):
-        raise InputError(f"{source}: expected a mapping at the top level (got {type(data).__name__})")
-    unknown = set(data) - _KEYS
-    if unknown:
-        raise InputError(f"{source}: unknown key {sorted(unknown)[0]!r} (choose from {', '.join(sorted(_KEYS))})")
-    if "space" not in data:
-        raise InputError(f"{source}: space is required")
-    spec = data["space"]
-    kw: dict[str, Any] = {"source": source}
+def _read_space(where: str, spec: Any, got: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
     if isinstance(spec, dict) and spec.get("vram_budget_GiB") == "auto":
         kw["vram_budget_auto"] = True
         spec = {**spec, "vram_budget_GiB": 1.0}  # a placeholder until the model's shape is known
-    kw["space"] = parse_space(spec, f"{source}: space")
-    kw["space_spec"] = spec
-    for key in ("model", "text", "calib_text", "model_shape"):  # RunSpec fields: the run-field table's check
-        if data.get(key) is not None:
-            kw[key] = RUN[key].check(data[key], f"{source}: {key}")
-    for key in ("name", "calib_trace"):
-        if data.get(key) is not None:
-            if not isinstance(data[key], str) or not data[key]:
-                raise InputError(f"{source}: {key} = {data[key]!r} must be a non-empty string")
-            kw[key] = data[key]
-    if kw.get("calib_text") and kw.get("text") and Path(kw["calib_text"]).resolve() == Path(kw["text"]).resolve():
-        raise InputError(f"{source}: calib_text = {kw['calib_text']} is the evaluated text (a warm start must not see "
+    return {**kw, "space": parse_space(spec, where), "space_spec": spec}
+
+
+def _read_name(where: str, v: Any, got: dict[str, Any]) -> dict[str, Any]:
+    if any(c in v for c in ' /\\:"'):
+        raise InputError(f"{where} = {v!r}: use letters, digits, ., - and _")
+    return {}
+
+
+def _read_calib_text(where: str, v: Any, got: dict[str, Any]) -> dict[str, Any]:
+    text = got.get("text")
+    if v and text and Path(v).resolve() == Path(text).resolve():
+        raise InputError(f"{where} = {v} is the evaluated text (a warm start must not see "
                          f"the evaluated data; leave calib_text out for a held-out part)")
-    if "name" in kw and any(c in kw["name"] for c in ' /\\:"'):
-        raise InputError(f"{source}: name = {kw['name']!r}: use letters, digits, ., - and _")
-    kw.update(_model_keys(source, data))
-    if "trace" in data:
-        kw["trace"] = _trace(f"{source}: trace", data["trace"])
-    if "hosts" in data:
-        kw["hosts"] = _hosts(f"{source}: hosts", data["hosts"])
-    if data.get("max_tokens") is not None:
-        kw["max_tokens"] = RUN["max_tokens"].check(data["max_tokens"], f"{source}: max_tokens")
-    for key, lo in (("trials", 0), ("population", 2), ("seed", 0), ("max_failures", 0)):
-        if key in data:
-            kw[key] = _int(f"{source}: {key}", data[key], lo)
-    if "sampler" in data:
-        if data["sampler"] not in SAMPLERS:
-            raise InputError(f"{source}: sampler = {data['sampler']!r} (choose from {', '.join(SAMPLERS)})")
-        kw["sampler"] = data["sampler"]
-    if "objectives" in data:
-        obj = data["objectives"]
-        if not isinstance(obj, list) or any(o not in OBJECTIVES for o in obj) or obj[:2] != list(OBJECTIVES[:2]):
-            raise InputError(f"{source}: objectives = {obj!r} must be [time_per_token_s, mass_per_token] "
-                             f"optionally followed by device_memory_GiB")
-        kw["objectives"] = tuple(obj)
-    if "batch" in data:
-        b = data["batch"]
-        kw["batch"] = b if b == "auto" else _int(f"{source}: batch", b, 1)
-    if "task_seconds" in data:
-        ts = data["task_seconds"]
-        if isinstance(ts, bool) or not isinstance(ts, int | float) or not (0 < ts < math.inf):
-            raise InputError(f"{source}: task_seconds = {ts!r} must be a positive number")
-        kw["task_seconds"] = float(ts)
-    if "baselines" in data:
-        b = data["baselines"] or {}
-        if not isinstance(b, dict) or set(b) - {"policies", "capacity_fraction"}:
-            raise InputError(f"{source}: baselines = {b!r}: expected {{policies: [...], capacity_fraction: F}}")
-        pols = b.get("policies", list(PRESETS))
-        if not isinstance(pols, list) or any(p not in PRESETS for p in pols):
-            raise InputError(f"{source}: baselines.policies = {pols!r} (choose from {', '.join(PRESETS)})")
-        kw["baseline_policies"] = tuple(pols)
-        cf = b.get("capacity_fraction")
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf < 1):
-            raise InputError(f"{source}: baselines.capacity_fraction = {cf!r} must be in (0, 1)")
-        kw["baseline_capacity_fraction"] = cf
-    if "emulation" in data:
-        kw["emulation"] = _emulation(f"{source}: emulation", data["emulation"], kw.get("max_tokens"))
-    if "ppl_budgets_pct" in data:
-        b = data["ppl_budgets_pct"]
-        if (not isinstance(b, list) or not b or any(isinstance(x, bool) or not isinstance(x, int | float)
-                                                     or not 0 < x < math.inf for x in b)):
-            raise InputError(f"{source}: ppl_budgets_pct = {b!r} must be a non-empty list of positive numbers")
-        kw["ppl_budgets_pct"] = tuple(sorted(float(x) for x in b))
+    return {}
+
+
+def _read_model_resource(where: str, res: Any, got: dict[str, Any]) -> dict[str, Any]:
+    if res is None:
+        return {}
+    if not isinstance(res, str) or not res or any(c in res for c in _NAME_CHARS):
+        raise InputError(f"{where} = {res!r}: use letters, digits, ., - and _ "
+                         f"(the nodes holding the model offer the Ray resource model:NAME)")
+    return {"model_resource": res}
+
+
+def _read_objectives(where: str, obj: Any, got: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(obj, list) or any(o not in OBJECTIVES for o in obj) or obj[:2] != list(OBJECTIVES[:2]):
+        raise InputError(f"{where} = {obj!r} must be [time_per_token_s, mass_per_token] "
+                         f"optionally followed by device_memory_GiB")
+    return {"objectives": tuple(obj)}
+
+
+def _read_batch(where: str, b: Any, got: dict[str, Any]) -> dict[str, Any]:
+    return {"batch": b if b == "auto" else _int(where, b, 1)}
+
+
+def _read_baselines(where: str, b: Any, got: dict[str, Any]) -> dict[str, Any]:
+    b = b or {}
+    if not isinstance(b, dict) or set(b) - {"policies", "capacity_fraction"}:
+        raise InputError(f"{where} = {b!r}: expected {{policies: [...], capacity_fraction: F}}")
+    pols = b.get("policies", list(PRESETS))
+    if not isinstance(pols, list) or any(p not in PRESETS for p in pols):
+        raise InputError(f"{where}.policies = {pols!r} (choose from {', '.join(PRESETS)})")
+    cf = b.get("capacity_fraction")
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf < 1):
+        raise InputError(f"{where}.capacity_fraction = {cf!r} must be in (0, 1)")
+    return {"baseline_policies": tuple(pols), "baseline_capacity_fraction": cf}
+
+
+def _read_emulation(where: str, v: Any, got: dict[str, Any]) -> dict[str, Any]:
+    return {"emulation": _emulation(where, v, got.get("max_tokens"))}
+
+
+def _read_ppl_budgets(where: str, b: Any, got: dict[str, Any]) -> dict[str, Any]:
+    if (not isinstance(b, list) or not b or any(isinstance(x, bool) or not isinstance(x, int | float)
+                                                 or not 0 < x < math.inf for x in b)):
+        raise InputError(f"{where} = {b!r} must be a non-empty list of positive numbers")
+    return {"ppl_budgets_pct": tuple(sorted(float(x) for x in b))}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the key table
+
+
+@dataclass(frozen=True)
+class SweepKey:
+    """One row of the sweep-key table (read from SweepConfig's field metadata, like policy.Param)."""
+
+    name: str  # the YAML key
+    field: str  # the SweepConfig field it sets (a custom reader may set more, e.g. baselines)
+    default: Any
+    help: str
+    kind: str = "str"  # str | int | number | choice | run | custom
+    low: int | None = None  # int: smallest value
+    choices: tuple[str, ...] | None = None
+    nullable: bool = False  # str: null keeps the default
+    required: bool = False
+    reader: Reader | None = None  # custom: the whole reading; other kinds: a check after the kind's
+    shown: str | None = None  # the default as the key table shows it (else repr of the default)
+
+    def read(self, where: str, value: Any, got: dict[str, Any]) -> dict[str, Any]:
+        """The SweepConfig fields `value` sets, or a one-line InputError naming `where` (the file and
+        key, or the flag) and the value; `got`: the fields read before it (cross-checked keys)."""
+        if self.kind == "custom":
+            return self.reader(where, value, got)
+        if self.kind == "run":  # RunSpec's own row: its default, its check, its message
+            out = RUN[self.field].check(value, where)
+        elif value is None and self.nullable:
+            return {}
+        elif self.kind == "str":
+            if not isinstance(value, str) or not value:
+                raise InputError(f"{where} = {value!r} must be a non-empty string")
+            out = value
+        elif self.kind == "int":
+            out = _int(where, value, self.low)
+        elif self.kind == "choice":
+            if value not in self.choices:
+                raise InputError(f"{where} = {value!r} (choose from {', '.join(self.choices)})")
+            out = value
+        else:  # number: positive, finite
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
+                raise InputError(f"{where} = {value!r} must be a positive number")
+            out = float(value)
+        if self.reader is not None:
+            self.reader(where, out, got)
+        return {self.field: out}
+
+
+def _k(default: Any, help: str, kind: str = "str", *, key: str | None = None, factory: Any = None,
+       **kw: Any) -> Any:
+    meta = {"sweep_key": dict(key=key, help=help, kind=kind, **kw)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _run(key: str, help: str = "", **kw: Any) -> Any:
+    """A key that is a RunSpec field: RunSpec's default (the run-field table's row checks it)."""
+    return _k(RUN[key].default, help or RUN[key].help, "run", **kw)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A sweep (docs/sweep.md). Every field with a `_k(...)` row is a top-level YAML key."""
+
+    space: Space = _k(MISSING, "the search space (sweep/space.py); `vram_budget_GiB: auto` compares every policy at "
+                      "the device memory fetch-every-miss needs at 25% residency", "custom", required=True,
+                      reader=_read_space, shown="required")
+    model: str | None = _run("model", "tiny model size (demo | test) or any local Hugging Face checkpoint folder; "
+                                      "its traces are recorded once and cached by a checkpoint digest (sweep/data.py)")
+    text: str | None = _run("text", "evaluated text (default: the model's eval.txt)")
+    calib_text: str | None = _run("calib_text", "warm-start calibration text (default: the model's calib.txt; "
+                                  "without one, the held-out last 20% of the evaluated tokens); never the evaluated "
+                                  "text", reader=_read_calib_text)
+    model_shape: str | None = _run("model_shape", "cost-model shape preset or YAML (default: from the trace)")
+    name: str = _k("sweep", "results go to results/<name>/ unless --out", nullable=True, reader=_read_name,
+                   shown="the file's name")
+    calib_trace: str | None = _k(None, "warm-start calibration trace (default: the model's calib.txt trace)",
+                                 nullable=True)
+    model_resource: str | None = _k(None, "NAME: the model's files are on the Ray nodes offering model:NAME (paths "
+                                    "of model/text/calib_text are paths there); null: on the driver's node",
+                                    "custom", reader=_read_model_resource)
+    max_memory_GiB: float | str = _run("max_memory_GiB", "host RAM the model's weights may use in recording and "
+                                       "emulation (auto: the node's available memory less a margin); above it "
+                                       "passes stream layer by layer")
+    dtype: str = _run("dtype", "auto (the checkpoint's own) | fp32 | bf16 | fp16, for recording and emulation")
+    trace: str | dict | None = _k(None, "a router trace file instead of a model, or {synthetic: {num_tokens, "
+                                  "num_layers, num_experts, top_k, ...}}", "custom",
+                                  reader=lambda w, v, got: {"trace": _trace(w, v)})
+    hosts: tuple[HostSpec, ...] = _k((HostSpec("rtx3090"), HostSpec("rtx4090")), "host names, or {name, profile: "
+                                     "preset | preset:NAME | calibrate | FILE}", "custom",
+                                     reader=lambda w, v, got: {"hosts": _hosts(w, v)}, shown="[rtx3090, rtx4090]")
+    max_tokens: int | None = _run("max_tokens", "tokens of each text recorded and emulated (null: the whole text)")
+    trials: int = _k(40, "simulator trials per host, after the baselines", "int", low=0)
+    population: int = _k(16, "nsga2 population size", "int", low=2)
+    seed: int = _k(0, "the sampler's seed", "int", low=0)
+    max_failures: int = _k(2, "retries of a failing trial (and of a dead task) before it is recorded failed",
+                           "int", low=0)
+    sampler: str = _k("tpe", "tpe (multivariate, constant liar) | nsga2", "choice", choices=SAMPLERS)
+    objectives: tuple[str, ...] = _k(OBJECTIVES[:2], "the screening objectives; append device_memory_GiB for a "
+                                     "third", "custom", reader=_read_objectives)
+    batch: int | str = _k("auto", "simulator evaluations per Ray task (auto: about task_seconds each)", "custom",
+                          reader=_read_batch)
+    task_seconds: float = _k(2.0, "seconds of simulation per Ray task with batch: auto", "number")
+    baseline_policies: tuple[str, ...] = _k(tuple(PRESETS), "{policies: [...], capacity_fraction: F}: the named "
+                                            "policies, screened first on every host and emulated at the full "
+                                            "budget", "custom", key="baselines", reader=_read_baselines,
+                                            shown="every preset at the space's capacity")
+    baseline_capacity_fraction: float | None = None  # set by `baselines`
+    emulation: Emulation = _k(None, "the ladder (sweep/ladder.py): {rungs, eta, max_full, engine, cpus}; "
+                              "false: off. cpus: Ray CPUs (= torch threads) of each recording "
+                              "and emulation task", "custom", factory=Emulation, reader=_read_emulation,
+                              shown="{rungs: [2048], eta: 3, max_full: 8, engine: true, cpus: auto}")
+    ppl_budgets_pct: tuple[float, ...] = _k((0.5, 1.0, 2.0), "the answer: per host and budget, the fastest policy "
+                                            "within it", "custom", reader=_read_ppl_budgets)
+    source: str = "<config>"  # the file read
+    vram_budget_auto: bool = False  # space.vram_budget_GiB: auto, resolved by resolve_vram_budget
+    budget_notes: tuple[str, ...] = ()  # what fit_to_budget removed from the space (the summary lists it)
+    space_spec: Any = field(default=None, compare=False, repr=False)  # the space mapping as given
+
+    def baseline_capacity(self) -> dict[str, float]:
+        """The capacity the named baselines run at: the space's fixed one, else the configured one."""
+        p = self.space[self.space.capacity_field]
+        if p.kind == "fixed":
+            return {p.name: p.value}
+        if self.baseline_capacity_fraction is not None:
+            return {"capacity_fraction": self.baseline_capacity_fraction}
+        if p.name == "capacity_fraction":
+            v = 0.25 if p.contains(0.25) else (p.values()[0] if p.kind == "choice" else (p.low + p.high) / 2)
+            return {"capacity_fraction": v}
+        return {"vram_budget_GiB": p.values()[0] if p.kind == "choice" else (p.low * p.high) ** 0.5}
+
+
+def _rows() -> tuple[SweepKey, ...]:
+    out = []
+    for f in fields(SweepConfig):
+        if "sweep_key" not in f.metadata:
+            continue
+        m = dict(f.metadata["sweep_key"])
+        default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+        out.append(SweepKey(name=m.pop("key") or f.name, field=f.name,
+                            default=None if default is MISSING else default, **m))
+    return tuple(out)
+
+
+SWEEP_KEYS: tuple[SweepKey, ...] = _rows()  # in reading order (a key's reader sees the keys before it)
+SWEEP_KEY_BY_NAME: dict[str, SweepKey] = {k.name: k for k in SWEEP_KEYS}
+
+
+def _shown(v: Any) -> str:
+    """A default as YAML writes it, in flow style: [a, b], auto, 2.0; null: -."""
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_shown(x) for x in v) + "]"
+    return "-" if v is None else str(v)
+
+
+def key_table() -> str:
+    """The keys as a Markdown table (key, default, what), from the table."""
+    lines = ["| key | default | what |", "|---|---|---|"]
+    for k in SWEEP_KEYS:
+        cells = (f"`{k.name}`", k.shown or _shown(k.default), k.help)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def from_dict(data: Any, source: str = "<config>") -> SweepConfig:
+    """Validate a parsed sweep YAML document, key by key through the table."""
+    if not isinstance(data, dict):
+        raise InputError(f"{source}: expected a mapping at the top level (got {type(data).__name__})")
+    unknown = set(data) - set(SWEEP_KEY_BY_NAME)
+    if unknown:
+        raise InputError(f"{source}: unknown key {sorted(unknown)[0]!r} "
+                         f"(choose from {', '.join(sorted(SWEEP_KEY_BY_NAME))})")
+    kw: dict[str, Any] = {"source": source}
+    for key in SWEEP_KEYS:
+        if key.name in data:
+            kw.update(key.read(f"{source}: {key.name}", data[key.name], kw))
+        elif key.required:
+            raise InputError(f"{source}: {key.name} is required")
     return SweepConfig(**kw)
 
 
@@ -320,28 +429,6 @@ def fit_to_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
                    budget_notes=tuple(f"{n} at vram_budget_GiB = {gib:g}" for n in notes))
 
 
-def _emulation(where: str, v: Any, max_tokens: int | None) -> Emulation:
-    if v is False or v is None:
-        return Emulation(enabled=False)
-    if v is True:
-        return Emulation()
-    keys = {"rungs", "eta", "max_full", "engine", "cpus"}
-    if not isinstance(v, dict) or set(v) - keys:
-        raise InputError(f"{where} = {v!r}: expected false or {{rungs: [TOKENS, ...], eta, max_full, engine, cpus}}")
-    rungs = v.get("rungs", list(Emulation.rungs))
-    if not isinstance(rungs, list) or any(isinstance(r, bool) or not isinstance(r, int) or r < 16 for r in rungs) \
-            or rungs != sorted(set(rungs)):
-        raise InputError(f"{where}.rungs = {rungs!r} must be increasing token budgets >= 16")
-    if max_tokens is not None and rungs and rungs[-1] >= max_tokens:
-        raise InputError(f"{where}.rungs = {rungs!r}: every rung must be below max_tokens = {max_tokens}")
-    if "engine" in v and not isinstance(v["engine"], bool):
-        raise InputError(f"{where}.engine = {v['engine']!r} must be true or false")
-    cpus = v.get("cpus", "auto")
-    return Emulation(True, tuple(rungs), _int(f"{where}.eta", v.get("eta", 3), 2),
-                     _int(f"{where}.max_full", v.get("max_full", 8), 1), v.get("engine", True),
-                     None if cpus == "auto" else _int(f"{where}.cpus", cpus, 1))
-
-
 def load_config(path: str | Path) -> SweepConfig:
     path = Path(path)
     try:
@@ -359,12 +446,18 @@ def load_config(path: str | Path) -> SweepConfig:
 
 
 def with_overrides(cfg: SweepConfig, **kw: Any) -> SweepConfig:
-    """Apply command-line overrides (None = keep), validated like the file."""
-    kw = {k: v for k, v in kw.items() if v is not None}
-    if "hosts" in kw:
-        kw["hosts"] = _hosts("--hosts", kw["hosts"])
-    if "trials" in kw:
-        kw["trials"] = _int("--trials", kw["trials"], 0)
-    if "batch" in kw and kw["batch"] != "auto":
-        kw["batch"] = _int("--batch", int(kw["batch"]) if str(kw["batch"]).isdigit() else kw["batch"], 1)
-    return replace(cfg, **kw)
+    """Apply command-line overrides (None = keep; key -> value), each validated by its key's row like
+    the file's, its message naming the flag (`--trials`)."""
+    got = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    out: dict[str, Any] = {}
+    for k, v in kw.items():
+        if v is None:
+            continue
+        if k == "batch" and isinstance(v, str) and v.isdigit():
+            v = int(v)
+        out.update(SWEEP_KEY_BY_NAME[k].read(f"--{k}", v, {**got, **out}))
+    return replace(cfg, **out)
+
+
+if __name__ == "__main__":
+    print(key_table())
