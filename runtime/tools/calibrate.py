@@ -174,30 +174,7 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
     vocab = min(int(m.model.config.vocab_size), len(m.tokenizer))
     W = max(4, min(tokens, int(getattr(m.model.config, "max_position_embeddings", tokens))))
     windows = rng.integers(0, vocab, size=(1 + windows_n, W)).astype(np.int64)  # the first one warms up
-    # decode with k slots under substitute-all: exactly k device experts per token-layer and no copies;
-    # once as it is, once with the expert math switched off, and once under fetch-every-miss (the same k
-    # device experts per token-layer, plus a synchronous fetch for every miss), alternating, to share the
-    # host's load. The fetch-every-miss decode minus the substitute-all decode, per fetch, is the fetch
-    # *in context*: what a fetch adds to a decode, overlapping the host's launches of the rest of the layer
-    per_tok: dict[str, list[float]] = {"full": [], "null": [], "fetch": []}
-    fetches_per_tok: list[float] = []
-    pol = {"full": PRESETS["substitute-all"], "null": PRESETS["substitute-all"], "fetch": PRESETS["fetch-every-miss"]}
-    try:
-        for r in range(windows.shape[0]):
-            for what in ("full", "null", "fetch"):
-                eng.runner.null_compute = what == "null"
-                cache = PolicyCache(pol[what], E, k, np.full(L, k), [np.arange(k)] * L)
-                _, rep = eng.teacher_forced(m, windows[r : r + 1], cache)
-                if r > 0:
-                    per_tok[what].append(rep["time_per_token_s"])
-                    if what == "fetch":
-                        fetches_per_tok.append(cache.counter_totals()["fetches"] / windows.shape[1])
-    finally:
-        eng.runner.null_compute = False
-    full_s = sum(per_tok["full"]) / len(per_tok["full"])
-    isolated_s = sum(per_tok["null"]) / len(per_tok["null"]) / L
-    fetch_decode_s = sum(per_tok["fetch"]) / len(per_tok["fetch"])
-    nf = sum(fetches_per_tok) / len(fetches_per_tok)
+    full_s, isolated_s, fetch_decode_s, nf = _decode_times(eng, windows)
     fetch_ctx_s = (fetch_decode_s - full_s) / nf if nf > 0 else float("nan")
     if not FETCH_CONTEXT_BAND[0] * fetch_s <= fetch_ctx_s <= FETCH_CONTEXT_BAND[1] * fetch_s:
         # the difference of two decodes is noise when fetches are a small part of them (a loaded host)
@@ -213,9 +190,7 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
         dense_s = isolated_s
     shape_bytes, shape_note = _shape_bytes(eng)
     latency_s = max(fetch_used_s - shape_bytes / (link["pinned_GBps"] * 1e9), 1e-8)
-    dev_name = torch.cuda.get_device_name(eng.device) if eng.cuda else f"CPU device mode ({platform.processor() or platform.machine()}, {torch.get_num_threads()} intra-op threads)"
-    vram = (torch.cuda.get_device_properties(eng.device).total_memory if eng.cuda
-            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
+    dev_name, vram = _device_name_and_memory(eng)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     details = {"link": link, "fetch_us": fetch_used_s * 1e6, "fetch_isolated_us": fetch_s * 1e6,
                "fetch_in_context_us": fetch_ctx_s * 1e6 if fetch_ctx_s == fetch_ctx_s else None, "fetch_every_miss_time_per_token_us": fetch_decode_s * 1e6,
@@ -246,6 +221,46 @@ def calibrate(eng: Engine, repeats: int = 20, tokens: int = 48, link_mib: int = 
                  f"L*k*device_expert and head_us (final norm + LM head, {head_s * 1e6:.1f} us), / L (isolated, "
                  f"expert math off: {isolated_s * 1e6:.1f} us)"))
     return prof, details
+
+
+def _decode_times(eng: Engine, windows: np.ndarray) -> tuple[float, float, float, float]:
+    """(substitute-all decode s/token, isolated dense s/layer, fetch-every-miss decode s/token, fetches/token)
+    over `windows` [1 + n, W] (the first warms up)."""
+    m, L, E, k = eng.m, eng.L, eng.E, eng.k
+    # decode with k slots under substitute-all: exactly k device experts per token-layer and no copies;
+    # once as it is, once with the expert math switched off, and once under fetch-every-miss (the same k
+    # device experts per token-layer, plus a synchronous fetch for every miss), alternating, to share the
+    # host's load. The fetch-every-miss decode minus the substitute-all decode, per fetch, is the fetch
+    # *in context*: what a fetch adds to a decode, overlapping the host's launches of the rest of the layer
+    per_tok: dict[str, list[float]] = {"full": [], "null": [], "fetch": []}
+    fetches_per_tok: list[float] = []
+    pol = {"full": PRESETS["substitute-all"], "null": PRESETS["substitute-all"], "fetch": PRESETS["fetch-every-miss"]}
+    try:
+        for r in range(windows.shape[0]):
+            for what in ("full", "null", "fetch"):
+                eng.runner.null_compute = what == "null"
+                cache = PolicyCache(pol[what], E, k, np.full(L, k), [np.arange(k)] * L)
+                _, rep = eng.teacher_forced(m, windows[r : r + 1], cache)
+                if r > 0:
+                    per_tok[what].append(rep["time_per_token_s"])
+                    if what == "fetch":
+                        fetches_per_tok.append(cache.counter_totals()["fetches"] / windows.shape[1])
+    finally:
+        eng.runner.null_compute = False
+    full_s = sum(per_tok["full"]) / len(per_tok["full"])
+    isolated_s = sum(per_tok["null"]) / len(per_tok["null"]) / L
+    fetch_decode_s = sum(per_tok["fetch"]) / len(per_tok["fetch"])
+    nf = sum(fetches_per_tok) / len(fetches_per_tok)
+    return full_s, isolated_s, fetch_decode_s, nf
+
+
+def _device_name_and_memory(eng: Engine) -> tuple[str, float]:
+    """The device's name and its memory in GiB (CPU device mode: the host's processor and RAM)."""
+    if eng.cuda:
+        return (torch.cuda.get_device_name(eng.device),
+                torch.cuda.get_device_properties(eng.device).total_memory / 2**30)
+    name = f"CPU device mode ({platform.processor() or platform.machine()}, {torch.get_num_threads()} intra-op threads)"
+    return name, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def _shape_bytes(eng: Engine) -> tuple[int, str]:
