@@ -1,0 +1,194 @@
+"""`python -m runtime.findings` (`expertsweep findings`): every finding on a checkpoint at each cache size, as
+JSON and as the Markdown page (`render`).
+
+    python -m runtime.findings --model DIR [--max-tokens N] [--capacity-fraction 0.25 --capacity-fraction paper]
+        [--json] [--out-md FILE --out-json FILE]
+
+Each `--capacity-fraction` is a column: a fraction in (0, 1), or `paper`, the capacity at which substitute-all
+substitutes about the paper's 8.5% of calls (found by a simulator sweep over the recorded routing). Every flag
+is checked before any work; bad input is one line naming the flag and its value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.core.errors import ArgumentParser, InputError, atomic_write, check_output_path
+from runtime.tools.findings import stats
+from runtime.tools.findings.experiments import (
+    PAPER_EXPERTS,
+    PAPER_LAYERS,
+    PAPER_SLOTS,
+    PAPER_SUB_ALL_SHARE,
+    PAPER_TOPK,
+    Row,
+    Setup,
+    exact_trace,
+    paper_capacity,
+    regime,
+    run_column,
+)
+from runtime.tools.findings.render import to_markdown
+
+log = logging.getLogger(__name__)
+
+
+def git_commit(repo: Path | None = None) -> dict[str, Any]:
+    """The commit this code runs at, and whether tracked files differ from it ({"commit": None} outside git)."""
+    repo = repo or Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": head, "dirty": dirty}
+
+
+def scrub(text: str, model: Path) -> str:
+    """`text` with the model folder written `<model>` and the home folder `~`: no machine paths in outputs."""
+    for p in sorted({str(model.resolve()), str(model)}, key=len, reverse=True):
+        text = text.replace(p, "<model>")
+    return text.replace(str(Path.home()), "~")
+
+
+def parse_capacity_fraction(value: str) -> float | str:
+    """A --capacity-fraction value: a fraction in (0, 1) or `paper`."""
+    if value == "paper":
+        return value
+    try:
+        f = float(value)
+    except ValueError:
+        f = math.nan
+    if not 0 < f < 1:
+        raise InputError(f"--capacity-fraction = {value!r} must be a number in (0, 1) or 'paper'")
+    return f
+
+
+def check_run_args(model: Path, max_tokens: int | None, capacity_fractions: Sequence[float | str], segment: int,
+                   early: int) -> list[float | str]:
+    """The checks `run` makes before any work; the parsed capacity fractions."""
+    if not (model / "config.json").is_file():
+        raise InputError(f"--model {model}: no config.json there (not a Hugging Face checkpoint directory)")
+    if not (model / "eval.txt").is_file():
+        raise InputError(f"--model {model}: no eval.txt beside the model (the evaluated text)")
+    if max_tokens is not None and max_tokens < 512:
+        raise InputError(f"--max-tokens = {max_tokens} must be >= 512")
+    fracs = [parse_capacity_fraction(str(c)) for c in capacity_fractions]
+    if not fracs:
+        raise InputError("--capacity-fraction: at least one value is needed")
+    if segment < 2 * early or early < 1:
+        raise InputError(f"--segment = {segment} must be >= 2 x --early = {early} (and --early >= 1)")
+    return fracs
+
+
+def run(model: str | Path, max_tokens: int | None = None,
+        capacity_fractions: Sequence[float | str] = (0.25, "paper"), segment: int = 320, early: int = 64,
+        prompts_per_domain: int = 8, new_tokens: int = 32, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+    """Every finding on `model` at each capacity; {"rows", "columns", "setup", "sweep", "commit", ...}."""
+    from runtime.backends import hfmodel
+    from runtime.tools.tinymodel import domain_texts
+
+    model = Path(model)
+    fracs = check_run_args(model, max_tokens, capacity_fractions, segment, early)
+    eval_text = model / "eval.txt"
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    rows: list[Row] = []
+    columns: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="findings-") as tmp:
+        first = next((f for f in fracs if f != "paper"), 0.25)
+        s0 = Setup(model, eval_text, domain_texts(model), float(first), max_tokens, segment, early,
+                   prompts_per_domain, new_tokens, seed, Path(tmp), hfmodel.load(model), progress)
+        trace, calib_ids, _ = exact_trace(s0, eval_text)
+        paper_frac, sweep = paper_capacity(trace, calib_ids)
+        seen: list[float] = []
+        for f in fracs:
+            frac = paper_frac if f == "paper" else float(f)
+            if any(math.isclose(frac, x) for x in seen):
+                continue
+            seen.append(frac)
+            reg = regime(trace, calib_ids, frac)
+            reg["paper_regime"] = math.isclose(frac, paper_frac)
+            label = f"C={reg['slots']} ({frac:.1%})"
+            s = dataclasses.replace(s0, capacity_fraction=frac, starts=None, blocks={})
+            col_rows, ex = run_column(s, label, timings)
+            reg.update({"label": label, "requested": f, "blocks": s.blocks})
+            columns.append(reg)
+            rows.extend(col_rows)
+    return {"commit": git_commit(),
+            "rows": [r.to_dict() for r in rows],
+            "columns": columns,
+            "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": PAPER_SLOTS, "experts": PAPER_EXPERTS,
+                             "top_k": PAPER_TOPK, "slots_per_top_k": PAPER_SLOTS / PAPER_TOPK,
+                             "substitute_all_share": PAPER_SUB_ALL_SHARE, "layers": PAPER_LAYERS},
+            "sweep": {"policy": "substitute-all", "backend": "simulator (recorded exact routing, warm start from "
+                      "the calibration routing)", "target_share": PAPER_SUB_ALL_SHARE, "found": paper_frac,
+                      "points": [{k: p[k] for k in ("slots", "substitute_all_share", "warm_set_miss_rate")}
+                                 for p in sweep]},
+            "setup": {"model": model.name, "eval_text": eval_text.name, "domains": sorted(domain_texts(model)),
+                      "num_experts": ex.num_experts, "top_k": ex.top_k, "num_layers": ex.num_layers,
+                      "tokens": ex.tokens, "max_tokens": max_tokens, "exact_perplexity": ex.exact_perplexity,
+                      "initial_residency": scrub(str(ex.initial_residency), model), "segment": segment,
+                      "early": early, "prompts_per_domain": prompts_per_domain, "new_tokens": new_tokens,
+                      "seed": seed, "bootstrap_resamples": stats.N_BOOT, "min_blocks": stats.MIN_BLOCKS,
+                      "block_width_tolerance": stats.WIDTH_TOL},
+            "seconds": round(time.perf_counter() - t0, 1), "seconds_by_finding": timings}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags."""
+    p = ArgumentParser(prog="python -m runtime.findings", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory with eval.txt (and calib.txt)")
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluated tokens per text (default: all)")
+    p.add_argument("--capacity-fraction", action="append", default=None,
+                   help="a column's cache size: a fraction in (0, 1), or 'paper' (where substitute-all substitutes "
+                        "~8.5%% of calls); repeatable (default: 0.25 and paper)")
+    p.add_argument("--segment", type=int, default=320, help="tokens between topic switches")
+    p.add_argument("--early", type=int, default=64, help="tokens after a switch counted as 'early'")
+    p.add_argument("--prompts", type=int, default=8, help="generation prompts per domain")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the JSON result")
+    p.add_argument("--out-md", default=None, help="write the Markdown page here")
+    p.add_argument("--out-json", default=None, help="write the JSON result here")
+    p.add_argument("--command", default=None, help="command line to print above the Markdown table")
+    return p
+
+
+def checked_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parsed and checked flags (every check before any work)."""
+    a = build_parser().parse_args(argv)
+    check_output_path(a.out_md, "--out-md")
+    check_output_path(a.out_json, "--out-json")
+    for flag, v in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens)):
+        if v < 1:
+            raise InputError(f"{flag} = {v} must be >= 1")
+    a.capacity_fraction = [parse_capacity_fraction(v) for v in (a.capacity_fraction or ["0.25", "paper"])]
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the findings and print (and optionally write) the page or the JSON."""
+    a = checked_args(argv)
+    res = run(a.model, a.max_tokens, a.capacity_fraction, a.segment, a.early, a.prompts, a.new_tokens, a.seed,
+              progress=sys.stderr.isatty())
+    md = to_markdown(res, a.command)
+    text = json.dumps(res, indent=2)
+    if a.out_json:
+        atomic_write(a.out_json, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
+    if a.out_md:
+        atomic_write(a.out_md, lambda tmp: Path(tmp).write_text(md, encoding="utf-8"))
+    print(text if a.json else md)

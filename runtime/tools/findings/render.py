@@ -1,0 +1,127 @@
+"""The findings page: Markdown of a `cli.run` result (command, commit, regimes, the table, the rules, the intervals'
+block check and a reading), every number taken from the result so that the page and its JSON agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.tools.findings.experiments import PAPER_LAYERS
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def regime_lines(res: dict[str, Any]) -> list[str]:
+    """The regime table: the paper's and each column's cache."""
+    p = res["paper_regime"]
+    out = ["| column | slots per layer | slots per top-k | warm-set miss rate | substitute-all substitutes | regime |",
+           "|---|---|---|---|---|---|",
+           f"| paper ({p['model']}, ~25%) | {p['slots']} of {p['experts']} | {p['slots_per_top_k']:.1f} | n/a | "
+           f"{p['substitute_all_share']:.1%} | the paper's |"]
+    for c in res["columns"]:
+        where = ("the paper's (substitute-all share nearest 8.5%)" if c["paper_regime"] else
+                 ("more misses than the paper's" if c["substitute_all_share"] > p["substitute_all_share"]
+                  else "fewer misses than the paper's"))
+        out.append(f"| {c['label']} | {c['slots']} of {c['experts']} | {c['slots_per_top_k']:.1f} | "
+                   f"{c['warm_set_miss_rate']:.1%} | {c['substitute_all_share']:.1%} | {where} |")
+    return out
+
+
+def block_lines(res: dict[str, Any]) -> list[str]:
+    """How each column's block length was chosen: the interval width at every length tried, per series."""
+    tol = res["setup"]["block_width_tolerance"]
+    out = ["### Block length of the intervals", "",
+           "Each interval resamples blocks of consecutive evaluation windows (the cache carries across windows). "
+           "Per series, the 95% interval of its perplexity change (points) is computed at every block length "
+           f"from 1 window to windows / {res['setup']['min_blocks']}; the series' length is the shortest one "
+           f"beyond which no longer block widens the interval by more than {tol:.0%}; the column uses the "
+           "longest of these. 'stopped' says whether a longer length was tried and found no wider; where it was "
+           "not, the width was still growing at the longest length tried and the intervals may be too narrow.", ""]
+    for c in res["columns"]:
+        b = c["blocks"]
+        out.append(f"- **{c['label']}**: blocks of {b['block']} windows ({b['block_tokens']} tokens, {b['blocks']} "
+                   f"blocks; a document averages {b['document_tokens']:.0f} tokens); "
+                   f"{'stopped' if b['stopped'] else 'NOT stopped (still growing at the longest length)'}.")
+        for name, ch in b["check"].items():
+            ws = ", ".join(f"{w['block']}: {w['width']:.3f}" for w in ch["widths"])
+            out.append(f"  - {name}: width by length {ws}; chosen {ch['block']}"
+                       f"{'' if ch['stopped'] else ' (not stopped)'}")
+        t = next((r["data"].get("blocks") for r in res["rows"] if r["id"] == "4b" and r["column"] == c["label"]
+                  and isinstance(r["data"].get("blocks"), dict)), None)
+        if t:
+            out.append(f"  - topic segments (4b): blocks of {t['block']} segments ({t['blocks']} blocks); "
+                       f"{'stopped' if t['stopped'] else 'NOT stopped'}; " + "; ".join(
+                           f"{name}: " + ", ".join(f"{w['block']}: {w['width']:.3f}" for w in ch["widths"])
+                           for name, ch in t["check"].items()))
+    return out
+
+
+def reading(res: dict[str, Any]) -> list[str]:
+    """The page's reading of the table, every number taken from `res`."""
+    cols, sw = res["columns"], res["sweep"]
+    pts = sw["points"]
+    lines = ["## Reading the table", "",
+             "(Generated with the table from the same run: every figure below is in docs/findings.json.)", ""]
+    found = next((c for c in cols if c["paper_regime"]), None)
+    lines.append(f"- **Regime.** Sweeping substitute-all over {pts[0]['slots']}-{pts[-1]['slots']} slots on the "
+                 f"recorded routing, its substituted share runs from {pts[0]['substitute_all_share']:.1%} to "
+                 f"{pts[-1]['substitute_all_share']:.1%}; the paper's {sw['target_share']:.1%} is nearest at "
+                 f"{sw['found']:.1%} of the experts" +
+                 (f" ({found['slots']} slots, {found['slots_per_top_k']:.1f} per top-k against the paper's "
+                  f"{res['paper_regime']['slots_per_top_k']:.1f}; substitute-all there "
+                  f"{found['substitute_all_share']:.1%})." if found else "."))
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for r in res["rows"]:
+        by_id.setdefault(r["id"], []).append(r)
+    for rid, rs in by_id.items():
+        parts = [f"**{r['verdict']}** at {r['column']} (interval {r['ci95']})" for r in rs]
+        lines.append(f"- **{rid}. {rs[0]['finding']}**: " + "; ".join(parts) + ".")
+    for r in by_id.get("5", []):
+        d = r["data"]
+        h = min((k for k in d if isinstance(d[k], dict) and "head_share_all_resident" in d[k]), default=None)
+        if h is not None:
+            lines.append(
+                f"- **Speed, the head ({r['column']}).** The simulated model has {d['layers']} MoE layers but the "
+                f"paper's 152k-token LM head; uncharged, the head is {d[h]['head_share_all_resident_uncharged']:.0%} "
+                f"of an all-resident token on {h} (QF {d[h]['quality-first']['speed_ratio_head_uncharged']:.2f}x "
+                f"uncharged). Charged {d['layers']}/{PAPER_LAYERS} of its time, as on the 48-layer model, it is "
+                f"{d[h]['head_share_all_resident']:.0%} and QF reaches {d[h]['quality-first']['speed_ratio']:.2f}x; "
+                f"fetch-every-miss spends {d[h]['fetch_every_miss_stall_share']:.0%} of its time waiting for fetches.")
+    st = res["setup"]
+    lines += ["", f"Model `{st['model']}` (exact perplexity {st['exact_perplexity']:.3f} on {st['tokens']} tokens): a "
+              "tiny model, so magnitudes are a weak model's; the verdicts test directions, 2a also the paper's 0.92 "
+              "and 5 the paper's 2.5-3.0x (on the paper's shape)."]
+    return lines
+
+
+def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
+    """The whole page body: command, commit, regimes, the table, the rules, the block check and the reading."""
+    st = res["setup"]
+    head = []
+    if command:
+        head += [f"`{command}` ({res['seconds'] / 60:.1f} min on this machine)", ""]
+    c = res.get("commit") or {}
+    if c.get("commit"):
+        head += [f"Commit `{c['commit'][:12]}`{' (with uncommitted changes)' if c.get('dirty') else ''}.", ""]
+    head.append(f"Model `{st['model']}`: {st['num_layers']} MoE layers, {st['num_experts']} experts, "
+                f"top-{st['top_k']}; evaluated text `{st['eval_text']}`, {st['tokens']} tokens, exact perplexity "
+                f"{st['exact_perplexity']:.3f}; warm start: {st['initial_residency']}. Intervals: "
+                f"{st['bootstrap_resamples']} bootstrap resamples, seed {st['seed']}.")
+    head += ["", "### Cache regimes", ""] + regime_lines(res) + ["", "### Findings", ""]
+    lines = ["| # | finding | paper (Qwen3-Next-80B-A3B), quoted from | column | ours | 95% interval | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    order = [r["id"] for r in res["rows"]]
+    for r in sorted(res["rows"], key=lambda r: order.index(r["id"])):  # the columns side by side
+        cells = [r["id"], r["finding"], f"{r['paper']} ({r['paper_source']})", r["column"], r["ours"], r["ci95"],
+                 f"**{r['verdict']}**"]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    rules = ["", "### How each verdict is decided", ""]
+    seen: set[str] = set()
+    for r in res["rows"]:
+        if r["id"] not in seen:
+            seen.add(r["id"])
+            rules.append(f"- {r['id']}: {r['rule']}.")
+    samples = ["", "Samples:", ""] + [f"- {r['id']} at {r['column']}: {r['sample']}." for r in res["rows"]]
+    return "\n".join(head + lines + rules + samples + [""] + block_lines(res) + [""] + reading(res)) + "\n"

@@ -1,0 +1,338 @@
+"""Tests for the findings page and command: the page's numbers are the JSON's (rows built by the experiments'
+row functions from synthetic policy runs, rendered, parsed back), the command end to end on a trained test
+model, the topic finding on two domains, bad input, and scripts/findings.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from runtime.core.errors import InputError
+from runtime.tools import findings
+from runtime.tools.findings import experiments as X
+from runtime.tools.findings import render, stats
+from runtime.tools.findings.rules import DIFFERS, HOLDS, INCONCLUSIVE, UNTESTABLE, VERDICTS
+
+REPO = Path(__file__).resolve().parents[1]
+IDS = ["1", "2a", "2b", "2c", "3", "4a", "4b", "5", "6"]
+N, CNT, W = 60, 127, 128
+NUM = re.compile(r"(?:(?<![\w.])[-+])?\d+\.\d+")  # "0.03-0.31" is a range, not a negative number
+PAPER_CONSTANTS = {"0.15", "0.92"}  # the named policy and the paper's r: text, not measurements
+
+
+def _run(name: str, level: float, share: float, mass: float, rng: np.random.Generator) -> X.PolicyRun:
+    dn = (level + rng.normal(0, 0.003, N)) * CNT
+    calls = np.full(N, 2048.0)
+    lost = share * calls + rng.normal(0, 5, N)
+    change = float(stats.pct_change(dn.sum(), CNT * N))
+    res = SimpleNamespace(ppl_change_pct=change, counters={"substitutions": float(lost.sum()), "drops": 0.0,
+                                                           "calls": float(calls.sum())},
+                          mass_per_token=mass, perplexity=50 * (1 + change / 100), exact_perplexity=50.0)
+    return X.PolicyRun(name, res, dn, CNT, W, calls=lost, all_calls=calls,
+                       mass=(mass + rng.normal(0, 0.005, N)) * W)
+
+
+def _setup() -> X.Setup:
+    s = X.Setup(None, None, {}, 0.25, None, 320, 64, 1, 1, 0, None, None)
+    s.starts = stats.block_starts(N, 3)
+    s.blocks = {"windows": N, "window": W, "blocks": len(s.starts), "block": 3, "stopped": True, "max_block": 6,
+                "block_tokens": 3 * W, "document_tokens": 2900.0, "tolerance": stats.WIDTH_TOL,
+                "check": {"rule-0.15": {"widths": [{"block": b, "blocks": N // b, "width": 0.1 + 0.0137 * b,
+                                                    "method": "BCa"} for b in range(1, 7)],
+                                        "block": 3, "stopped": True}}}
+    return s
+
+
+def _result() -> dict[str, Any]:
+    """A small result dict whose rows 1, 2a-2c and 4a come from the experiments' row functions."""
+    rng = np.random.default_rng(0)
+    s = _setup()
+    main = {"substitute-all": _run("substitute-all", 0.05, 0.085, 0.3, rng),
+            "rule-0.15": _run("rule-0.15", 0.004, 0.075, 0.1, rng),
+            "first-choice": _run("first-choice", 0.03, 0.09, 0.25, rng),
+            "quality-first": _run("quality-first", 0.002, 0.07, 0.09, rng),
+            "speed-first": _run("speed-first", 0.01, 0.1, 0.15, rng)}
+    names = list(X.mass_policies())[:8]
+    mp = {n: _run(n, 0.005 * (i + 1) - 0.0004 * (i % 2), 0.05, 0.04 * (i + 1) - 0.01 * (i % 2), rng)
+          for i, n in enumerate(names)}
+    rows = [X.finding_heavy(s, main), *X.finding_mass(s, mp), X.finding_admission(s, main)]
+    for r in rows:
+        r.column = "C=16 (25.0%)"
+    cols = [{"label": "C=16 (25.0%)", "slots": 16, "experts": 64, "slots_per_top_k": 2.0, "warm_set_miss_rate": 0.3127,
+             "substitute_all_share": 0.2861, "paper_regime": True, "blocks": s.blocks}]
+    return {"setup": {"model": "m", "eval_text": "eval.txt", "num_layers": 2, "num_experts": 64, "top_k": 8,
+                      "tokens": 4096, "exact_perplexity": 50.0, "initial_residency": "calib", "min_blocks": 10,
+                      "bootstrap_resamples": 2000, "seed": 0, "block_width_tolerance": stats.WIDTH_TOL},
+            "commit": {"commit": "a" * 40, "dirty": False}, "columns": cols,
+            "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": 128, "experts": 512, "top_k": 10,
+                             "slots_per_top_k": 12.8, "substitute_all_share": 0.085, "layers": 48},
+            "sweep": {"target_share": 0.085, "found": 0.25,
+                      "points": [{"slots": 8, "substitute_all_share": 0.5}, {"slots": 63, "substitute_all_share": 0.01}]},
+            "rows": [r.to_dict() for r in rows], "seconds": 60.0}
+
+
+def _leaves(x: Any) -> list[float]:
+    if isinstance(x, dict):
+        return [v for y in x.values() for v in _leaves(y)]
+    if isinstance(x, list | tuple):
+        return [v for y in x for v in _leaves(y)]
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return []
+    return [float(x)]
+
+
+def _shown(token: str, values: list[float]) -> bool:
+    """Whether the page's `token` is one of `values` as printed (at its decimals, or in percent)."""
+    d = len(token.split(".")[1])
+    t = float(token)
+    return any(abs(round(v, d) - t) < 0.6 * 10 ** -d or abs(round(v * 100, d) - t) < 0.6 * 10 ** -d
+               for v in values if np.isfinite(v))
+
+
+def _table(md: str) -> dict[str, list[str]]:
+    """The findings table's cells by row id (unescaped)."""
+    out = {}
+    for line in md.splitlines():
+        if re.match(r"\| (1|2a|2b|2c|3|4a|4b|5|6) \|", line):
+            cells = [c.replace("\\|", "|").strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            out[cells[0]] = cells
+    return out
+
+
+def test_page_numbers_are_the_json_numbers() -> None:
+    res = json.loads(json.dumps(_result()))  # as written to findings.json
+    md = render.to_markdown(res, "python -m runtime.findings --model m")
+    table = _table(md)
+    assert sorted(table) == sorted(r["id"] for r in res["rows"])
+    checked = 0
+    for r in res["rows"]:
+        cells = table[r["id"]]
+        assert cells[3:] == [r["column"], r["ours"], r["ci95"], f"**{r['verdict']}**"]
+        values = _leaves(r["data"])
+        for token in NUM.findall(r["ours"] + " " + r["ci95"]):
+            if token.lstrip("+-") not in PAPER_CONSTANTS:
+                assert _shown(token, values), (r["id"], token)
+                checked += 1
+        assert f"**{r['verdict']}** at {r['column']} (interval {r['ci95']})" in md  # the reading
+    assert checked >= 30  # the rows' measured numbers were parsed back
+    by = {r["id"]: r["data"] for r in res["rows"]}
+    lo, hi = by["4a"]["ci95"]
+    assert table["4a"][5] == f"[{lo:+.2f}, {hi:+.2f}] points"
+    assert f"{by['4a']['difference']:+.2f} points" in table["4a"][4]
+    assert f"r = {by['2a']['r']:.3f}" in table["2a"][4]
+    c = by["2c"]["counts"]
+    assert table["2c"][5].startswith(f"per pair: {c[HOLDS]} hold, {c[DIFFERS]} differ, {c[INCONCLUSIVE]} "
+                                     f"inconclusive, {c[UNTESTABLE]} ")
+    # the regime table and the block check
+    col = res["columns"][0]
+    assert (f"| {col['label']} | 16 of 64 | 2.0 | {col['warm_set_miss_rate']:.1%} | "
+            f"{col['substitute_all_share']:.1%} |") in md
+    line = next(x for x in md.splitlines() if x.strip().startswith("- rule-0.15: width by length"))
+    shown = [float(v) for v in re.findall(r"\d+: (\d+\.\d+)", line)]
+    assert shown == [round(w["width"], 3) for w in col["blocks"]["check"]["rule-0.15"]["widths"]]
+
+
+def test_bca_printed_only_where_used() -> None:
+    res = _result()
+    for r in res["rows"]:
+        methods = {v for k, v in _walk(r["data"]) if k == "method"}
+        if "BCa" in r["sample"]:
+            assert any("BCa" in m for m in methods), r["id"]
+        if methods and all("BCa" not in m for m in methods):
+            assert "BCa" not in r["sample"], r["id"]
+
+
+def _walk(x: Any) -> list[tuple[str, Any]]:
+    if isinstance(x, dict):
+        return [kv for k, v in x.items() for kv in ([(k, v)] if isinstance(v, str) else []) + _walk(v)]
+    if isinstance(x, list):
+        return [kv for y in x for kv in _walk(y)]
+    return []
+
+
+def test_capacity_fraction_values() -> None:
+    assert findings.parse_capacity_fraction("paper") == "paper"
+    assert findings.parse_capacity_fraction("0.25") == 0.25
+    for bad in ("0", "1", "x", "-0.1"):
+        with pytest.raises(InputError, match=re.escape(f"--capacity-fraction = {bad!r}")):
+            findings.parse_capacity_fraction(bad)
+
+
+def test_scrub_and_commit(tmp_path: Path) -> None:
+    m = tmp_path / "mix-abc"
+    assert findings.scrub(f"calib text {m}/calib.txt", m) == "calib text <model>/calib.txt"
+    assert findings.scrub(f"{Path.home()}/x", m) == "~/x"
+    c = findings.git_commit()
+    assert re.fullmatch(r"[0-9a-f]{40}", c["commit"]) and isinstance(c["dirty"], bool)
+
+
+def test_mass_policies_fetch_first_choice() -> None:
+    from runtime.core.policy import PRESETS
+
+    pols = X.mass_policies()
+    assert len(pols) >= 20
+    assert all(p.fetches_first_choice and p.rule in ("threshold", "first_choice") for p in pols.values())
+    assert PRESETS["rule-0.15"].label() in pols
+    pairs = X.admission_pairs(pols)
+    assert len(pairs) == len(pols) // 2 and all(pols[a].beta is None and pols[b].beta == 0.5 for a, b in pairs)
+
+
+def test_band_policy() -> None:
+    heavy = X.band_policy(0.15, X.BAND_TOP)
+    assert heavy.rule == "band" and heavy.fetches_first_choice
+    with pytest.raises(InputError, match="tau-high"):
+        X.band_policy(0.2, 0.1)
+
+
+class _CharTok:
+    """A character-level tokenizer with offsets (the topic stream only needs these calls)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False) -> dict:
+        out: dict[str, list] = {"input_ids": [ord(c) for c in text]}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+        return out
+
+
+def test_topic_stream_switches(tmp_path: Path) -> None:
+    from runtime.tools.findings.topic import topic_stream
+
+    doms = {}
+    for d, ch in (("code", "c"), ("prose", "p"), ("verse", "v")):
+        doms[d] = tmp_path / f"eval_{d}.txt"
+        doms[d].write_text("".join(f"{ch * 9}\n" for _ in range(100)))
+    s = X.Setup(tmp_path, tmp_path / "eval.txt", doms, 0.25, 900, 50, 10, 1, 1, 0, tmp_path, None)
+    stream, switches, names = topic_stream(s, _CharTok())
+    assert names[:4] == ["code", "prose", "verse", "code"]
+    assert switches[0] == 0 and all(b - a == 50 for a, b in zip(switches, switches[1:], strict=False))
+    for pos, d in zip(switches, names, strict=True):
+        assert stream[pos] == d[0]
+    assert 900 <= len(stream) < 900 + 50
+
+
+# --------------------------------------------------------------------------- the command on the test model
+
+
+@pytest.fixture(scope="module")
+def test_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `test` reference model's shape, corpus and tokenizer (2 layers, 64 experts, top-8), trained 400 steps at a
+    peak learning rate of 5e-3 (~45 s on one core), into a private cache: its heavy-expert effect is large
+    (docs/testing.md)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from runtime.tools import tinymodel
+
+    spec = dataclasses.replace(tinymodel.SPECS["test"], name="findingstest", steps=400, warmup_steps=30, lr=5e-3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EXPERTSWEEP_CACHE", str(tmp_path_factory.mktemp("models")))
+        return tinymodel.ensure_model(spec, progress=False)
+
+
+def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    out_md, out_json = tmp_path / "f.md", tmp_path / "f.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.findings", "--model", str(test_model), "--max-tokens", "4096", "--json",
+         "--prompts", "2", "--new-tokens", "4", "--out-md", str(out_md), "--out-json", str(out_json)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert json.loads(out_json.read_text()) == res
+    text = out_json.read_text() + out_md.read_text()
+    assert str(test_model) not in text and str(Path.home()) not in text  # no machine paths
+    cols = [c["label"] for c in res["columns"]]
+    assert len(cols) in (1, 2) and any(c["paper_regime"] for c in res["columns"])
+    assert [r["id"] for r in res["rows"]] == IDS * len(cols)
+    for r in res["rows"]:
+        for key in ("paper", "paper_source", "ours", "ci95", "verdict", "rule", "sample"):
+            assert isinstance(r[key], str) and r[key], (r["id"], key)
+        assert r["verdict"] in VERDICTS
+    by = {(r["id"], r["column"]): r for r in res["rows"]}
+    first = cols[0]
+    for rid in ("3", "4a"):
+        d = by[(rid, first)]["data"]
+        assert d["ci95"][0] <= d["difference"] <= d["ci95"][1]
+    assert by[("4b", first)]["verdict"] == UNTESTABLE  # the test model has one domain
+    assert first.endswith("(25.0%)") and by[("1", first)]["data"]["claim_verdicts"][0] == HOLDS
+    heavy = by[("1", first)]["data"]
+    assert heavy["fetch-every-miss"]["ppl_change_pct"] == pytest.approx(0.0, abs=1e-9)
+    mass = by[("2a", first)]["data"]
+    assert len(mass["policies"]) + len(mass["duplicates"]) == len(X.mass_policies())
+    assert len(mass["policies"]) < len(X.mass_policies())  # tau 0.05 with/without admission coincide
+    assert mass["ci95"][0] <= mass["r"] <= mass["ci95"][1]
+    band = by[("3", first)]["data"]
+    assert band["heavy"]["substitutions"] < band["light"]["substitutions"]
+    shares = [p["substitute_all_share"] for p in res["sweep"]["points"]]
+    assert all(a >= b - 1e-12 for a, b in zip(shares, shares[1:], strict=False))
+    speed = by[("5", first)]["data"]
+    assert speed["head_scale"] == pytest.approx(2 / 48)
+    b = res["columns"][0]["blocks"]
+    ws = b["check"]["rule-0.15"]["widths"]
+    assert ws[0]["block"] == 1 and b["blocks"] >= 2 and b["block"] >= b["check"]["rule-0.15"]["block"]
+    md = out_md.read_text()
+    assert "### Block length of the intervals" in md
+    assert md.count("\n| ") >= len(res["rows"]) + 1
+
+
+def test_topic_finding_on_two_domains(test_model: Path, tmp_path: Path) -> None:
+    from runtime.backends import hfmodel
+    from runtime.tools.findings.topic import finding_topic
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in test_model.iterdir():
+        (folder / f.name).symlink_to(f)
+    text = (test_model / "eval.txt").read_text()
+    (folder / "eval_code.txt").write_text(text[: len(text) // 2])
+    (folder / "eval_prose.txt").write_text(Path(X.__file__).read_text())  # English-heavy docstrings
+    s = X.Setup(folder, folder / "eval.txt", {"code": folder / "eval_code.txt", "prose": folder / "eval_prose.txt"},
+                0.25, 2048, 160, 32, 1, 1, 0, tmp_path, hfmodel.load(folder))
+    row = finding_topic(s)
+    assert row.verdict in (HOLDS, DIFFERS, INCONCLUSIVE)
+    assert row.data["switches"] >= 8 and row.data["domains"] == ["code", "prose"]
+    assert row.data["dd_ci95"][0] <= row.data["dd"] <= row.data["dd_ci95"][1]
+    assert row.data["blocks"]["block"] >= 1 and "segments" in row.sample
+
+
+def test_bad_inputs(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "runtime.findings", "--model", str(tmp_path / "none")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("expertsweep: error: --model") and proc.stdout == ""
+    out = tmp_path / "o.json"
+    proc = subprocess.run([sys.executable, "-m", "runtime.findings", "--model", str(tmp_path),
+                           "--capacity-fraction", "1.5", "--out-json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip() == "expertsweep: error: --capacity-fraction = '1.5' must be a number in (0, 1) or 'paper'"
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "eval.txt").write_text("x")
+    with pytest.raises(InputError, match="--max-tokens"):
+        findings.run(tmp_path, max_tokens=100)
+
+
+def test_script_page_is_whole_and_checks_flags_first() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    md = script.page(_result(), "python scripts/findings.py")
+    assert md.startswith(script.INTRO) and md.count("## Reading the table") == 1
+    before = (REPO / "docs" / "findings.md").stat().st_mtime_ns
+    proc = subprocess.run([sys.executable, "scripts/findings.py", "--capacity-fraction", "2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
+    assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
