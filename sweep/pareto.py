@@ -383,17 +383,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
                 "gpus": gpus, "notes": notes + list(cfg.budget_notes), "warm_start": inputs.warm_start, "ladder": ladder_stats,
                 "budgets": cfg.ppl_budgets_pct}
         rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
-        tracker.log_children(report.policy_records(ledger.rows, rep["fronts"], host_names), gpus)
-        tracker.log_table(rep["trials"], "tables/trials.json")
-        for h, fr in rep["fronts"].items():
-            tracker.log_table(fr, f"tables/front_{h}.json")
-        ans = rep["answer"]
-        if not rep["policy_by_host"].empty:
-            tracker.log_table(rep["policy_by_host"], "tables/policy_by_host.json")
-        if not ans.empty:
-            tracker.log_table(ans, "tables/answer.json")
-            tracker.log_parent_metrics(_answer_metrics(ans))
-        tracker.flush()
+        _log_report(tracker, rep, ledger.rows, host_names, gpus)
         stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
         stats["fit_window"] = fit_window
         stats["ladder"] = ladder_stats
@@ -415,6 +405,22 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
         tracker.close(status)
         ledger.close()
         ray.kill(files_actor)
+
+
+def _log_report(tracker: tracking.Tracker, rep: dict[str, Any], rows: list[dict], host_names: list[str],
+                gpus: dict[str, str]) -> None:
+    """The report into MLflow: a child run per front policy, the tables, the answer's parent metrics."""
+    tracker.log_children(report.policy_records(rows, rep["fronts"], host_names), gpus)
+    tracker.log_table(rep["trials"], "tables/trials.json")
+    for h, fr in rep["fronts"].items():
+        tracker.log_table(fr, f"tables/front_{h}.json")
+    ans = rep["answer"]
+    if not rep["policy_by_host"].empty:
+        tracker.log_table(rep["policy_by_host"], "tables/policy_by_host.json")
+    if not ans.empty:
+        tracker.log_table(ans, "tables/answer.json")
+        tracker.log_parent_metrics(_answer_metrics(ans))
+    tracker.flush()
 
 
 def _ladder(cfg, inputs, session, ledger, enabled: bool,  # noqa: ANN001
