@@ -20,11 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, check_output_path
+from runtime.core.policy import PRESETS
+from runtime.core.spec import Result
+from runtime.tools.findings import experiments as X
 from runtime.tools.findings import stats
 from runtime.tools.findings.experiments import (
     PAPER_EXPERTS,
@@ -37,9 +40,9 @@ from runtime.tools.findings.experiments import (
     exact_trace,
     paper_capacity,
     regime,
-    run_column,
 )
 from runtime.tools.findings.render import to_markdown
+from runtime.tools.findings.topic import finding_topic
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,31 @@ def parse_capacity_fraction(value: str) -> float | str:
     if not 0 < f < 1:
         raise InputError(f"--capacity-fraction = {value!r} must be a number in (0, 1) or 'paper'")
     return f
+
+
+def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Row], Result]:
+    """Every finding at `s.capacity_fraction`, and the fetch-every-miss result (the exact model's figures)."""
+    def timed(name: str, fn: Callable[..., Any], *a: Any) -> Any:
+        t = time.perf_counter()
+        out = fn(*a)
+        timings[f"{label}/{name}"] = round(time.perf_counter() - t, 1)
+        log.info("finding %s (%s): %.0f s", name, label, timings[f"{label}/{name}"])
+        return out
+
+    presets = {n: PRESETS[n] for n in ("fetch-every-miss", *X.LOSSY)}
+    main = timed("presets", X.emulate_policies, s, presets, s.eval_text)
+    s.starts, s.blocks = X.choose_blocks(s, main)
+    rows = [X.finding_heavy(s, main)]
+    mp = timed("mass", lambda: X.emulate_policies(s, X.mass_policies(), s.eval_text, mass=True))
+    rows.extend(X.finding_mass(s, mp))
+    rows.append(timed("band", X.finding_band, s))
+    rows.append(X.finding_admission(s, main))
+    rows.append(timed("topic", finding_topic, s))
+    rows.append(timed("speed", X.finding_speed, s, main))
+    rows.append(timed("generation", X.finding_generation, s))
+    for r in rows:
+        r.column = label
+    return rows, main["fetch-every-miss"].result
 
 
 def check_run_args(model: Path, max_tokens: int | None, capacity_fractions: Sequence[float | str], segment: int,

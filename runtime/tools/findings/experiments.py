@@ -2,7 +2,7 @@
 (a column), and each row's text. The statistics and verdicts come from `rows` (pure functions of the arrays
 gathered here), the rules from `rules`.
 
-Each column (`run_column`) runs:
+Each column (`cli.run_column`) runs:
 
 1. **Heavy experts**: substitute-all against the 0.15 rule: loss, substituted calls, and the share of the loss
    against the share of calls the rule spares (emulation).
@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -554,31 +552,3 @@ def finding_generation(s: Setup) -> Row:
     return Row("6", f"{s.new_tokens} greedy tokens per prompt: " + ", ".join(parts), "; ".join(cis), UNTESTABLE,
                f"up to {n_prompts} prompts per domain, resampled ({'/'.join(sorted(methods))}, {stats.N_BOOT} "
                "resamples)", data)
-
-
-def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Row], Result]:
-    """Every finding at `s.capacity_fraction`, and the fetch-every-miss result (the exact model's figures)."""
-    from runtime.tools.findings.topic import finding_topic
-
-    def timed(name: str, fn: Callable[..., Any], *a: Any) -> Any:
-        t = time.perf_counter()
-        out = fn(*a)
-        timings[f"{label}/{name}"] = round(time.perf_counter() - t, 1)
-        log.info("finding %s (%s): %.0f s", name, label, timings[f"{label}/{name}"])
-        return out
-
-    presets = {n: PRESETS[n] for n in ("fetch-every-miss", *LOSSY)}
-    main = timed("presets", emulate_policies, s, presets, s.eval_text)
-    s.starts, s.blocks = choose_blocks(s, main)
-    rows = [finding_heavy(s, main)]
-    mp = timed("mass", lambda: emulate_policies(s, mass_policies(), s.eval_text, mass=True))
-    rows.extend(finding_mass(s, mp))
-    rows.append(timed("band", finding_band, s))
-    rows.append(finding_admission(s, main))
-    rows.append(timed("topic", finding_topic, s))
-    rows.append(timed("speed", finding_speed, s, main))
-    rows.append(timed("generation", finding_generation, s))
-    for r in rows:
-        r.column = label
-    return rows, main["fetch-every-miss"].result
-
