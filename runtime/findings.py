@@ -1,4 +1,4 @@
-"""`python -m runtime.findings`: the documented form of `expertsweep findings` (runtime/tools/findings.py).
+"""`python -m runtime.findings`: the documented form of `expertsweep findings` (runtime/tools/findings/cli.py).
 
 Kept so the commands in the docs and in users' scripts go on working; it runs the console command's
 subcommand, with the same flags, logging, one-line errors and exit status.
