@@ -151,7 +151,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("--out", required=True)
-    w.add_argument("--text", default=str(ROOT / "runtime" / "core" / "kernel.py"), help="tokenizer training text (and calib.txt)")
+    w.add_argument("--text", default=str(ROOT / "tests" / "data" / "kernel_source.txt"), help="tokenizer training text (and calib.txt)")
     for flag, default in (("--layers", 12), ("--hidden", 2048), ("--experts", 512), ("--moe-intermediate", 512),
                           ("--top-k", 10), ("--shared", 512), ("--vocab", 4096), ("--seed", 0)):
         w.add_argument(flag, type=int, default=default)

@@ -1,6 +1,6 @@
 """Plain, slow, obviously-correct pure-Python reference of docs/policies.md.
 
-This module is the oracle the compiled policy kernel (runtime/core/kernel.py) is
+This module is the oracle the compiled policy kernel (runtime/core/kernel/) is
 checked against. It deliberately uses nothing but lists, dicts and sets and
 follows the numbered steps of the spec literally, one token-layer at a time.
 It imports nothing from the project, so it stays independent of the kernel.
@@ -59,6 +59,26 @@ above):
   ``C_l - P_l < k`` or pinning with an empty (cold) start are errors.
 - ``calibrated`` capacities: ``calibrated_capacities_reference`` with exact
   fractions for the shares.
+
+``s3fifo`` (docs/policies.md, "S3-FIFO"; Yang et al., SOSP'23, as
+bigrig_engine.policies.s3fifo decides it), per layer, over the experts outside
+the pinned hot set (``n = C - P`` slots):
+
+- Three lists, oldest first: ``small``, ``main`` and ``ghost`` (ids only, at
+  most ``n``); ``s_target = max(1, round(s3_small * n))``. The initial
+  residents outside the hot set start in ``main``, the last of the residency
+  list the oldest, all with ``freq = 0``.
+- A load (fetch, admission, prefetch) of ``e``: if ``e`` is in ``ghost`` it
+  leaves it and goes to ``main``'s tail, else to ``small``'s tail; ``freq[e] = 0``.
+- Step 5: every hit and every substitute adds 1 to its ``freq``, at most 3.
+- A victim among the residents a step allows: if ``len(small) >= s_target``
+  and ``small`` holds an allowed one, its oldest allowed one ``x``; else if
+  ``main`` holds an allowed one, its oldest allowed one ``y``; else ``small``'s
+  oldest allowed one. ``x`` with ``freq > 1`` moves to ``main``'s tail with
+  ``freq = 0`` and the search starts again, else ``x`` is the victim and goes
+  to ``ghost``'s tail (the oldest ghost leaves when it holds ``n``). ``y``
+  with ``freq > 0`` loses 1 and goes back to ``main``'s tail (search again),
+  else ``y`` is the victim.
 """
 
 from __future__ import annotations
@@ -68,7 +88,7 @@ from fractions import Fraction
 HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
 
 RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu", "band")
-EVICTS = ("lfu", "lru", "crf", "belady", "lfuda")
+EVICTS = ("lfu", "lru", "crf", "belady", "lfuda", "s3fifo")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
 
@@ -123,6 +143,7 @@ def reference_replay(
     lookahead=None,
     fetch_cap=None,
     pin_fraction=0.0,
+    s3_small=0.1,
 ):
     """Replay a router trace under one policy, literally as docs/policies.md says.
 
@@ -131,7 +152,7 @@ def reference_replay(
     bools, ``capacities`` one int per layer, ``initial_residency`` one list of
     expert ids per layer (may hold fewer than ``C_l``). ``rule`` in
     fetch_all|threshold|first_choice|substitute_all|cpu|band; ``evict`` in
-    lfu|lru|crf|belady; ``fallback`` in substitute|drop|host|lowbit (``cpu``
+    lfu|lru|crf|belady|lfuda|s3fifo (``s3_small``: its small FIFO's share); ``fallback`` in substitute|drop|host|lowbit (``cpu``
     is substitute_all with host); ``prefetch`` in off|lookahead|oracle with
     ``prefetch_n`` (None = k) and, for lookahead, ``lookahead [T][L][P]``
     (on layer ``l``'s row: layer ``l + 1``'s router applied to layer ``l``'s
@@ -256,6 +277,8 @@ def reference_replay(
             [predicted(t, layer) for t in range(T)],
             fetch_cap,
             pins[layer],
+            s3_small,
+            init[layer][: len(pins[layer])],
         )
         for t in range(T):
             kind[t][layer] = out["kind"][t]
@@ -279,7 +302,7 @@ def reference_replay(
 
 def _replay_layer(
     ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d,
-    fallback, tau_high, plists, fetch_cap=None, hot=frozenset(),
+    fallback, tau_high, plists, fetch_cap=None, hot=frozenset(), s3_small=0.1, hot_list=(),
 ):
     """One layer's cache over the whole trace (lists indexed by token t); `hot`: the pinned hot set."""
     T = len(ids)
@@ -293,6 +316,11 @@ def _replay_layer(
     dac = [0] * E
     dak = [0] * E
     decay = 2.0 ** (-1.0 / half_life) if evict == "crf" else None
+    # s3fifo: small / main / ghost lists, oldest first; freq per resident
+    n_evictable = C - len(hot_list)
+    s_target = max(1, int(round(s3_small * n_evictable)))
+    small, main, ghost = [], [e for e in reversed(init) if e not in hot], []
+    freq = [0] * E
     pending = []  # admission batches, oldest first: (t_queued, [experts in queue order])
     log = []
     cnt = {key: 0 for key in COUNTER_KEYS}
@@ -312,6 +340,14 @@ def _replay_layer(
     def evicted(v):
         # lfuda: "Whenever an expert v is evicted ...: A = max(A, K[v]), then c[v] = floor(c[v] / 2)"
         resident.remove(v)
+        if evict == "s3fifo":
+            if v in small:  # a victim from small is remembered in ghost
+                small.remove(v)
+                if len(ghost) >= max(1, n_evictable):
+                    ghost.pop(0)
+                ghost.append(v)
+            else:
+                main.remove(v)
         if evict == "lfuda":
             age["A"] = max(age["A"], dak[v])
             dac[v] = dac[v] // 2
@@ -319,6 +355,13 @@ def _replay_layer(
     def arrived(e):
         # lfuda: "Whenever an expert e becomes resident ...: K[e] = A + c[e], with the A of that moment"
         resident.add(e)
+        if evict == "s3fifo":  # a ghost comes back to main, anything else enters small
+            if e in ghost:
+                ghost.remove(e)
+                main.append(e)
+            else:
+                small.append(e)
+            freq[e] = 0
         if evict == "lfuda":
             dak[e] = age["A"] + dac[e]
 
@@ -334,9 +377,35 @@ def _replay_layer(
         # belady: minus the next use; never again = +inf -> key -inf (evicted first)
         return -next_use(e, belady_start)
 
+    def s3_victim(allowed):
+        while True:
+            in_small = [e for e in small if e in allowed]
+            in_main = [e for e in main if e in allowed]
+            if len(small) >= s_target and in_small:
+                x = in_small[0]
+            elif in_main:
+                y = in_main[0]
+                if freq[y] == 0:
+                    return y
+                freq[y] -= 1  # second chance
+                main.remove(y)
+                main.append(y)
+                continue
+            elif in_small:
+                x = in_small[0]
+            else:
+                return None
+            if freq[x] <= 1:
+                return x
+            small.remove(x)  # promoted
+            main.append(x)
+            freq[x] = 0
+
     def pick_victim(options, belady_start):
         # "the resident expert with the smallest eviction key ...; ties go to the lower expert id"
         # pinned hot set: "never a victim of a fetch, an admission or a prefetch"
+        if evict == "s3fifo":
+            return s3_victim(set(options) - hot)
         best = None
         for e in sorted(set(options) - hot):
             if best is None or evict_key(e, belady_start) < evict_key(best, belady_start):
@@ -505,6 +574,10 @@ def _replay_layer(
         if evict == "crf":
             for e in range(E):
                 crf[e] = decay * crf[e] + (1.0 if e in used else 0.0)
+        if evict == "s3fifo":  # hits and substitutes: a computed resident that was not loaded for the token
+            for j in range(k):
+                if decision[j] in (HIT, SUB):
+                    freq[srv[j]] = min(freq[srv[j]] + 1, 3)
 
         cnt["calls"] += k
         for j in range(k):
@@ -551,7 +624,8 @@ def _replay_layer(
         "counters": cnt,
         "resident": set(resident),
         "state": {"f": list(f), "a": list(a), "last": list(last), "crf": list(crf), "K": list(dak), "c": list(dac),
-                  "A": age["A"]},
+                  "A": age["A"], "small": list(small), "main": list(main), "ghost": list(ghost),
+                  "freq": list(freq)},
         "log": log,
     }
 

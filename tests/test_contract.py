@@ -34,7 +34,7 @@ from runtime.core.spec import RunSpec
 from runtime.formats.trace import load_trace
 from tests.tiny_hf import FAMILIES, build_tiny
 
-TEXT = (Path(__file__).resolve().parents[1] / "runtime" / "core" / "kernel.py").read_text()[:6000]
+TEXT = (Path(__file__).resolve().parent / "data" / "kernel_source.txt").read_text()[:6000]
 
 POLICIES = {
     **PRESETS,

@@ -80,7 +80,7 @@ def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks, lookahea
     return cache, kind, served
 
 
-def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap, pin=0.0):
+def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap, pin=0.0, s3=0.1):
     if evict == "belady":
         rule = "fetch_all"
         cap = None
@@ -90,15 +90,14 @@ def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap, pin
         tau_high=tau + 0.2 if rule == "band" else None,
         fallback="substitute" if rule == "cpu" else fallback,
         beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d, prefetch=prefetch, prefetch_n=n,
-        fetch_cap=cap, pin_fraction=pin)
+        fetch_cap=cap, pin_fraction=pin, s3_small=s3)
 
 
-policies = st.builds(
-    _policy,
+POLICY_ARGS = dict(
     rule=st.sampled_from(["fetch_all", "threshold", "first_choice", "substitute_all", "cpu", "band"]),
     tau=st.sampled_from([0.0, 0.05, 0.15, 0.3, 0.9]),
     beta=st.sampled_from([None, None, 0.05, 0.2, 0.5, 1.0]),
-    evict=st.sampled_from(["lfu", "lfu", "lru", "crf", "belady", "lfuda", "lfuda"]),
+    evict=st.sampled_from(["lfu", "lfu", "lru", "crf", "belady", "lfuda", "lfuda", "s3fifo", "s3fifo"]),
     gamma=st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.73]),
     h=st.sampled_from([1.0, 4.0, 32.0]),
     d=st.integers(1, 3),
@@ -107,7 +106,14 @@ policies = st.builds(
     n=st.sampled_from([None, 1, 2, 5]),
     cap=st.sampled_from([None, None, None, 1, 2]),
     pin=st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.5, 0.34]),
+    s3=st.sampled_from([0.1, 0.1, 0.3, 0.6]),
 )
+policies = st.builds(_policy, **POLICY_ARGS)
+
+
+def policies_of(evict: str):
+    """The random policies with one eviction kind (tests/test_evict_contract.py)."""
+    return st.builds(_policy, **{**POLICY_ARGS, "evict": st.just(evict)})
 
 
 def _pinnable(policy, caps, k):
@@ -127,6 +133,12 @@ def _pinnable(policy, caps, k):
     policy=policies,
 )
 def test_kernel_matches_reference(seed, T, L, E, data, policy):
+    check_against_reference(seed, T, L, E, data, policy)
+
+
+def check_against_reference(seed, T, L, E, data, policy):
+    """The kernel (driven in random chunks) and tests/reference.py on one random case: every decision, every
+    counter per layer and the final residency."""
     k = data.draw(st.integers(1, min(4, E - 1)))
     M = data.draw(st.integers(k, E))
     caps = [data.draw(st.integers(k, E - 1)) for _ in range(L)]
@@ -150,7 +162,7 @@ def test_kernel_matches_reference(seed, T, L, E, data, policy):
         half_life=policy.half_life, admission_delay=policy.admission_delay, fallback=policy.fallback,
         tau_high=policy.tau_high, prefetch=policy.prefetch, prefetch_n=policy.prefetch_n,
         lookahead=None if look is None else look.tolist(), fetch_cap=policy.fetch_cap,
-        pin_fraction=policy.pin_fraction,
+        pin_fraction=policy.pin_fraction, s3_small=policy.s3_small,
     )
     for t in range(T):
         for l_ in range(L):

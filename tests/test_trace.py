@@ -617,7 +617,7 @@ def tiny_ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_text(tmp_path_factory):
     p = tmp_path_factory.mktemp("text") / "t.txt"
-    p.write_text((Path(__file__).resolve().parents[1] / "runtime" / "core" / "kernel.py").read_text())
+    p.write_text((Path(__file__).resolve().parent / "data" / "kernel_source.txt").read_text())
     return p
 
 

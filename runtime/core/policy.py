@@ -6,7 +6,7 @@ reads them back, and everything else is derived from it: validation (in `__post_
 config is valid once built), the CLI flags of every backend (`add_policy_flags` /
 `policy_from_flags`), the sweep's space validation, and the MLflow params (`mlflow_params`).
 Field names are the search-space names. The semantics live in docs/policies.md; the compiled
-kernel that carries them out is runtime/core/kernel.py.
+kernel that carries them out is the package runtime/core/kernel/.
 
 One encoding each: admission off is `beta = None`; "no threshold" is `tau = None`; the `cpu` rule
 is an alias, normalised at construction to `rule = substitute_all` (fetch nothing) with
@@ -26,7 +26,7 @@ import numpy as np
 from runtime.core.errors import InputError
 
 RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "band")
-EVICTS = ("lfu", "lru", "crf", "belady", "lfuda")  # codes are positions: append only
+EVICTS = ("lfu", "lru", "crf", "belady", "lfuda", "s3fifo")  # codes are positions: append only
 CAPACITY_ALLOCS = ("uniform", "calibrated")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
@@ -54,7 +54,8 @@ class Param:
     nullable: bool = False  # None is a value (tau: unused, beta: admission off, prefetch_n: k)
     active: str = "always"  # when the parameter matters, as text (docs, space validation)
     # how the compiled kernel reads it: (field of the kernel's policy record, encoder of the PolicyConfig);
-    # None for parameters the kernel never reads (runtime/core/kernel.py reads the record as `pol.<field>`)
+    # None for parameters the kernel never reads (runtime/core/kernel/run_layer.py reads the record as
+    # `pol.<field>`)
     kernel: tuple[str, Callable[[Any], float]] | None = None
 
     def is_active(self, p: PolicyConfig) -> bool:
@@ -110,6 +111,7 @@ _ACTIVE = {
     "rule = band": lambda p: p.rule == "band",
     "evict = lfu": lambda p: p.evict == "lfu",
     "evict = crf": lambda p: p.evict == "crf",
+    "evict = s3fifo": lambda p: p.evict == "s3fifo",
     "beta set": lambda p: p.beta is not None,
     "fallback = lowbit": lambda p: p.fallback == "lowbit",
     "prefetch != off": lambda p: p.prefetch != "off",
@@ -151,6 +153,9 @@ class PolicyConfig:
                       active="evict = lfu", kernel=("gamma", lambda p: p.gamma))
     half_life: float = _p(32.0, "--half-life", "CRF half-life in tokens", low=0.0, low_open=True,
                           active="evict = crf", kernel=("decay", lambda p: 2.0 ** (-1.0 / p.half_life)))
+    s3_small: float = _p(0.1, "--s3-small", "S3-FIFO: the small FIFO's target share of a layer's evictable slots "
+                         "(at least 1 slot)", low=0.0, high=1.0, low_open=True, high_open=True,
+                         active="evict = s3fifo")
     beta: float | None = _p(None, "--beta", "background admission threshold (unset: admission off)",
                             low=0.0, low_open=True, nullable=True,
                             kernel=("beta", lambda p: -1.0 if p.beta is None else p.beta))
@@ -237,6 +242,8 @@ class PolicyConfig:
             ev += f"(gamma={self.gamma:g})"
         if self.evict == "crf":
             ev += f"(h={self.half_life:g})"
+        if self.evict == "s3fifo" and self.s3_small != 0.1:
+            ev += f"(small={self.s3_small:g})"
         parts.append(ev)
         if self.beta is not None:
             parts.append(f"beta={self.beta:g}" + (f",d={self.admission_delay}" if self.admission_delay != 1 else ""))

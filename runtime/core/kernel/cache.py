@@ -1,0 +1,326 @@
+"""`PolicyCache`: every layer's cache under one policy, the only way callers drive the kernel.
+
+It allocates the state table (runtime/core/kernel/state.py), places the initial residency and the pinned
+hot set, lets the eviction kind set its initial keys (evict.init_state), and enters the compiled kernel
+through `run_layers` (run_layer.py): `step` for one layer over a chunk of tokens (emulation, engine),
+`step_layers` for every layer of a trace in one call (the simulator). Also here: the inputs a step takes
+beside the trace (Belady's next uses, the prefetch's predicted lists) and `warmup`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from runtime.core.errors import InputError
+from runtime.core.kernel import evict as ek
+from runtime.core.kernel.plan import (
+    COUNTER_NAMES,
+    FLOAT_COUNTERS,
+    INT_COUNTERS,
+    N_EV,
+    Outputs,
+    StepResult,
+    Tokens,
+)
+from runtime.core.kernel.run_layer import F_SUBSTITUTE, run_layers, run_layers_lean
+from runtime.core.kernel.state import FIELDS, Q_RES, allocate
+from runtime.core.policy import PolicyConfig, kernel_record, pinned_count
+
+__all__ = ["COUNTER_NAMES", "PolicyCache", "next_use", "predicted_layers", "predicted_lists", "warmup"]
+
+
+@njit(cache=True)
+def next_use(ids, valid, E, t0):
+    """Belady helper for one layer. ids [T, k], valid [T]. Returns nxt [T, k] (next valid token index
+    > t selecting ids[t, j], inf if none) and first [E] (first valid token selecting e, inf if none)."""
+    T, k = ids.shape
+    nxt = np.full((T, k), np.inf)
+    last = np.full(E, np.inf)
+    for i in range(T - 1, -1, -1):
+        if not valid[i]:
+            continue
+        for j in range(k):
+            nxt[i, j] = last[ids[i, j]]
+        for j in range(k):
+            last[ids[i, j]] = t0 + i
+    return nxt, last
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) the kernel before anything is timed."""
+    pc = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5, prefetch="lookahead"), 4, 1, np.array([1]),
+                     [np.array([0])])
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), nxt=np.zeros((2, 1)),
+            predicted=np.array([[3], [-1]]))
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 4)))
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 6))[:, 1:5])  # strided
+    lean = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5), 4, 1, np.array([1]), [np.array([0])])
+    lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]))
+    lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), decisions=False)
+    ids, w, rk = np.array([[[1], [2]]], np.int32), np.array([[[0.9], [0.1]]]), np.array([[[1, 0], [2, 0]]], np.int32)
+    for c in (pc, lean):
+        c.next_t[:] = 0
+        c.step_layers(ids, w, rk, np.ones((1, 2), np.bool_), np.zeros((1, 2, N_EV), np.int32))
+
+
+def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, valid: np.ndarray,
+                    lookahead: np.ndarray | None = None) -> np.ndarray | None:
+    """The predicted lists for `layer` from a whole trace's arrays, as `PolicyCache.step` takes them.
+
+    topk_ids [T, L, k], valid [T, L], lookahead [T, L, P] (on layer l's row: layer l + 1's router applied
+    to layer l's router input) -> int32 [T, n] or None (prefetch off, or layer 0). Formed after layer
+    l - 1 processed the token: rows where layer l - 1's cell is invalid are -1 (no prefetch).
+    `lookahead`: its first prefetch_n ids; `oracle`: the first min(prefetch_n, k) ids of the layer's
+    own selection."""
+    if policy.prefetch == "off" or layer == 0:
+        return None
+    k = topk_ids.shape[2]
+    n = int(policy.prefetch_n or k)
+    if policy.prefetch == "oracle":
+        pred = np.array(topk_ids[:, layer, : min(n, k)], dtype=np.int32)
+    else:
+        if lookahead is None:
+            raise InputError("prefetch = 'lookahead' (--prefetch) needs a trace with a lookahead column "
+                             "(record it with runtime.tools.record --lookahead P)")
+        if lookahead.shape[2] < n:
+            raise InputError(f"prefetch_n (--prefetch-n) = {n} exceeds the trace's lookahead depth {lookahead.shape[2]}")
+        pred = np.array(lookahead[:, layer - 1, :n], dtype=np.int32)
+    pred[~np.asarray(valid[:, layer - 1], dtype=bool)] = -1
+    return pred
+
+
+def predicted_layers(policy: PolicyConfig, topk_ids: np.ndarray, valid: np.ndarray,
+                     lookahead: np.ndarray | None = None) -> np.ndarray | None:
+    """Every layer's predicted lists (`predicted_lists`) as `PolicyCache.step_layers` takes them: int32 [L, T, P],
+    layer 0's rows -1 (no previous layer: no prefetch there); None when the policy prefetches nothing."""
+    T, L = topk_ids.shape[:2]
+    out = None
+    for l_ in range(1, L):
+        p = predicted_lists(policy, l_, topk_ids, valid, lookahead)
+        if p is None:
+            return None
+        if out is None:
+            out = np.full((L, T, p.shape[1]), -1, np.int32)
+        out[l_] = p
+    return out
+
+
+class PolicyCache:
+    """State of every layer's cache under one policy; `step` drives the kernel for one layer.
+
+    Capacities must satisfy k <= C_l < E (docs/policies.md); `allow_full=True` also accepts C_l = E
+    (every expert resident), for exactness checks only."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        num_experts: int,
+        top_k: int,
+        capacities: np.ndarray,
+        initial_residency: list[np.ndarray] | np.ndarray | None = None,
+        belady_first_use: list[np.ndarray] | None = None,
+        *,
+        allow_full: bool = False,
+    ) -> None:
+        policy.validate()
+        self.policy = policy
+        self.E, self.k = int(num_experts), int(top_k)
+        self.caps = np.atleast_1d(np.asarray(capacities, dtype=np.int64))
+        L = self.L = len(self.caps)
+        E = self.E
+        for l_, c in enumerate(self.caps.tolist()):
+            if not (self.k <= c < E or (allow_full and c == E)):
+                raise InputError(f"capacity = {c} (layer {l_}) must satisfy k={self.k} <= C < E={E}")
+        cmax = int(self.caps.max())
+        cs = self._state = allocate(L, E, cmax)  # every layer's cache as the kernel takes it (state.FIELDS)
+        cs.caps[:] = self.caps
+        for f in FIELDS:  # the arrays as attributes: cache.key, cache.qstate, ...
+            setattr(self, f.name, getattr(cs, f.name))
+        if policy.evict == "belady" and belady_first_use is None:
+            raise InputError("evict = 'belady' needs the whole trace in advance (simulator only)")
+        self.next_t = np.zeros(L, np.int64)
+        if initial_residency is not None:
+            if len(initial_residency) != L:
+                raise InputError(f"initial residency has {len(initial_residency)} layers, expected {L}")
+            for l_ in range(L):
+                res = np.asarray(initial_residency[l_]).ravel()
+                res = res[res >= 0]
+                if len(res) > self.caps[l_]:
+                    raise InputError(f"initial residency: layer {l_} holds {len(res)} experts > capacity {self.caps[l_]}")
+                if len(res) and (res.min() < 0 or res.max() >= E):
+                    raise InputError(f"initial residency: layer {l_} has expert id {int(res.max())} outside [0, {E})")
+                if len(np.unique(res)) != len(res):
+                    raise InputError(f"initial residency: layer {l_} repeats an expert id")
+                self.slot_expert[l_, : len(res)] = res
+                self.expert_slot[l_, res] = np.arange(len(res), dtype=np.int32)
+                self.qstate[l_, Q_RES] = len(res)
+        # the pinned hot set (docs/policies.md, Additions (2)): the first P_l entries of each layer's initial
+        # residency (count order for a warm start, file order for a residency file) sit in slots 0..P_l-1
+        self.npin[:] = [pinned_count(policy.pin_fraction, c) for c in self.caps.tolist()]
+        if policy.pin_fraction > 0:
+            if initial_residency is None:
+                raise InputError(f"--pin-fraction = {policy.pin_fraction!r} needs a warm start (the pinned experts "
+                                 "are the first of the initial residency); this run starts cold")
+            for l_, (c, p_) in enumerate(zip(self.caps.tolist(), self.npin.tolist(), strict=True)):
+                if c - p_ < self.k:
+                    raise InputError(f"--pin-fraction = {policy.pin_fraction!r} pins P={p_} of C={c} slots at layer "
+                                     f"{l_}, leaving {c - p_} < k={self.k} for fetches (need C - P >= k)")
+                if int(self.qstate[l_, Q_RES]) < p_:
+                    raise InputError(f"--pin-fraction = {policy.pin_fraction!r} pins P={p_} experts at layer {l_}; "
+                                     f"its initial residency holds only {int(self.qstate[l_, Q_RES])}")
+        p = policy
+        self.prefetch_width = 0 if p.prefetch == "off" else int(p.prefetch_n or self.k)
+        if p.prefetch == "oracle":
+            self.prefetch_width = min(self.prefetch_width, self.k)
+        ek.init_state(p, cs, belady_first_use)  # the eviction kind's initial keys
+        self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.core.policy.KERNEL_DTYPE)
+        r = self._params  # the lean build decides it (step: unless router scores are given)
+        self._lean = bool(r["evict"] == ek.K_LFU and r["gamma"] == 1.0 and r["fallback"] == F_SUBSTITUTE
+                          and r["fetch_cap"] == -1 and self.prefetch_width == 0 and not self.npin.any())
+
+    def step(
+        self,
+        layer: int,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        ranking: np.ndarray | None = None,
+        valid: np.ndarray | None = None,
+        t0: int | None = None,
+        nxt: np.ndarray | None = None,
+        events: np.ndarray | None = None,
+        logs: bool = True,
+        predicted: np.ndarray | None = None,
+        scores: np.ndarray | None = None,
+        decisions: bool = True,
+    ) -> StepResult:
+        """Decide tokens t0.. of one layer. ids [T, k], weights [T, k], ranking [T, M] (defaults to ids).
+
+        `predicted` [T, P] int: per token the predicted list of this layer's experts, formed after the
+        previous layer processed the token (lookahead: its router input through this layer's router;
+        oracle: this layer's own selection); -1 entries end a row early (a row starting with -1: no
+        prefetch for that token). Only its first `prefetch_n` (oracle: min(prefetch_n, k)) columns are
+        used; ignored when the policy's prefetch is off; None (e.g. layer 0) = no prefetch.
+
+        `scores` [T, E]: the router scores whose order (descending, ties lower id) is the token's full
+        ranking; given instead of a full `ranking`, they decide the same substitutes without sorting
+        E candidates per token (the adapters pass them). A full ranking (E columns) given beside them is
+        walked instead (the same decisions; the walk stops at the first resident entries where the scores
+        pass visits every slot); a truncated one is then ignored.
+
+        `decisions=False` (the simulator: counters and events only): the per-slot decisions go to one
+        scratch row, rewritten per token, and the result's kind, served and slot are None; every counter,
+        event and log is the same."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        T, k = ids.shape
+        w = np.ascontiguousarray(weights, dtype=np.float64)
+        rank = ids if ranking is None else np.ascontiguousarray(ranking, dtype=np.int32)
+        valid = np.ones(T, np.bool_) if valid is None else np.ascontiguousarray(valid, dtype=np.bool_)
+        if scores is None or rank.shape[1] == self.E:  # a full ranking: walk it (stops after a few entries)
+            sc = np.zeros((0, 0))
+        else:
+            sc = np.asarray(scores, dtype=np.float64)  # rows may be strided (a slice of the adapters' pack)
+            if sc.shape != (T, self.E):
+                raise InputError(f"router scores: shape {sc.shape}, expected [T={T}, E={self.E}] (layer {layer})")
+            rank = ids
+        t0 = int(self.next_t[layer]) if t0 is None else int(t0)
+        self.next_t[layer] = t0 + T
+        nxt = np.zeros((0, k)) if nxt is None else nxt
+        if predicted is None or self.prefetch_width == 0:
+            pred = np.zeros((0, 0), np.int32)
+        else:
+            pred = self._predicted(np.asarray(predicted)[:, : self.prefetch_width], (T,), f" (layer {layer})")
+        l_ = layer
+        rows = T if decisions else 1
+        kind = np.empty((rows, k), np.int8)
+        served = np.empty((rows, k), np.int32)
+        slot = np.empty((rows, k), np.int32)
+        ev = np.zeros((T, N_EV), np.int32) if events is None else events
+        n_adm = min(T * k, 1 << 20) + self.E if logs else 0  # the simulator needs no logs
+        adm_log = np.empty((n_adm, 3), np.int64)
+        q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
+        pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
+        n_logs = np.zeros(3, np.int64)
+        fn = run_layers_lean if self._lean and sc.shape[0] == 0 else run_layers
+        fn(Tokens(ids[None], w[None], rank[None], valid[None], sc[None], nxt[None], pred[None]), t0, self._params,
+           self._state, Outputs(kind[None], served[None], slot[None], ev[None], adm_log[None], q_log[None],
+                                pf_log[None], n_logs[None]), l_)
+        na, nq, npf = (int(x) for x in n_logs)
+        if not decisions:
+            kind = served = slot = None
+        return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],
+                          pf_log[: min(npf, len(pf_log))])
+
+    def _predicted(self, pred: np.ndarray, lead: tuple[int, ...], where: str) -> np.ndarray:
+        """Predicted lists as the kernel takes them (int32, C-contiguous), their leading shape `lead` and ids
+        checked: a one-line InputError otherwise."""
+        pred = np.ascontiguousarray(pred, dtype=np.int32)
+        if pred.shape[: len(lead)] != lead:
+            raise InputError(f"predicted lists: shape {pred.shape}, expected {list(lead)} + [P]{where}")
+        if pred.size and int(pred.max()) >= self.E:
+            raise InputError(f"predicted lists: expert id {int(pred.max())} outside [0, {self.E}){where}")
+        return pred
+
+    def step_layers(
+        self,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        ranking: np.ndarray,
+        valid: np.ndarray,
+        events: np.ndarray,
+        nxt: np.ndarray | None = None,
+        predicted: np.ndarray | None = None,
+        decisions: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Decide every layer over the same tokens in one kernel call (the simulator's replay; `step` per layer
+        makes the same decisions). ids [L, T, k] int32, weights [L, T, k] float64, ranking [L, T, M] int32,
+        valid [L, T] bool (converted if need be), events [L, T, N_EV] int32 C-contiguous (added to); nxt [L, T, k] (belady) or
+        None; predicted [L, T, P] int32 (as `step`'s, a row of -1 at layer 0) or None. Writes no logs.
+        Returns (kind, served, slot), each [L, T, k], with `decisions`, else None."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        weights = np.ascontiguousarray(weights, dtype=np.float64)
+        ranking = np.ascontiguousarray(ranking, dtype=np.int32)
+        valid = np.ascontiguousarray(valid, dtype=np.bool_)
+        L, T, k = ids.shape
+        shapes_ok = (weights.shape == ids.shape and ranking.shape[:2] == (L, T) and ranking.shape[2] >= k
+                     and valid.shape == (L, T) and events.shape == (L, T, N_EV) and events.dtype == np.int32
+                     and events.flags.c_contiguous)
+        if L != self.L or k != self.k or not shapes_ok or len(set(self.next_t.tolist())) != 1:
+            raise ValueError(f"step_layers: ids {ids.shape}, weights {weights.shape}, ranking {ranking.shape}, "
+                             f"valid {valid.shape}, events {events.shape} {events.dtype} for L={self.L}, k={self.k} "
+                             f"caches at one token (next tokens {sorted(set(self.next_t.tolist()))})")
+        t0 = int(self.next_t[0])
+        self.next_t[:] = t0 + T
+        nxt = np.zeros((L, 0, k)) if nxt is None else np.ascontiguousarray(nxt, dtype=np.float64)
+        if nxt.shape[0] != L or nxt.shape[1] not in (0, T) or nxt.shape[2] != k:
+            raise ValueError(f"step_layers: nxt {nxt.shape}, expected [L={L}, T={T}, k={k}]")
+        if predicted is None or self.prefetch_width == 0:
+            pred = np.zeros((L, 0, 0), np.int32)
+        else:
+            pred = self._predicted(np.asarray(predicted)[:, :, : self.prefetch_width], (L, T), "")
+        rows = T if decisions else 1
+        out = Outputs(np.empty((L, rows, k), np.int8), np.empty((L, rows, k), np.int32),
+                      np.empty((L, rows, k), np.int32), events, np.empty((L, 0, 3), np.int64),
+                      np.empty((L, 0, 2), np.int64), np.empty((L, 0, 3), np.int64), np.zeros((L, 3), np.int64))
+        fn = run_layers_lean if self._lean else run_layers
+        fn(Tokens(ids, weights, ranking, valid, np.zeros((L, 0, 0)), nxt, pred), t0, self._params, self._state, out, 0)
+        return (out.kind, out.served, out.slot) if decisions else None
+
+    def resident(self, layer: int) -> np.ndarray:
+        """Sorted ids of the experts resident in one layer."""
+        return np.flatnonzero(self.expert_slot[layer] >= 0)
+
+    def _row(self, ints: np.ndarray, floats: np.ndarray) -> dict:
+        row: dict = {n: int(ints[i]) for i, n in enumerate(INT_COUNTERS)}
+        row.update({n: float(floats[i]) for i, n in enumerate(FLOAT_COUNTERS)})
+        return row
+
+    def counter_totals(self) -> dict:
+        """Every counter of COUNTER_NAMES summed over layers (ints, then the float masses)."""
+        return self._row(self.counters.sum(axis=0), self.mass.sum(axis=0))
+
+    def per_layer(self) -> list[dict]:
+        """Every counter of COUNTER_NAMES per layer, with the layer's slot count `capacity` (C_l) and its
+        pinned hot set's size `pinned` (P_l)."""
+        return [{**self._row(self.counters[l_], self.mass[l_]), "capacity": int(self.caps[l_]),
+                 "pinned": int(self.npin[l_])} for l_ in range(self.L)]
