@@ -56,9 +56,10 @@ METRICS = ("time_per_token_s", "mass_per_token", "mass_per_token_layer", "substi
            "device_memory_GiB") + COUNTER_NAMES
 
 
-def run_spec(cfg: dict[str, Any], trace: str, initial_residency: str, host: str, model_shape: str | None
-             ) -> RunSpec:
-    """The RunSpec of a trial: its policy and cache size on the sweep's trace (what the backend runs)."""
+def run_spec(cfg: dict[str, Any], trace: str, initial_residency: str, host: str | dict[str, Any],
+             model_shape: str | None) -> RunSpec:
+    """The RunSpec of a trial: its policy and cache size on the sweep's trace, on `host` (a preset name, or
+    the sweep's profile of the host by value: what the backend runs)."""
     size = {k: cfg[k] for k in ("capacity_fraction", "vram_budget_GiB") if cfg.get(k) is not None}
     return RunSpec(policy=policy_of(cfg), trace=trace, initial_residency=initial_residency, host=host,
                    model_shape=model_shape, **size)
@@ -80,13 +81,10 @@ class Evaluator:
         self.backend = get_backend("simulator")
         self.backend.cache.trace(trace_path)  # load it now: a bad trace fails the worker, not each trial
 
-    def profile(self, data: dict[str, Any]) -> Any:
-        """The host profile of a sweep host (its mapping from the driver), registered with the backend."""
-        return self.backend.add_host(data)
-
-    def evaluate(self, cfg: dict[str, Any], profile: Any) -> dict[str, Any]:
-        """Simulate one policy at one capacity on one host; the sweep's metrics (a flat row)."""
-        spec = run_spec(cfg, self.trace_path, self.initial_residency, profile.name, self.model_shape)
+    def evaluate(self, cfg: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
+        """Simulate one policy at one capacity on one host (`profile`: its mapping from the driver, carried
+        in the RunSpec by value); the sweep's metrics (a flat row)."""
+        spec = run_spec(cfg, self.trace_path, self.initial_residency, profile, self.model_shape)
         res = self.backend.evaluate(spec)
         d = res.to_dict()
         # device_memory_GiB is the simulator's: costmodel.budget_for_capacities of the slots under the policy
@@ -151,7 +149,7 @@ def local_file(f: dict[str, Any]) -> str:
     return str(dest)
 
 
-def run_item(ev: Evaluator, item: dict[str, Any], profile: Any, ctx: dict[str, Any],
+def run_item(ev: Evaluator, item: dict[str, Any], profile: dict[str, Any], ctx: dict[str, Any],
              host: str) -> dict[str, Any]:
     """Evaluate one item with in-place retries; returns its ledger row (status ok or failed)."""
     row = {k: item[k] for k in ("key", "number", "baseline", "params")}
@@ -240,7 +238,7 @@ def run_task(config: dict[str, Any], ctx: dict[str, Any]) -> None:
     `ctx` (the sweep context) comes through `tune.with_parameters`."""
     host = config["host"]
     ev = evaluator(ctx)
-    profile = ev.profile(ctx["profiles"][host])
+    profile = ctx["profiles"][host]  # the host's profile by value: each trial's RunSpec carries it
     done = set(ctx.get("done") or ()) | _checkpointed_keys()
     out: list[dict[str, Any]] = []
     last = time.monotonic()

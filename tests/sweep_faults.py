@@ -52,9 +52,9 @@ def install() -> None:
     faults = check(json.loads(os.environ[FAULTS_ENV]))
 
     class FaultyEvaluator(base):  # the product's evaluator, with faults before each evaluation
-        def evaluate(self, cfg: dict[str, Any], profile) -> dict[str, Any]:  # noqa: ANN001
+        def evaluate(self, cfg: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
             for f in faults:
-                if all((profile.name if k == "host" else cfg.get(k)) == v for k, v in f.get("match", {}).items()):
+                if all((profile["name"] if k == "host" else cfg.get(k)) == v for k, v in f.get("match", {}).items()):
                     if f["action"] == "sleep":
                         time.sleep(float(f.get("seconds", 1.0)))
                     elif f["action"] == "raise":

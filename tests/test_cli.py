@@ -25,7 +25,7 @@ from runtime.formats.trace import save_trace, synthetic_pair
 
 # a command-line value per field kind, and what the parser must turn it into
 SAMPLE = {"str": ("x.y", "x.y"), "int": ("7", 7), "float": ("0.5", 0.5), "capacity": ("3,4", (3, 4)),
-          "memory": ("8", "8")}
+          "memory": ("8", "8"), "host": ("x.y", "x.y")}
 # a RunSpec value per field that a backend may be asked for (valid for RunSpec, so only the backend objects)
 SPEC_VALUE = {"capacity": 4, "trace": "t.parquet", "model": "M", "text": "T", "max_tokens": 64, "window": 16,
               "batch_windows": 2, "initial_residency": "cold", "calib_text": "c.txt", "calib_max_tokens": 100,

@@ -218,14 +218,14 @@ def test_sweep_trial_equals_the_backend(traces, calib):
     base = asdict(load_host_profile("rtx4090"))
     host = {**{k: v for k, v in base.items() if v is not None}, "name": "rtx4090-calibrated",
             "link_GBps": base["link_GBps"] * 0.5}
-    profile = evaluator.profile(host)
     for cfg in ({"rule": "threshold", "tau": 0.15, "beta": 0.5, "capacity_fraction": 0.25},
                 {"rule": "first_choice", "capacity_fraction": 0.25},
                 {"rule": "fetch_all", "evict": "lru", "capacity_fraction": 0.3}):
-        row = evaluator.evaluate(cfg, profile)
-        fresh = get_backend("simulator")
-        fresh.add_host(host)
-        res = fresh.evaluate(run_spec(cfg, ev_path, evaluator.initial_residency, profile.name, None)).to_dict()
+        row = evaluator.evaluate(cfg, host)
+        # a fresh backend, the host profile by value in the spec (nothing registered with the backend)
+        res = get_backend("simulator").evaluate(run_spec(cfg, ev_path, evaluator.initial_residency, host,
+                                                         None)).to_dict()
+        assert res["host"] == "rtx4090-calibrated"
         for k in COUNTER_NAMES + ("time_per_token_s", "speed_ratio_vs_fetch_all", "speed_ratio_vs_host_compute",
                                   "fetch_all_time_per_token_s", "mass_per_token", "initial_residency"):
             assert row[k] == res[k], k

@@ -12,8 +12,10 @@ registry. Every backend drives the same policy kernel (runtime/core/kernel.py) t
 
 A backend honours the RunSpec fields whose row in the run-field table (runtime/core/spec.py) names it
 (`honours`); a spec that sets any other field, or a policy the backend cannot run, is refused by
-`check` with a one-line InputError before any work. `evaluate_many` groups specs that share an
-input so the exact pass runs once. The command lines are elsewhere: `runtime.backends.simulate` and
+`check` with a one-line InputError before any work. What a spec means on its input (slots per layer,
+the warm start, the host profile) is resolved in one place, runtime/backends/resolve.py; a backend
+supplies only its calibration ids. `evaluate_many` groups specs that share an input so the exact pass
+runs once. The command lines are elsewhere: `runtime.backends.simulate` and
 `runtime.cli` (the emulation's, and the `expertsweep` command).
 """
 
@@ -70,19 +72,15 @@ class Backend:
 
 
 class Simulator(Backend):
-    """Replays traces; one instance keeps what its runs share (`simulate.ReplayCache`: the loaded trace,
-    warm starts, the baseline replays, host profiles given with `add_host`), so a sweep worker's trials
-    on one trace cost one replay each."""
+    """Replays traces; one instance keeps what its runs share (`simulate.ReplayCache`: the loaded trace with
+    its calibrations and host presets, the baseline replays), so a sweep worker's trials on one trace cost
+    one replay each. A host profile travels in the RunSpec (`host`: a name, or the profile by value)."""
 
     name = "simulator"
     honours = honoured_by(name)
 
     def __init__(self) -> None:
         self.cache = simulate.ReplayCache()
-
-    def add_host(self, data: dict) -> object:
-        """Register a host profile given as a mapping (e.g. calibrated); RunSpecs name it by `host`."""
-        return self.cache.add_host(data)
 
     def _group_key(self, spec: RunSpec) -> tuple:
         return (id(spec),)

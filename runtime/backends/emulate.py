@@ -11,7 +11,9 @@ carried across windows and documents.
 share one input: the exact pass runs once (and is kept for the next call), then each policy.
 Per policy: perplexity, its change versus the exact model with a 95% bootstrap interval over
 windows, the spec's counters and substituted mass; per-token NLLs go to Parquet. Warm start:
-runtime/core/spec.py (the calibration never depends on `max_tokens`).
+runtime/core/spec.py (the calibration never depends on `max_tokens`); each spec's capacities and warm
+start come from runtime/backends/resolve.py (`resolve` on the text's `TextSource`: the emulation only
+supplies the calibration ids of its held-out tokens or calibration text).
 `python -m runtime.emulate --model DIR --text FILE --policy PRESET --capacity-fraction F --json`
 (policy flags from runtime/core/policy.py's table; `--backend engine` decodes with the engine; the
 command line is `runtime.cli.emulate_main`, also `expertsweep emulate`).
@@ -45,27 +47,82 @@ from runtime.backends.hfmodel import (  # noqa: F401 - re-exported for callers o
     to_windows,
     tokenize_file,
 )
+from runtime.backends.resolve import (
+    Calibration,
+    CalibrationSource,
+    calibration,
+    resolve,
+    save_residency,
+)
 from runtime.core.errors import InputError, atomic_write
-from runtime.core.kernel import PolicyCache, residency_array, warm_start
-from runtime.core.policy import PolicyConfig, resolve_capacities
-from runtime.core.spec import GROUP_FIELDS, HELD_OUT, HELD_OUT_FRACTION, Result, RunSpec
+from runtime.core.kernel import PolicyCache
+from runtime.core.policy import PolicyConfig
+from runtime.core.spec import GROUP_FIELDS, Result, RunSpec
 from runtime.formats import costmodel
-from runtime.formats.trace import load_trace, save_trace
+from runtime.formats.trace import save_trace
 
 log = logging.getLogger(__name__)
 
 
+class TextSource(CalibrationSource):
+    """A tokenized text on a loaded model as the resolver's input (runtime/backends/resolve.py): the model's
+    dimensions and shape, and the calibration ids: the held-out last part of the text's tokens, or a
+    calibration text (`--calib-text`, else calib.txt beside the model), each read up to `calib_max_tokens`
+    tokens in windows of the evaluation's length and routed by the exact model."""
+
+    backend = "emulation"
+
+    def __init__(self, m: Loaded, spec: RunSpec, ids: np.ndarray, window: int, progress: bool = False) -> None:
+        super().__init__(m.num_layers, m.E, m.k, model=f"{m.model.config.model_type}:{m.model_dir.resolve()}",
+                         input_name="the model", tokens_name=str(spec.text))
+        # the model by weak reference: an exact pass keeps its source, and _EXACT's entries must die with the model
+        self._m = weakref.ref(m)
+        self.ids, self.window, self.progress = ids, window, progress  # ids int64 [N]
+        self.text, self.calib_max_tokens, self.batch_windows = spec.text, spec.calib_max_tokens, spec.batch_windows
+
+    @property
+    def m(self) -> Loaded:
+        m = self._m()
+        if m is None:
+            raise InputError(f"--text {self.text}: the model this input was read with is no longer loaded")
+        return m
+
+    def held_out(self, fraction: float) -> Calibration:
+        n = len(self.ids)
+        cut = int(n * (1 - fraction))
+        cwin = to_windows(self.ids[cut:], self.calib_max_tokens, self.window, f"--text {self.text} (held-out part)")
+        return Calibration("held-out", f"held-out: text tokens {cut}..{n - 1} of {self.text}",
+                           calib_windows_ids(self.m, cwin, self.batch_windows, self.progress), evaluated=cut)
+
+    def calibration_text(self, path: str | None) -> Calibration | None:
+        ids, source = calibration_ids(self.m, path, self.calib_max_tokens, self.window, self.batch_windows,
+                                      self.progress)
+        return None if ids is None else Calibration("text", source, ids)
+
+    def model_shape(self, name: str | None) -> costmodel.ModelShape:
+        """The loaded model's shape in the dtype loaded (auto resolved): a VRAM budget's slots."""
+        return costmodel.model_shape_for(self.m.model.config.to_dict(), self.m.dtype)
+
+
 @dataclass
 class Exact:
-    """The exact model on one input: evaluated windows, NLL, and the warm-start calibration ids."""
+    """The exact model on one input: evaluated windows, NLL, and the input as the resolver reads it."""
 
     windows: np.ndarray  # [n, W] int64
     sha: str
     nll: np.ndarray | None  # [n, W-1] (None until a deferred exact pass ran)
     seconds: float
-    calib_ids: np.ndarray | None  # [T_c, L, k] router ids of the calibration tokens, None = cold / file
-    init_source: str
-    init_file: list | None = None  # per-layer ids from a .npy or a calibration trace
+    source: TextSource  # the text's tokens and calibrations (resolve(spec, source) for each spec of the group)
+    calibration: Calibration  # the warm-start source of the group
+
+    @property
+    def calib_ids(self) -> np.ndarray | None:
+        """Router ids [T_c, L, k] of the calibration tokens; None: a cold start or a residency file."""
+        return self.calibration.ids
+
+    @property
+    def init_source(self) -> str:
+        return self.calibration.source
 
 
 # kept between calls (a sweep worker evaluates many policies on one input), per loaded model and
@@ -103,48 +160,16 @@ def exact_pass(m: Loaded, spec: RunSpec, progress: bool = False, defer_nll: bool
         return ex
     W = spec.window or default_window(m)
     ids, sha = read_tokens(m, spec.text)
-    ir = spec.initial_residency
-    calib_ids, source, init_file = None, "cold", None
-    if ir is None and spec.calib_text is None and not (m.model_dir / "calib.txt").is_file():
-        log.warning("no calibration text (--calib-text, or calib.txt beside the model): warm start from the "
-                    "held-out last %d%% of %s (not evaluated)", round(HELD_OUT_FRACTION * 100), spec.text)
-        ir = HELD_OUT
-    if ir == HELD_OUT:
-        cut = int(len(ids) * (1 - HELD_OUT_FRACTION))
-        cwin = to_windows(ids[cut:], spec.calib_max_tokens, W, f"--text {spec.text} (held-out part)")
-        calib_ids = calib_windows_ids(m, cwin, spec.batch_windows, progress)
-        source = f"held-out: text tokens {cut}..{len(ids) - 1} of {spec.text}"
-        ids = ids[:cut]
-    elif ir is None:
-        calib_ids, source = calibration_ids(m, spec.calib_text, spec.calib_max_tokens, W, spec.batch_windows, progress)
-    elif ir.startswith("warm:"):
-        tr = load_trace(ir[5:])
-        if (tr.E, tr.k, tr.L) != (m.E, m.k, m.num_layers):
-            raise InputError(f"--initial-residency {ir}: trace has E={tr.E}, k={tr.k}, L={tr.L}; the model has "
-                             f"E={m.E}, k={m.k}, L={m.num_layers}")
-        calib_ids, source = tr.topk_ids, ir
-    elif ir.endswith(".npy"):
-        arr = np.load(ir, allow_pickle=False) if os.path.isfile(ir) else None
-        if arr is None or arr.ndim != 2 or arr.shape[0] != m.num_layers or not np.issubdtype(arr.dtype, np.integer):
-            raise InputError(f"--initial-residency {ir}: expected an existing .npy of int [L={m.num_layers}, C]")
-        init_file, source = [arr[l_] for l_ in range(m.num_layers)], ir
-    windows = to_windows(ids, spec.max_tokens, W, f"--text {spec.text}")
+    source = TextSource(m, spec, ids, W, progress)
+    cal = calibration(spec, source)  # held-out: only the tokens before the calibrated part are evaluated
+    windows = to_windows(ids[:cal.evaluated], spec.max_tokens, W, f"--text {spec.text}")
     lane = Lane(desc="exact")
     nll = None if defer_nll else run_lanes(m, windows, [lane], spec.batch_windows, progress)[0]
-    ex = Exact(windows, sha, nll, lane.seconds, calib_ids, source, init_file)
+    ex = Exact(windows, sha, nll, lane.seconds, source, cal)
     if len(cached) >= 4:
         cached.pop(next(iter(cached)))
     cached[key] = ex
     return ex
-
-
-def capacities_of(m: Loaded, spec: RunSpec) -> np.ndarray:
-    """Slots per layer of a RunSpec on a loaded model (a VRAM budget: runtime.formats.costmodel's one meaning)."""
-    if spec.vram_budget_GiB is not None:
-        shape = costmodel.model_shape_for(m.model.config.to_dict(), m.dtype)  # the dtype loaded (auto resolved)
-        caps = costmodel.capacities_for_budget(shape, spec.vram_budget_GiB, spec.policy)
-        return resolve_capacities(caps, m.num_layers, m.E, m.k, flag=f"--vram-budget {spec.vram_budget_GiB!r} GiB: capacity")
-    return resolve_capacities(spec.capacity, m.num_layers, m.E, m.k, spec.capacity_fraction)
 
 
 def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = "emulation",
@@ -162,18 +187,16 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
     ex = exact_pass(m, first, progress, defer_nll=runner is None)
     windows = ex.windows
     T = int(windows.size)
-    lanes, setups = [], []
+    lanes, runs = [], []
     for spec in specs:
-        # slots per layer (capacity_alloc = calibrated: spread by the calibration counts) and the warm start
-        caps, init = warm_start(spec.policy, capacities_of(m, spec), m.k, m.E, ex.calib_ids, None, given=ex.init_file,
-                                source=ex.init_source)
-        cache = PolicyCache(spec.policy, m.E, m.k, caps, init)
+        run = resolve(spec, ex.source)  # slots per layer (after capacity_alloc), the warm start, its source
+        cache = PolicyCache(spec.policy, m.E, m.k, run.capacities, run.initial_residency)
         lane = Lane(cache=cache, substitute_weight=spec.substitute_weight, desc=spec.label,
                     decisions=[[] for _ in range(m.num_layers)] if spec.record_decisions else None)
         if spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
             lane.recorder = Recorder.empty(m.num_layers, m.E, max(m.k, cache.prefetch_width))
         lanes.append(lane)
-        setups.append((caps, init))
+        runs.append(run)
     extras: list[dict] = [{} for _ in specs]
     if runner is None:  # one pass: the exact model (unless cached) beside every policy
         exact = [Lane(desc="exact")] if ex.nll is None else []
@@ -197,7 +220,7 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
     nll_exact = ex.nll
     exact_ppl = float(math.exp(nll_exact.mean()))
     out, nll_cols = [], {"nll_exact": nll_exact.ravel()}
-    for spec, lane, (caps, init), nll, extra in zip(specs, lanes, setups, nlls, extras, strict=True):
+    for spec, lane, run, nll, extra in zip(specs, lanes, runs, nlls, extras, strict=True):
         pol, cache = spec.policy, lane.cache
         if spec.trace_out is not None:
             r = lane.recorder
@@ -209,15 +232,13 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
         extra.update({"seconds": lane.seconds, "exact_seconds": ex.seconds, "streamed": m.streamed, "substitute_weight":
                       spec.substitute_weight, "windows": int(windows.shape[0]), "window": int(windows.shape[1]),
                       "scored_tokens": int(nll.size)})
-        out.append(Result(backend=backend, policy=pol.label(), policy_config=pol.to_dict(), capacity=caps.tolist(),
-                          initial_residency=ex.init_source, tokens=T, num_layers=m.num_layers, num_experts=m.E,
+        out.append(Result(backend=backend, policy=pol.label(), policy_config=pol.to_dict(), capacity=run.capacities.tolist(),
+                          initial_residency=run.residency_source, tokens=T, num_layers=m.num_layers, num_experts=m.E,
                           top_k=m.k, counters=cache.counter_totals(), per_layer=cache.per_layer(),
                           perplexity=float(math.exp(nll.mean())), exact_perplexity=exact_ppl, ppl_change_pct=point,
                           ppl_ci_low=lo, ppl_ci_high=hi, extra=extra, decisions=decisions))
         nll_cols[f"nll_{spec.label}"] = nll.ravel()
-        if spec.residency_out is not None:
-            arr = residency_array(init, caps, f"--residency-out {spec.residency_out}")  # [L, max C_l], -1 padded
-            atomic_write(spec.residency_out, lambda tmp, arr=arr: np.save(open(tmp, "wb"), arr))
+        save_residency(run, spec.residency_out)  # [L, max C_l], -1 padded
     if first.nll_out is not None:
         _write_nll(first.nll_out, windows, nll_cols)
     return out

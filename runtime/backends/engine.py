@@ -293,14 +293,24 @@ class Engine:
             self.drain()
         return nll, self.run_report(decode_s, n * W)
 
-    def evaluate(self, windows: np.ndarray, policy: PolicyConfig, capacities, initial_residency=None, *,
+    def evaluate(self, windows: np.ndarray, policy, capacities=None, initial_residency=None, *,
                  record_decisions: bool = False, substitute_weight: str = "missed") -> dict:
-        """One policy on `windows` [n, W] from `initial_residency` (per-layer expert ids) with `capacities`
-        slots per layer. Returns nll [n, W-1], counters / per_layer (the kernel's), events [T, L, N_EV],
-        the measured report, and with `record_decisions` the plan per token: decisions = {kind, served,
-        slot} int [T, L, k] (tokens in stream order)."""
+        """One policy on `windows` [n, W]: a resolved run (runtime.backends.resolve.Run: its policy, slots per
+        layer and warm start), or a PolicyConfig with `capacities` (C for every layer or C_l per layer,
+        k <= C_l < E: the RunSpec meaning) and `initial_residency` (per-layer expert ids; None: cold).
+        Returns nll [n, W-1], counters / per_layer (the kernel's), events [T, L, N_EV], the measured
+        report, and with `record_decisions` the plan per token: decisions = {kind, served, slot} int
+        [T, L, k] (tokens in stream order)."""
+        from runtime.backends.resolve import Run
+        from runtime.core.policy import resolve_capacities
+
         m = self.m
-        caps = np.broadcast_to(np.asarray(capacities, np.int64), (self.L,)).copy()
+        if isinstance(policy, Run):
+            if capacities is not None or initial_residency is not None:
+                raise InputError("Engine.evaluate: a resolved Run carries its capacities and initial residency")
+            policy, caps, initial_residency = policy.policy, policy.capacities, policy.initial_residency
+        else:
+            caps = resolve_capacities(capacities, self.L, self.E, self.k)
         cache = PolicyCache(policy, self.E, self.k, caps, initial_residency)
         m.ctx.substitute_weight = substitute_weight
         m.ctx.decisions = [[] for _ in range(self.L)] if record_decisions else None

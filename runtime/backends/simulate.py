@@ -2,9 +2,11 @@
 
 `evaluate(spec) -> Result` is the `simulator` backend (runtime/backends/__init__.py); `simulate()` is the
 same for a trace already in memory; `python -m runtime.simulate` is the command line (policy
-flags from runtime/core/policy.py's parameter table). Every run also replays fetch-every-miss and
-host-compute at the same capacity and start, and reports the all-resident bound, so speed
-ratios come with every result. Warm start: runtime/core/spec.py (never the evaluated rows).
+flags from runtime/core/policy.py's parameter table). The spec's capacities, warm start, host profile and
+model shape come from runtime/backends/resolve.py (`resolve`, on the trace's `TraceSource`: the simulator
+only supplies its held-out rows); `simulate_run` replays the resolved run. Every run also replays
+fetch-every-miss and host-compute at the same capacity and start, and reports the all-resident bound, so
+speed ratios come with every result. Warm start: runtime/core/spec.py (never the evaluated rows).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.backends.resolve import Calibration, CalibrationSource, Run, resolve, save_residency
 from runtime.core.errors import (
     ArgumentParser,
     InputError,
@@ -29,19 +32,14 @@ from runtime.core.kernel import (
     PolicyCache,
     next_use,
     predicted_layers,
-    residency_array,
-    warm_start,
 )
 from runtime.core.policy import (
     PRESETS,
     PolicyConfig,
     add_policy_flags,
     policies_from_flags,
-    resolve_capacities,
 )
 from runtime.core.spec import (
-    HELD_OUT,
-    HELD_OUT_FRACTION,
     Result,
     RunSpec,
     add_run_flags,
@@ -101,89 +99,50 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     return Replay(cache, np.ascontiguousarray(events.transpose(1, 0, 2)), seconds, dec)
 
 
-def initial_residency_for(spec: str | None, trace: Trace, capacities: np.ndarray,
-                          flag: str = "--initial-residency", policy: PolicyConfig | None = None,
-                          ) -> tuple[list | None, Trace, str, np.ndarray]:
-    """Warm start of a replay: (per-layer resident ids or None for cold, the trace to evaluate, source,
-    slots per layer: `capacities`, or with the policy's `capacity_alloc = calibrated` the same total spread
-    by the calibration counts, runtime.core.kernel.warm_start).
+class TraceSource(CalibrationSource):
+    """A router trace as the resolver's input (runtime/backends/resolve.py): its dimensions, its model shape
+    and its held-out rows (the last part, cut at the sequence boundary nearest 80%)."""
 
-    'warm:TRACE' | 'cold' | FILE.npy (int [L, C]) | 'held-out' (runtime/core/spec.py: the last 20% of the
-    trace calibrates and is not evaluated). Unset: held-out, with a warning (never the evaluated rows)."""
-    policy = PRESETS["fetch-every-miss"] if policy is None else policy
-    caps = np.asarray(capacities, np.int64)
-    if spec is None:
-        log.warning("no --initial-residency: warm start from the held-out last %d%% of the trace (not evaluated)",
-                    round(HELD_OUT_FRACTION * 100))
-        spec = HELD_OUT
-    if spec == "cold":
-        return None, trace, "cold", warm_start(policy, caps, trace.k, trace.E, source="cold")[0]
-    if spec == HELD_OUT:
-        evaluated, calib = calibration_split(trace, 1.0 - HELD_OUT_FRACTION)
-        caps, init = warm_start(policy, caps, trace.k, trace.E, calib.topk_ids, calib.valid)
-        return init, evaluated, f"held-out: trace tokens {evaluated.T}..{trace.T - 1}", caps
-    if spec.startswith("warm:"):
-        calib = load_trace(spec[5:], num_experts=trace.E if spec.endswith(".npz") else None)
-        known = {calib.meta.model, trace.meta.model}.isdisjoint({"", "unknown"})
-        if known and calib.meta.model.split(":")[0] != trace.meta.model.split(":")[0]:
-            raise InputError(f"{flag}: calibration trace {spec[5:]} is from model {calib.meta.model!r}; "
-                             f"the trace is from {trace.meta.model!r}")
-        if (calib.E, calib.k, calib.L) != (trace.E, trace.k, trace.L):
-            raise InputError(f"{flag}: calibration trace {spec[5:]} has E={calib.E}, k={calib.k}, L={calib.L}; "
-                             f"the trace has E={trace.E}, k={trace.k}, L={trace.L}")
-        caps, init = warm_start(policy, caps, trace.k, trace.E, calib.topk_ids, calib.valid)
-        return init, trace, spec, caps
-    path = Path(spec)
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{flag}: cannot read {spec}: {str(exc).splitlines()[0]}") from None
-    if arr.ndim != 2 or arr.shape[0] != trace.L or not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"{flag}: {spec} has shape {arr.shape} dtype {arr.dtype}; expected int [L={trace.L}, C]")
-    if arr.shape[1] > capacities.max() or np.any((arr < -1) | (arr >= trace.E)):
-        raise InputError(f"{flag}: {spec} has shape {arr.shape} with ids in [{arr.min()}, {arr.max()}]; "
-                         f"expected ids in [0, {trace.E}) (-1: an empty slot) and at most C={int(capacities.max())} columns")
-    rows = [arr[l_][arr[l_] >= 0] for l_ in range(trace.L)]  # -1 pads a layer with fewer slots
-    for l_, row in enumerate(rows):
-        if len(row) > capacities[l_] or len(np.unique(row)) != len(row):
-            raise InputError(f"{flag}: {spec} row {l_} = {arr[l_].tolist()[:12]} repeats an id or exceeds C={capacities[l_]}")
-    warm_start(policy, caps, trace.k, trace.E, source=spec)  # calibrated capacities: an error here
-    return rows, trace, spec, caps
+    backend = "simulator"
+
+    def __init__(self, trace: Trace, shape: costmodel.ModelShape | None = None) -> None:
+        super().__init__(trace.L, trace.E, trace.k, model=trace.meta.model, input_name="the trace",
+                         tokens_name="the trace")
+        self.trace = trace
+        self.shape = shape  # a loaded shape (library); else from RunSpec.model_shape / the trace's model
+
+    def held_out(self, fraction: float) -> Calibration:
+        evaluated, calib = calibration_split(self.trace, 1.0 - fraction)
+        return Calibration("held-out", f"held-out: trace tokens {evaluated.T}..{self.trace.T - 1}", calib.topk_ids,
+                           calib.valid, evaluated=evaluated.T)
+
+    def model_shape(self, name: str | None) -> costmodel.ModelShape:
+        return self.shape if self.shape is not None else costmodel.shape_for_trace(self.trace, name)
 
 
 class ReplayCache:
     """What repeated simulator runs share (the simulator backend keeps one; a sweep worker's trials hit it):
-    loaded traces by path, warm starts by (trace, initial_residency, capacities), the fetch-every-miss and
-    host-compute baseline times by everything they depend on, and host profiles registered in memory
-    (`add_host`: by name, ahead of the presets)."""
+    the loaded trace as a `TraceSource` by path (with the calibrations, calibration traces and host presets
+    resolved on it), and the fetch-every-miss and host-compute baseline times by everything they depend on."""
 
     def __init__(self) -> None:
-        self.traces: dict[str, Trace] = {}
+        self.sources: dict[str, TraceSource] = {}
         self.memo: dict[tuple, object] = {}
-        self.hosts: dict[str, costmodel.HostProfile] = {}
+
+    def source(self, path: str) -> TraceSource:
+        if path not in self.sources:
+            self.sources.clear()  # one trace at a time (a sweep evaluates one)
+            self.memo.clear()
+            self.sources[path] = TraceSource(load_trace(path))
+        return self.sources[path]
 
     def trace(self, path: str) -> Trace:
-        if path not in self.traces:
-            self.traces.clear()  # one trace at a time (a sweep evaluates one)
-            self.memo.clear()
-            self.traces[path] = load_trace(path)
-        return self.traces[path]
+        return self.source(path).trace
 
     def get(self, key: tuple, make):  # noqa: ANN001, ANN201 - a memo of any value
         if key not in self.memo:
             self.memo[key] = make()
         return self.memo[key]
-
-    def add_host(self, data: dict) -> costmodel.HostProfile:
-        """A host profile from its mapping (the sweep's calibrated hosts), used for `host = its name`."""
-        prof = costmodel.host_profile_from_dict(data, f"host {data.get('name')}")
-        self.hosts[prof.name] = prof
-        return prof
-
-    def host(self, name: str | costmodel.HostProfile) -> costmodel.HostProfile:
-        if isinstance(name, costmodel.HostProfile):
-            return name
-        return self.hosts[name] if name in self.hosts else self.get(("host", name), lambda: costmodel.load_host_profile(name))
 
 
 def _timing(rep: Replay, trace: Trace, params) -> dict:
@@ -201,7 +160,7 @@ def simulate(
     capacity_fraction: float | None = None,
     vram_budget_GiB: float | None = None,
     initial_residency: str | list | None = None,
-    host: str | costmodel.HostProfile = RunSpec.host,  # the run-field table's default (rtx4090)
+    host: str | dict | costmodel.HostProfile = RunSpec.host,  # the run-field table's default (rtx4090)
     model_shape: str | costmodel.ModelShape | None = None,
     max_tokens: int | None = None,
     baselines: bool = True,
@@ -211,28 +170,31 @@ def simulate(
 ) -> Result:
     """Replay a trace in memory under `policy` (the library form of `evaluate`; `initial_residency` may
     also be per-layer id arrays, `host` / `model_shape` loaded objects). With `cache` and `trace_key`
-    (the trace's identity, e.g. its path) warm starts and baseline times are computed once."""
-    shape = model_shape if isinstance(model_shape, costmodel.ModelShape) else costmodel.shape_for_trace(trace, model_shape)
-    if vram_budget_GiB is not None:
-        caps = costmodel.capacities_for_budget(shape, vram_budget_GiB, policy)
-        caps = resolve_capacities(caps, trace.L, trace.E, trace.k, flag=f"--vram-budget {vram_budget_GiB!r} GiB: capacity")
-    else:
-        caps = resolve_capacities(capacity, trace.L, trace.E, trace.k, capacity_fraction)
-    memo = cache is not None and trace_key is not None
-    if isinstance(initial_residency, str | None):
-        if memo:
-            init, trace, source, caps = cache.get(
-                ("warm", trace_key, initial_residency, tuple(caps.tolist()), policy.capacity_alloc),
-                lambda: initial_residency_for(initial_residency, trace, caps, policy=policy))
-        else:
-            init, trace, source, caps = initial_residency_for(initial_residency, trace, caps, policy=policy)
-    else:
-        init, source = initial_residency, "given"
-        caps = warm_start(policy, caps, trace.k, trace.E, given=init, source="given per-layer ids")[0]
+    (the trace's identity, e.g. its path) baseline times are computed once."""
+    given = None if isinstance(initial_residency, str | None) else initial_residency
+    spec = RunSpec(policy=policy, trace=trace_key or "(in memory)", capacity=capacity,
+                   capacity_fraction=capacity_fraction, vram_budget_GiB=vram_budget_GiB,
+                   initial_residency=None if given is not None else initial_residency, host=host,
+                   model_shape=model_shape if isinstance(model_shape, str) else None, max_tokens=max_tokens,
+                   record_decisions=record_decisions)
+    source = TraceSource(trace, model_shape if isinstance(model_shape, costmodel.ModelShape) else None)
+    run = resolve(spec, source, initial_residency=given)
+    return simulate_run(trace, run, max_tokens=max_tokens, baselines=baselines, record_decisions=record_decisions,
+                        cache=cache if given is None else None, trace_key=trace_key)
+
+
+def simulate_run(trace: Trace, run: Run, *, max_tokens: int | None = None, baselines: bool = True,
+                 record_decisions: bool = False, cache: ReplayCache | None = None,
+                 trace_key: str | None = None) -> Result:
+    """Replay `trace` under a resolved run (runtime/backends/resolve.py: its capacities, warm start, host and
+    shape); held-out: only its evaluated tokens. With `cache` and `trace_key` baseline times are computed once."""
+    policy, caps, init, source, shape = run.policy, run.capacities, run.initial_residency, run.residency_source, run.shape
+    if run.evaluated_tokens is not None:
+        trace = trace.slice_tokens(0, run.evaluated_tokens)
     if max_tokens is not None:
         trace = trace.slice_tokens(0, max_tokens)
-    profile = cache.host(host) if cache is not None else (
-        host if isinstance(host, costmodel.HostProfile) else costmodel.load_host_profile(host))
+    memo = cache is not None and trace_key is not None
+    profile = run.host
     params = costmodel.cost_params(profile, shape, lowbit_bits=policy.lowbit_bits, lowbit_group=policy.lowbit_group)
     rep = replay(trace, policy, caps, init, decisions=record_decisions)
     timing = _timing(rep, trace, params)
@@ -269,28 +231,19 @@ def simulate(
 
 def evaluate(spec: RunSpec, trace: Trace | None = None, cache: ReplayCache | None = None) -> Result:
     """The simulator backend: replay `spec.trace` (loaded here unless given; with `cache`, the loaded trace,
-    warm starts, baselines and host profiles are kept between calls)."""
+    its calibrations, host presets and the baselines are kept between calls)."""
     key = None
     if trace is None:
-        trace = load_trace(spec.trace) if cache is None else cache.trace(spec.trace)
+        source = TraceSource(load_trace(spec.trace)) if cache is None else cache.source(spec.trace)
         key = spec.trace
-    shape = costmodel.shape_for_trace(trace, spec.model_shape)
-    if spec.weight_format:
-        shape = costmodel.with_format(shape, spec.weight_format)
-    res = simulate(trace, spec.policy, spec.capacity, capacity_fraction=spec.capacity_fraction,
-                   vram_budget_GiB=spec.vram_budget_GiB, initial_residency=spec.initial_residency, host=spec.host,
-                   model_shape=shape, max_tokens=spec.max_tokens, record_decisions=spec.record_decisions,
-                   cache=cache, trace_key=key)
-    if spec.residency_out is not None:
-        init = initial_residency_for(spec.initial_residency, trace, np.asarray(res.capacity))[0]  # (uniform: C_l kept)
-        save_residency(spec.residency_out, init, res.capacity)
+    else:
+        source = TraceSource(trace)
+    run = resolve(spec, source)
+    res = simulate_run(source.trace, run, max_tokens=spec.max_tokens, record_decisions=spec.record_decisions,
+                       cache=cache, trace_key=key)
+    save_residency(run, spec.residency_out)
     return res
 
-
-def save_residency(path: str, init: list | None, caps: list[int]) -> None:
-    """The initial residency used, as .npy int [L, max C_l] (rows padded with -1 where a layer has fewer slots)."""
-    arr = residency_array(init, caps, f"--residency-out {path}")
-    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), arr))
 
 SIM_FLAGS = tuple(sorted(n for n in honoured_by("simulator") if n != "record_decisions"))  # library only
 

@@ -14,7 +14,13 @@ default, its one command-line flag, help, kind (with range or choices), whether 
 file, and the backends that honour it. `RUN_FIELDS` reads them back; validation (`RunField.check`),
 `FLAGS`, each backend's `honours` (`honoured_by`), every command line's run flags
 (`add_run_flags` / `run_kwargs`) and the sweep config's reading of these keys derive from it.
-`--capacity` is one meaning everywhere: `C` (every MoE layer) or `C0,C1,...` (one per layer).
+`--capacity` is one meaning everywhere: `C` (every MoE layer) or `C0,C1,...` (one per layer). `host` is a
+preset name, a YAML file, or (library, the sweep) the profile by value: its fields as a mapping (a
+`HostProfile` given is kept as its mapping), so a spec carries everything its evaluation needs.
+
+What a spec means on an input (slots per layer, the initial residency and its source, the host profile)
+is resolved in one place, `runtime.backends.resolve.resolve` (it needs the cost model, a formats module,
+so it sits in backends, not here); a backend only supplies its calibration ids.
 
 Warm start (docs/policies.md "Initial residency"): never the evaluated data.
 - `initial_residency`: `warm:TRACE` (a calibration trace), `cold`, `FILE.npy` (int [L, C]), or
@@ -29,8 +35,10 @@ Warm start (docs/policies.md "Initial residency"): never the evaluated data.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -65,7 +73,7 @@ class RunField:
     flag: str | None  # its one command-line flag; None: library only (record_decisions)
     help: str
     backends: frozenset[str]  # the backends that honour it; the others refuse it (Backend.check)
-    kind: str = "str"  # str | int | float | capacity | bool | memory (a number of GiB or 'auto')
+    kind: str = "str"  # str | int | float | capacity | bool | memory (a number of GiB or 'auto') | host
     choices: tuple[str, ...] | None = None
     low: float | None = None  # int: smallest value; float: exclusive lower bound
     high: float | None = None  # float: exclusive upper bound
@@ -107,6 +115,19 @@ class RunField:
                 raise InputError(f"{label} = {value!r} must be one positive int for all layers or a list of them, "
                                  "one per layer")
             return int(vals[0]) if not isinstance(value, list | tuple | np.ndarray) else tuple(int(v) for v in vals)
+        if self.kind == "host":  # by name (a preset or a YAML file) or by value: the profile's fields
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = dataclasses.asdict(value)  # e.g. a runtime.formats.costmodel.HostProfile
+            if isinstance(value, Mapping):
+                if not isinstance(value.get("name"), str) or not value["name"]:
+                    raise InputError(f"{label} = {dict(value)!r}: a host profile by value needs a non-empty 'name'")
+                return dict(value)  # validated field by field when resolved (runtime/backends/resolve.py)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            if not isinstance(value, str) or not value:
+                raise InputError(f"{label} = {value!r} must be a host preset name, a host YAML file or a host "
+                                 "profile's fields (a mapping with a 'name')")
+            return value
         if self.kind == "memory":  # runtime.backends.stream.resolve_max_memory turns auto into GiB when a model loads
             if value == "auto":
                 return value
@@ -166,7 +187,8 @@ class RunSpec:
                                 _TEXT)
     calib_max_tokens: int = _r(16384, "--calib-max-tokens", "calibration tokens read (independent of --max-tokens)",
                                _TEXT, kind="int", low=2, metavar="N")
-    host: str = _r("rtx4090", "--host", "host profile: a preset (runtime/data/hosts) or a YAML file", _SIM)
+    host: str | dict = _r("rtx4090", "--host", "host profile: a preset (runtime/data/hosts) or a YAML file; library: "
+                          "also the profile by value (its fields as a mapping, or a HostProfile)", _SIM, kind="host")
     model_shape: str | None = _r(None, "--model-shape", "model shape: a preset (runtime/data/models), a YAML file "
                                  "or a config.json (unset: from the trace)", _SIM)
     weight_format: str | None = _r(None, "--weight-format", "expert storage format: bf16 | q8_0 | q4_k_m "
@@ -243,6 +265,8 @@ class RunSpec:
         out = self.policy.mlflow_params()
         for k, v in self.to_dict().items():
             if k != "policy" and v is not None and k not in _NOT_PARAMS:
+                if isinstance(v, dict):  # a host profile by value: its name
+                    v = v["name"]
                 out[k] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
         return out
 
