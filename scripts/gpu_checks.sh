@@ -35,31 +35,36 @@
 #                     pinned (cudaHostRegister refused) falls back to pageable memory with a warning.
 #                     The JSON is rewritten after every round; the budget uses the CUDA context measured
 #                     after start; stalls are counted from the device time measured between CUDA events.
-#   5 lowbit     the bench's 4-bit (hqq) row is there; else the line "low-bit step did not run" (a failure)
-#   6 fetch-exact bf16, engine on the device: fetch-every-miss at 25% and at E-1 slots bit-identical NLL
-#                (scripts/gpu_exact_check.py fetch-exact; the NLL vs the exact pass reported)
-#   7 generate   runtime.tools.generate: greedy agreement of quality-first with the exact model at that budget
-#   8 calibrate  runtime.tools.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
-#   9 stream     a 4-layer checkpoint written on the spot (scripts/bigmodel.py), fp32: `runtime.backends.emulate
+#   5 fetch-exact bf16, engine on the device, no debug syncs (scripts/gpu_exact_check.py fetch-exact): fetch-every-miss
+#                at 25% and at E-1 slots bit-identical NLL; fetch-every-miss + lookahead prefetch (background
+#                prefetch copies) bit-identical to it; quality-first (background admissions) without debug
+#                bit-identical to the same run with a sync after every layer (a copy read before it landed would
+#                change them); the NLL vs the exact pass reported
+#   6 lowbit     the bench's 4-bit (hqq) row is there; else the line "low-bit step did not run" (a failure)
+#   7 generate   runtime.tools.generate: greedy agreement of quality-first with the exact model at the bench's
+#                budget (sized with the context this process measures, as the bench sized it)
+#   8 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
+#   9 calibrate  runtime.tools.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
+#  10 stream     a 4-layer checkpoint written on the spot (scripts/bigmodel.py), fp32: `runtime.backends.emulate
 #                --device cuda --max-memory 0.001` with every layer streamed through the GPU (device budget
 #                capped) == the model resident on the GPU (counters, NLL 1e-5), and vs the CPU run (exact
 #                NLL 1e-3); `runtime.tools.record --device cuda` streamed vs the CPU recording (top-k ids 99.9%)
-#  10 engine-cpu the engine in CPU device mode on every family (tests/test_engine.py::test_other_families...)
-#  11 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
-#  12 bench-pageable  the same, one round, host store in pageable memory (copies block the host)
-# Steps 5, 6 and 9 write their JSON to $WORK (lowbit.txt, fetch_exact.json, stream.json); summary.md
+#  11 engine-cpu (--cpu only: CPU-only work never spends device time) the engine in CPU device mode on every
+#                family (tests/test_engine.py::test_other_families...)
+#  12 bench-pageable  the bench, one round, host store in pageable memory (copies block the host): what is left
+# Steps 5, 6 and 10 write their JSON to $WORK (fetch_exact.json, lowbit.txt, stream.json); summary.md
 # carries their figures, so the 8 files above stay 8.
-# GPU_CHECKS_CPU_K and GPU_CHECKS_EXACT_K replace the -k expressions of steps 10 and 11.
+# GPU_CHECKS_CPU_K and GPU_CHECKS_EXACT_K replace the -k expressions of steps 11 and 8.
 # `--steps a,b,...` runs only the named steps (of the 12 above), in the order above; the others are logged as not
-# selected and left out of summary.md. Steps 5-8 read the model and bench_pinned.json of bench-pinned (in $WORK,
-# RESULTS_DIR): select it with them, or they fail saying what is missing.
-# The cheap CUDA steps come first. A step past its limit gets SIGINT (pytest and Python flush what they
-# have), then SIGKILL 10 s later.
-# The whole run stays within $GPU_CHECKS_BUDGET seconds (CUDA 480, CPU 840 with every step's limit doubled):
-# a step that would not fit is cut to what is left, or skipped (status 'skipped') when under 20 s remain.
-# The last CPU dry run (--cpu --tiny, 2 loaded cores, load 4-19) took 550 s, every step ok; an H200 host
-# (16 cores) should need well under the 480 s, leaving the device tool's 10-minute command limit a margin.
-# On the device tool: run(command="bash scripts/gpu_checks.sh", carry=[".gpu_wheels"], timeout_s=560).
+# selected and left out of summary.md. Steps 5-7 and 12 read the model and bench_pinned.json of bench-pinned (in
+# $WORK, RESULTS_DIR): select it with them, or they fail saying what is missing.
+# A step past its limit gets SIGINT (pytest and Python flush what they have), then SIGKILL 10 s later.
+# The plan: on CUDA the step limits (25, 50, 15, 100, 50, 5, 25, 90, 25, 35 s) add up to the run's budget,
+# $GPU_CHECKS_BUDGET = 420 s, in order of value (a cut loses the least valuable), and bench-pageable takes what
+# is left; in CPU mode every limit is tripled within 840 s. A step that would not fit is cut to what is
+# left, or skipped (status 'skipped') when under 20 s remain.
+# Before a device run, here (with a package index): bash scripts/gpu_checks.sh --wheels
+# On the device tool: run(command="bash scripts/gpu_checks.sh", carry=[".gpu_wheels"], timeout_s=540).
 # Exit status 0 when every step passed, 1 otherwise; 2 for a bad option.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +74,7 @@ TINY=0
 RES=""
 RUN_STEP=""
 STEPS=""
-ALL_STEPS="versions kernel oom bench-pinned lowbit fetch-exact generate calibrate stream engine-cpu exactness bench-pageable"
+ALL_STEPS="versions kernel oom bench-pinned fetch-exact lowbit generate exactness calibrate stream engine-cpu bench-pageable"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) MODE=cpu ;;
@@ -133,7 +138,7 @@ if [ -z "${PY:-}" ]; then
 fi
 if [ "$MODE" = cpu ]; then
   BUDGET=${GPU_CHECKS_BUDGET:-840}
-  SCALE=2  # a loaded 2-core host: every step's limit doubled (the run's budget still bounds the whole)
+  SCALE=3  # a loaded 2-core host: every step's limit tripled (the run's budget still bounds the whole)
   DEV=cpu
   # 2 layers of 8 experts (3 x 64 x 256, fp32), top-2, half the experts resident
   BENCH=(--device cpu --dtype fp32 --hidden 64 --moe-intermediate 256 --experts 8 --top-k 2 --layers 2
@@ -144,7 +149,7 @@ if [ "$MODE" = cpu ]; then
   STREAM=(--device cpu --hidden 64 --experts 8 --moe-intermediate 32 --top-k 2 --tokens 256)
   FE_TOKENS=64
 else
-  BUDGET=${GPU_CHECKS_BUDGET:-480}
+  BUDGET=${GPU_CHECKS_BUDGET:-420}
   SCALE=1
   DEV=cuda
   # Qwen3-30B-A3B-like experts (3 x 2048 x 768, bf16 = 9.4 MB), 32 per layer, top-4, 4 layers; the VRAM budget
@@ -190,7 +195,7 @@ step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of thi
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   t0=$SECONDS
   # SIGINT first: pytest writes its report and Python its buffers; KILL 10 s later
-  timeout -s INT -k 10 "$limit" bash "$SELF" "${ARGS[@]}" --_step "$1" "$RES" >>"$LOG" 2>&1
+  timeout -s INT -k 10 "$limit" bash "$SELF" ${ARGS[@]+"${ARGS[@]}"} --_step "$1" "$RES" >>"$LOG" 2>&1
   rc=$?
   case $rc in
     0) st=ok ;;
@@ -356,23 +361,30 @@ rm -f "$WORK/site_path" "$WORK/site_lowbit_path" "$WORK/lowbit.txt" "$WORK/fetch
 echo "$MODE" >"$WORK/mode"
 echo "engine checks, $MODE mode, budget ${BUDGET}s, results in $RES, scratch in $WORK${STEPS:+, steps:$STEPS}" | tee -a "$LOG"
 summary
-step versions 120 versions
+# CUDA: the plan's limits add up to the run's 420 s, the most valuable steps first (a cut loses the least):
+# the environment and the compiled kernel that everything needs, the bench (the run's purpose), the
+# race checks without debug syncs, low-bit, generation at the bench's budget, the device exactness suite,
+# calibration, streaming; bench-pageable runs only in what is left. engine-cpu is CPU-only work: it runs
+# in the --cpu dry run here, never on the device.
+step versions 25 versions
 [ -f "$WORK/site_path" ] && export PYTHONPATH="$(cat "$WORK/site_path"):$PYTHONPATH"
 [ -f "$WORK/site_lowbit_path" ] && export PYTHONPATH="$PYTHONPATH:$(cat "$WORK/site_lowbit_path")"
 [ "$MODE" = cuda ] && { nvidia-smi >>"$LOG" 2>&1 || true; }
-step kernel 150 kernel
-# the cheap CUDA steps first (a first run on a new machine returns their figures even if a later step hangs),
-# then the CPU-mode engine and the long exactness suite
-step oom 60 oom_check
-step bench-pinned 150 bench_pinned  # its figures are the run's purpose
-step lowbit 15 lowbit_check
-step fetch-exact 90 fetch_exact
-step generate 60 generate
-step calibrate 60 calibrate_step
-step stream 120 stream_check
-step engine-cpu 90 engine_cpu
-step exactness 240 exactness
-step bench-pageable 90 bench_pageable
+step kernel 50 kernel
+step oom 15 oom_check
+step bench-pinned 100 bench_pinned  # its figures are the run's purpose
+step fetch-exact 50 fetch_exact
+step lowbit 5 lowbit_check
+step generate 25 generate
+step exactness 90 exactness
+step calibrate 25 calibrate_step
+step stream 35 stream_check
+if [ "$MODE" = cpu ]; then
+  step engine-cpu 45 engine_cpu
+else
+  echo "=== engine-cpu: CPU-only work, not run on the device (bash scripts/gpu_checks.sh --cpu --steps engine-cpu)" | tee -a "$LOG"
+fi
+step bench-pageable 60 bench_pageable  # in what is left of the budget
 echo "total $((SECONDS - START)) s of ${BUDGET}" | tee -a "$LOG"
 summary
 cat "$RES/summary.md"

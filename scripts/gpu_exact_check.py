@@ -18,7 +18,12 @@ token-layer-slots (a random model has near ties that fp32 rounding on another de
 `fetch-exact`: the engine in the checkpoint's dtype (bf16) on the device: fetch-every-miss at 25%
 of the experts and at E - 1 slots (nearly every expert resident) compute the same experts with the
 same weights, so their per-token NLLs must be bit-identical: a fetched copy that is read before it
-has landed (a missing stream or event wait) would change them. Also reported, not judged: the
+has landed (a missing stream or event wait) would change them. The engine runs without its debug sync
+after every layer (which would hide such a race), and two more runs exercise the background copies:
+fetch-every-miss with lookahead prefetch (its prefetched experts are the same weights: bit-identical to
+the 25% run) and quality-first (background admissions), bit-identical to the same run with the debug
+sync on, counters equal. Each run must have moved something (fetches, prefetch and admission copies),
+so the check cannot pass vacuously. Also reported, not judged: the
 NLL difference to the engine's exact pass (prefill, batched: other kernels, other rounding).
 
 Prints one JSON object and writes it to --out (atomically); exit status 0 when the check passed.
@@ -60,7 +65,7 @@ def stream_check(a: argparse.Namespace) -> dict:
         _run([sys.executable, "scripts/bigmodel.py", "write", "--out", str(model), "--layers", str(a.layers), "--hidden",
               str(a.hidden), "--experts", str(a.experts), "--moe-intermediate", str(a.moe_intermediate), "--top-k",
               str(a.top_k), "--shared", str(a.moe_intermediate), "--vocab", "1024", "--shard-gb", "0.05"])
-    text = ROOT / "runtime" / "core" / "kernel.py"
+    text = ROOT / "tests" / "data" / "kernel_source.txt"
     emu = [sys.executable, "-m", "runtime.emulate", "--model", str(model), "--text", str(text), "--policy", "rule-0.15",
            "--policy", "substitute-all", "--capacity-fraction", "0.25", "--max-tokens", str(a.tokens), "--window", "128",
            "--calib-max-tokens", str(a.tokens), "--dtype", "fp32", "--json"]
@@ -114,7 +119,7 @@ def fetch_exact(a: argparse.Namespace) -> dict:
     from runtime.backends import hfmodel
     from runtime.backends.engine import load_engine
     from runtime.core.kernel import warm_residency
-    from runtime.core.policy import PRESETS, resolve_capacities
+    from runtime.core.policy import PRESETS, PolicyConfig, resolve_capacities
 
     eng = load_engine(a.model, a.device)
     m = eng.m
@@ -123,21 +128,50 @@ def fetch_exact(a: argparse.Namespace) -> dict:
         windows, _ = hfmodel.tokenize_file(m, Path(a.model) / "eval.txt", a.tokens, W)
         cids, _ = hfmodel.calibration_ids(m, None, 2 * a.tokens, W)  # the warm start (calib.txt beside the model)
         runs = {}
+        quarter = resolve_capacities(None, m.num_layers, m.E, m.k, 0.25)
+        warm = warm_residency(cids, None, m.E, quarter)
         for name, frac_or_cap in (("quarter", 0.25), ("E-1", m.E - 1)):
-            caps = (resolve_capacities(None, m.num_layers, m.E, m.k, frac_or_cap) if isinstance(frac_or_cap, float)
-                    else np.full(m.num_layers, frac_or_cap))
-            r = eng.evaluate(windows, PRESETS["fetch-every-miss"], caps, warm_residency(cids, None, m.E, caps))
-            runs[name] = r
+            caps = quarter if isinstance(frac_or_cap, float) else np.full(m.num_layers, frac_or_cap)
+            runs[name] = eng.evaluate(windows, PRESETS["fetch-every-miss"], caps, warm_residency(cids, None, m.E, caps))
+        # background copies without the debug sync per layer: prefetches (lookahead), then admissions, whose
+        # reference is the same run with a sync after every layer (eng.runner.debug)
+        runs["lookahead"] = eng.evaluate(windows, PolicyConfig(rule="fetch_all", prefetch="lookahead"), quarter, warm)
+        qf = PRESETS["quality-first"]
+        runs["quality-first"] = eng.evaluate(windows, qf, quarter, warm)
+        eng.runner.debug = True
+        try:
+            runs["quality-first, debug"] = eng.evaluate(windows, qf, quarter, warm)
+        finally:
+            eng.runner.debug = False
         exact = hfmodel.run_lanes(m, windows, [hfmodel.Lane(desc="exact")])[0]  # the engine's exact (prefill) pass
     finally:
         eng.close()
-    a_, b_ = runs["quarter"]["nll"], runs["E-1"]["nll"]
+    return fetch_exact_record(runs, exact, eng, int(windows.size), torch.cuda.is_available())
+
+
+def fetch_exact_record(runs: dict, exact: np.ndarray, eng, tokens: int, cuda: bool) -> dict:
+    """The fetch-exact verdict: every pair that must be bit-identical, with its largest NLL difference."""
+    pairs = {"E-1 vs quarter": ("E-1", "quarter"), "lookahead vs quarter": ("lookahead", "quarter"),
+             "quality-first vs its debug run": ("quality-first", "quality-first, debug")}
+    same = {}
+    for label, (a, b) in pairs.items():
+        x, y = runs[a]["nll"], runs[b]["nll"]
+        same[label] = {"bit_identical": bool(np.array_equal(x, y)), "nll_max_abs_diff": float(np.abs(x - y).max()),
+                       "counters_equal": runs[a]["counters"] == runs[b]["counters"] if "debug" in b else None}
+    qf = runs["quality-first"]
+    moved = {"fetches": int(runs["quarter"]["counters"]["fetches"]),
+             "prefetch_copies": int(runs["lookahead"]["engine"].get("prefetch_copies", 0)),
+             "admission_copies": int(qf["engine"].get("admission_copies", 0))}
+    a_ = runs["quarter"]["nll"]
+    ok = (all(v["bit_identical"] and v["counters_equal"] is not False for v in same.values())
+          and all(v > 0 for v in moved.values()))
     return {"check": "fetch-exact", "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
-            "tokens": int(windows.size), "fetches": [int(runs[n]["counters"]["fetches"]) for n in runs],
-            "nll_bit_identical": bool(np.array_equal(a_, b_)), "nll_max_abs_diff": float(np.abs(a_ - b_).max()),
+            "tokens": tokens, "copies": moved, "pairs": same,
+            "nll_bit_identical": same["E-1 vs quarter"]["bit_identical"],
+            "nll_max_abs_diff": same["E-1 vs quarter"]["nll_max_abs_diff"],
             "vs_exact_pass_nll_max_abs_diff": float(np.abs(a_ - exact).max()),
             "vs_exact_pass_ppl_change_pct": float(np.expm1(a_.mean() - exact.mean()) * 100),
-            "cuda": torch.cuda.is_available(), "ok": bool(np.array_equal(a_, b_) and runs["quarter"]["counters"]["fetches"] > 0)}
+            "cuda": cuda, "ok": bool(ok)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,14 +140,17 @@ def exact_checks(work: Path) -> list[str]:
         out += ["\n## Low-bit (hqq) fallback\n", f"- {lb.read_text().strip()}"]
     fe = load(work / "fetch_exact.json")
     if fe:
-        out.append(f"\n## fetch-every-miss == exact ({fe.get('device')}, {fe.get('dtype')})\n")
+        out.append(f"\n## Bit-identical runs without debug syncs ({fe.get('device')}, {fe.get('dtype')})\n")
         if "error" in fe:
             out.append(f"- FAILED: {fe['error']}")
         else:
-            out.append(f"- NLL at 25% vs at E-1 slots bit-identical: {fe['nll_bit_identical']} (max |diff| "
-                       f"{fe['nll_max_abs_diff']:.3g}, fetches {fe['fetches']}, {fe['tokens']} tokens); vs the "
-                       f"engine's exact pass (prefill): max |dNLL| {fe['vs_exact_pass_nll_max_abs_diff']:.3g}, "
-                       f"perplexity change {fe['vs_exact_pass_ppl_change_pct']:+.4f}%")
+            for label, p in fe.get("pairs", {}).items():
+                out.append(f"- {label}: bit-identical {p['bit_identical']} (max |dNLL| {p['nll_max_abs_diff']:.3g}"
+                           + ("" if p.get("counters_equal") is None else f", counters equal {p['counters_equal']}")
+                           + ")")
+            out.append(f"- copies moved ({fe['tokens']} tokens): {fe.get('copies')}; vs the engine's exact pass "
+                       f"(prefill): max |dNLL| {fe['vs_exact_pass_nll_max_abs_diff']:.3g}, perplexity change "
+                       f"{fe['vs_exact_pass_ppl_change_pct']:+.4f}%")
     st = load(work / "stream.json")
     if st:
         out.append(f"\n## Streamed emulation and recording through the device ({st.get('device')}, fp32)\n")

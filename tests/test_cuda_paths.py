@@ -319,3 +319,70 @@ def test_an_accepted_pin_registers_whole_pages_and_unregisters_them(monkeypatch)
     del store
     gc.collect()
     assert rt.unregistered == ptrs
+
+
+# ----------------------------------------------------------------------------- items 5-6: the device run's plan
+
+def test_the_cuda_plan_fits_its_budget_most_valuable_first():
+    """The CUDA run could take ~525 s of a 480 s budget, and engine-cpu spent device time on CPU-only work: the
+    CUDA step limits add up to at most the 420 s budget in order of value, bench-pageable only takes what is
+    left, engine-cpu runs in CPU mode only, and an empty ARGS expands under `set -u` on old bash."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_checks.sh").read_text()
+    plan = re.findall(r"^ *step ([\w-]+) (\d+) \w+", text, flags=re.M)
+    names = [n for n, _ in plan]
+    assert names[:4] == ["versions", "kernel", "oom", "bench-pinned"] and names[4] == "fetch-exact"
+    assert names[-1] == "bench-pageable"
+    cuda = {n: int(s) for n, s in plan if n not in ("engine-cpu", "bench-pageable")}
+    assert sum(cuda.values()) <= 420 and 'BUDGET=${GPU_CHECKS_BUDGET:-420}' in text
+    assert re.search(r'if \[ "\$MODE" = cpu \]; then\n\s+step engine-cpu', text)
+    assert '"${ARGS[@]}"' not in text.replace('${ARGS[@]+"${ARGS[@]}"}', "")
+    assert re.findall(r"^ALL_STEPS=\"(.*)\"", text, flags=re.M)[0].split() == names
+
+
+def test_generate_runs_at_the_bench_budget_with_the_measured_context(eng, monkeypatch):
+    """generate re-sized the bench's budget with the cost model's default context (on a GPU whose measured
+    context is larger it ran at ~50% of the experts, labelled 25%): at the bench's budget it binds the
+    bench's slots on a CUDA-answering engine."""
+    from runtime.tools import generate
+
+    bench = load_script("bench_engine")
+    qf = PRESETS["quality-first"]
+    as_cuda(eng, 3 * 512 * MiB)
+    caps, got = bench.size_run(eng, [qf], None, None, 0.5)
+    bound = []
+    monkeypatch.setattr(generate, "greedy", lambda eng_, p, n, cache, chunk: {"tokens": [1] * n, "prefill_s": 0.0,
+                                                                          "decode_s": 0.0, "decode_steps": n - 1})
+    real = generate.PolicyCache
+    monkeypatch.setattr(generate, "PolicyCache", lambda pol, E, k, caps_, init: bound.append(np.asarray(caps_).tolist())
+                        or real(pol, E, k, caps_, init))
+    # once the slots are sized the run goes on as the CPU engine it is (the report's CUDA queries: no device here)
+    monkeypatch.setattr(eng, "bind", lambda cache: setattr(eng, "cuda", False))
+    monkeypatch.setattr(eng, "drain", lambda: None)
+    generate.run_generate(eng, ["def f(x):"], "quality-first", 2, vram_budget=got["vram_budget_GiB"])
+    assert bound == [caps.tolist()] and caps.tolist() == resolve_capacities(None, eng.L, eng.E, eng.k, 0.5).tolist()
+
+
+def test_fetch_exact_fails_on_any_pair_that_differs_or_moved_nothing():
+    """The no-debug exactness verdict (scripts/gpu_exact_check.py): each pair bit for bit, each run moved copies."""
+    ex = load_script("gpu_exact_check")
+    nll = np.linspace(1.0, 2.0, 12).reshape(2, 6)
+
+    def run(fetches=3, prefetch=2, admit=1, nll_=nll):
+        return {"nll": nll_.copy(), "counters": {"fetches": fetches},
+                "engine": {"prefetch_copies": prefetch, "admission_copies": admit}}
+
+    class E:
+        device, dtype = "cpu", torch.bfloat16
+
+    names = ("quarter", "E-1", "lookahead", "quality-first", "quality-first, debug")
+    good = {n: run() for n in names}
+    assert ex.fetch_exact_record(good, nll, E, 12, False)["ok"]
+    for n in names[1:]:
+        bad = {**good, n: run(nll_=nll + np.eye(2, 6) * 1e-7)}
+        rec = ex.fetch_exact_record(bad, nll, E, 12, False)
+        assert not rec["ok"] and not all(p["bit_identical"] for p in rec["pairs"].values()), n
+    assert not ex.fetch_exact_record({**good, "quality-first": run(fetches=4)}, nll, E, 12, False)["ok"]
+    for kw in ({"prefetch": 0}, {"admit": 0}):
+        assert not ex.fetch_exact_record({**good, **{n: run(**kw) for n in names}}, nll, E, 12, False)["ok"], kw

@@ -354,8 +354,8 @@ def test_other_families_equal_emulation(tmp_path, family):
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_FILES = ["bench_pageable.json", "bench_pinned.json", "calibrate.json", "generate.json", "gpu_checks.log",
                "host.yaml", "summary.md", "versions.json"]
-CHECK_STEPS = ["versions", "kernel", "oom", "bench-pinned", "lowbit", "fetch-exact", "generate", "calibrate", "stream",
-               "engine-cpu", "exactness", "bench-pageable"]
+CHECK_STEPS = ["versions", "kernel", "oom", "bench-pinned", "fetch-exact", "lowbit", "generate", "exactness",
+               "calibrate", "stream", "engine-cpu", "bench-pageable"]
 
 
 def run_checks(tmp_path, *args, budget: int | None = None, **extra_env: str):
