@@ -150,25 +150,25 @@ class TinySpec:
 
 
 SPECS: dict[str, TinySpec] = {
-    # ~28M parameters (4 x 64 experts of 3 x 256 x 128), ~6M active per token. 360 steps at a peak
-    # learning rate of 3e-3 (was 750 at 2e-3): about 5 minutes on an idle 2-core machine, so a fresh
-    # `make pareto` finishes within 10 (docs/tiny_models.md has what it costs).
+    # ~7M parameters (4 x 64 experts of 3 x 128 x 64), top-8: trained far enough (900 steps) that its experts
+    # differ, so every lossy policy costs perplexity, within a fresh `make pareto`'s 10 minutes
+    # (docs/tiny_models.md has what it costs).
     "demo": TinySpec(
         name="demo",
         num_layers=4,
-        hidden_size=256,
-        intermediate_size=1024,
-        moe_intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=512,
+        moe_intermediate_size=64,
         num_experts=64,
         num_experts_per_tok=8,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        head_dim=32,
         vocab_size=4096,
         seq_len=256,
         batch_size=8,
-        steps=360,
-        warmup_steps=30,
+        steps=900,
+        warmup_steps=40,
         lr=3e-3,
         seed=0,
     ),
