@@ -150,7 +150,7 @@ class TinySpec:
 
 
 SPECS: dict[str, TinySpec] = {
-    # ~7M parameters (4 x 64 experts of 3 x 128 x 64), top-8: trained far enough (900 steps) that its experts
+    # ~7M parameters (4 x 64 experts of 3 x 128 x 64), top-8: trained far enough (1,200 steps of 4 x 256 tokens) that its experts
     # differ, so every lossy policy costs perplexity, within a fresh `make pareto`'s 10 minutes
     # (docs/tiny_models.md has what it costs).
     "demo": TinySpec(
@@ -166,9 +166,9 @@ SPECS: dict[str, TinySpec] = {
         head_dim=32,
         vocab_size=4096,
         seq_len=256,
-        batch_size=8,
-        steps=900,
-        warmup_steps=40,
+        batch_size=4,
+        steps=1200,
+        warmup_steps=50,
         lr=3e-3,
         seed=0,
     ),
