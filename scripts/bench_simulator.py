@@ -15,7 +15,8 @@ as a multiple of it: per policy --repeats rounds, each one simulator replay then
 so both see the same machine phase: this VM's speed drifts 30-40% over seconds), the median and the
 lowest of the rounds' ratios, and each side's best speed (one core).
 
-`--against REV` also times runtime/core/kernel.py as of git revision REV on the same trace, interleaved
+`--against REV` (a revision before runtime/core/kernel/ became a package; otherwise scripts/bench_kernel_ab.py)
+also times runtime/core/kernel.py as of git revision REV on the same trace, interleaved
 with the current kernel (so both see the same machine load), by process CPU time (less sensitive
 to other jobs than wall time) and wall time, and prints the speed ratio.
 """
@@ -170,7 +171,9 @@ def _kernel_at(rev: str):
         got = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, text=True)
         if got.returncode == 0:
             break
-    got.check_returncode()
+    else:  # the kernel is a package from 708c76b on: one module cannot stand in for it
+        sys.exit(f"expertsweep: error: --against {rev}: no single-module kernel at that revision (runtime/core/kernel/ "
+                 "is a package); compare kernels with scripts/bench_kernel_ab.py --before REV --after REV")
     # the old kernel imports its helpers by their old names; they live in runtime.core now
     src = got.stdout.replace("from runtime.errors", "from runtime.core.errors").replace(
         "from runtime.policy", "from runtime.core.policy")

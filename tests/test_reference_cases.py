@@ -2,7 +2,7 @@
 
 Every expected decision below was worked out by hand from docs/policies.md and
 docs/design.md; the comments show the working. These tests check the
-reference itself, so that it can serve as the oracle for runtime/core/kernel.py.
+reference itself, so that it can serve as the oracle for runtime/core/kernel/.
 
 Notation in comments: R = resident set, f/last/c = LFU/LRU/CRF keys,
 "cand" = eviction candidates (residents not pinned), "rk" = candidate ranking.

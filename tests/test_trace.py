@@ -1,4 +1,4 @@
-"""Trace formats, .npz import, validation messages and the synthetic generator (runtime/formats/trace.py)."""
+"""Trace formats, .npz import, validation messages and the synthetic generator (runtime/formats/trace/)."""
 
 from __future__ import annotations
 

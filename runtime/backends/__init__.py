@@ -1,7 +1,7 @@
 """The backends, chosen by name: `simulator`, `emulation`, `engine`; each `evaluate(spec) -> Result`.
 
 Like transformers' `integrations/moe.py`: one contract, several implementations behind a
-registry. Every backend drives the same policy kernel (runtime/core/kernel.py) through
+registry. Every backend drives the same policy kernel (runtime/core/kernel/) through
 `PolicyCache`, so for the same router scores they make the same decisions
 (tests/test_contract.py checks it token by token).
 

@@ -19,7 +19,7 @@ from runtime.core.errors import InputError
 from runtime.tools.corpus import EOS
 
 if TYPE_CHECKING:
-    from runtime.tools.tinymodel import TinySpec
+    from runtime.tools.tinyspec import TinySpec
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ The replay is a numba loop over tokens in stream order and layers in order with 
 host->device link; it returns a `TimeBreakdown` (the formulas are fixed in docs/cost_model.md; keep the two
 in step).
 
-Event columns (shared with runtime/core/kernel.py): EV_DEV=0 device expert computations,
+Event columns (shared with runtime/core/kernel/plan.py): EV_DEV=0 device expert computations,
 EV_FETCH=1 synchronous fetches, EV_HOST=2 host computes, EV_ADM_QUEUED=3 admissions queued
 at the end of the token-layer, EV_ADM_POPPED=4 queue entries taken off the layer's admission
 queue right before the token-layer is processed.
