@@ -180,6 +180,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
     "runtime.backends.prefill": ((TOOLS,), "prefill: generate fills the cache from a prompt"),
     "runtime.backends.emulate": ((TOOLS,), "exact_pass, evaluate_group: the findings evaluate policies on text"),
     "runtime.backends.simulate": ((TOOLS,), "replay: the findings replay traces under many policies"),
+    "runtime.backends.resolve": ((TOOLS,), "resolve, IdsSource: the findings size and warm their replays' caches as "
+                                 "every backend resolves a run"),
     "runtime.core.kernel": ((TOOLS,), "PolicyCache, warm_residency: calibrate and generate bind a cache to an "
                                       "engine directly; the findings warm a cache"),
     "runtime.tools.record": ((SWEEP,), "record_trace: the sweep records the traces it replays"),

@@ -271,3 +271,20 @@ def test_given_ids_and_a_spec_residency_are_one_or_the_other(inputs):
     run = resolve(dataclasses.replace(spec, initial_residency=None), TraceSource(load_trace(inputs["trace"])),
                   initial_residency=[np.array([4, 1]), np.array([0, 6, 2])])
     assert _residency(run) == [[4, 1], [0, 6, 2]] and run.residency_source == "given"
+
+
+def test_findings_caps_and_warm_is_the_resolved_run():
+    """The findings' capacities and warm start (runtime/tools/findings/experiments.py) are the resolver's, and
+    equal what the fraction and the calibration counts give directly (cold without calibration ids)."""
+    from runtime.core.kernel import warm_residency
+    from runtime.core.policy import resolve_capacities
+    from runtime.tools.findings.experiments import caps_and_warm
+
+    tr = synthetic_trace(300, 3, 32, 4, seed=5)
+    cal = synthetic_trace(200, 3, 32, 4, seed=6).topk_ids
+    caps, init = caps_and_warm(tr, cal, 0.25)
+    want = resolve_capacities(None, 3, 32, 4, 0.25)
+    assert caps.tolist() == want.tolist() == [8, 8, 8]
+    ref = warm_residency(cal, None, 32, want)
+    assert [np.asarray(r).tolist() for r in init] == [np.asarray(r)[np.asarray(r) >= 0].tolist() for r in ref]
+    assert caps_and_warm(tr, None, 0.25)[1] is None

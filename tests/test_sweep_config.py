@@ -111,3 +111,13 @@ def test_key_table_lists_every_key_once():
     assert table[:2] == ["| key | default | what |", "|---|---|---|"]
     assert [row.split(" | ")[0] for row in table[2:]] == [f"| `{k.name}`" for k in C.SWEEP_KEYS]
     assert all(row.count(" | ") == 2 for row in table[2:])  # a | in a help text is escaped
+
+
+def test_the_docs_key_table_is_the_generated_one():
+    """docs/sweep.md's table of YAML keys is `python -m sweep.config`'s (the field table), not a copy by hand."""
+    from pathlib import Path
+
+    from sweep.config import key_table
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "sweep.md").read_text()
+    assert key_table().strip() in page

@@ -180,13 +180,14 @@ def exact_trace(s: Setup, text: Path, depth: int | None = None) -> tuple[Any, np
 
 
 def caps_and_warm(trace: Any, calib_ids: np.ndarray | None, capacity_fraction: float) -> tuple[np.ndarray, Any]:
-    """Per-layer capacities at `capacity_fraction` and the warm start the emulation uses there."""
-    from runtime.core.kernel import warm_residency
-    from runtime.core.policy import resolve_capacities
+    """Per-layer capacities at `capacity_fraction` and the warm start the emulation uses there (from the
+    calibration ids; cold without them), resolved as every backend resolves a run (runtime/backends/resolve.py)."""
+    from runtime.backends.resolve import IdsSource, resolve
 
-    caps = resolve_capacities(None, trace.L, trace.E, trace.k, capacity_fraction)
-    init = warm_residency(calib_ids, None, trace.E, caps) if calib_ids is not None else None
-    return caps, init
+    spec = RunSpec(policy=PRESETS["fetch-every-miss"], trace="the exact pass's routing",
+                   capacity_fraction=capacity_fraction, initial_residency="cold" if calib_ids is None else None)
+    run = resolve(spec, IdsSource(trace.L, trace.E, trace.k, calib_ids, source="calibration text"))
+    return run.capacities, None if run.initial_residency is None else list(run.initial_residency)
 
 
 def warm_miss_rate(trace: Any, init: Any) -> float:
