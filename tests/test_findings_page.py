@@ -336,3 +336,17 @@ def test_script_page_is_whole_and_checks_flags_first() -> None:
     assert proc.stderr.strip().splitlines() == [
         "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
     assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
+
+
+def test_the_committed_page_is_its_json_rendered() -> None:
+    """docs/findings.md is docs/findings.json rendered by scripts/findings.py's page(), byte for byte (nothing
+    hand-edited), generated at a clean commit (commit.dirty false)."""
+    import importlib.util
+
+    res = json.loads((REPO / "docs" / "findings.json").read_text())
+    assert res["commit"]["dirty"] is False and len(res["commit"]["commit"]) == 40
+    spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.page(res, res["command"]) == (REPO / "docs" / "findings.md").read_text()
+    assert "lowered perplexity" in next(r["paper"] for r in res["rows"] if r["id"] == "4a")
