@@ -45,8 +45,9 @@ def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("resolve")
     ckpt = build_tiny("qwen3_moe", d / "qwen3_moe")
     text, calib_text = d / "text.txt", d / "calib.txt"
-    text.write_text((ROOT / "runtime" / "core" / "spec.py").read_text()[:6000])
-    calib_text.write_text((ROOT / "runtime" / "core" / "policy.py").read_text()[:3000])
+    frozen = (ROOT / "tests" / "data" / "kernel_source.txt").read_text()  # a fixed text: the source files change
+    text.write_text(frozen[:6000])
+    calib_text.write_text(frozen[20000:23000])
     calib = d / "calib.parquet"  # the routing of another text, recorded by the emulation
     get_backend("emulation").evaluate(RunSpec(policy=FE, model=str(ckpt), text=str(calib_text), capacity=3,
                                               window=WINDOW, initial_residency="cold", trace_out=str(calib)))
