@@ -37,7 +37,7 @@
 #                     after start; stalls are counted from the device time measured between CUDA events.
 #   5 fetch-exact bf16, engine on the device, no debug syncs (scripts/gpu_exact_check.py fetch-exact): fetch-every-miss
 #                at 25% and at E-1 slots bit-identical NLL; fetch-every-miss + lookahead prefetch (background
-#                prefetch copies) bit-identical to it; quality-first (background admissions) without debug
+#                prefetch copies) bit-identical to it; rule-0.15 at beta 0.05 (background admissions) without debug
 #                bit-identical to the same run with a sync after every layer (a copy read before it landed would
 #                change them); the NLL vs the exact pass reported
 #   6 lowbit     the bench's 4-bit (hqq) row is there; else the line "low-bit step did not run" (a failure)

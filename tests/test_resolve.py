@@ -69,7 +69,17 @@ def inputs(tmp_path_factory):
     npy = d / "residency.npy"  # layer 0 full (4 slots), layer 1 with one empty slot
     np.save(npy, np.array([[5, 1, 7, 2], [3, 0, 6, -1]], np.int64))
     (d / "config.json").write_text((Path(ckpt) / "config.json").read_text())
+    # a calibration trace uneven by construction: layer 0 routes every token to experts 0 and 1, layer 1
+    # spreads its calls over all 8
+    sk = np.empty((64, 2, 2), np.int32)  # [T, L, k]
+    sk[:, 0] = (0, 1)
+    sk[:, 1] = (np.arange(64)[:, None] * 2 + np.arange(2)) % 8
+    skewed = d / "skewed.parquet"
+    save_trace(Trace(sk, np.full(sk.shape, 0.5, np.float32), sk.copy(), np.ones(sk.shape[:2], bool),
+                     np.zeros(64, np.int32), np.arange(64, dtype=np.int32), dataclasses.replace(c.meta, lookahead_depth=0, ranking_depth=2)),
+               skewed)
     return {"dir": d, "ckpt": str(ckpt), "text": str(text), "calib": str(calib), "trace": str(trace_path),
+            "skewed": str(skewed),
             "npy": str(npy), "m": m, "text_src": text_src, "held_T": len(held), "config": str(Path(ckpt) / "config.json")}
 
 
@@ -146,7 +156,9 @@ def test_cases_are_not_vacuous(inputs):
     assert fe[0] > 5 and fe[0] == fe[1]
     for n in ("calibrated, held-out", "calibrated, warm"):  # the total kept, spread by the counts
         assert got[n].capacities.sum() == 8, n
-    assert got["calibrated, warm"].capacities.tolist() != [4, 4]  # the calibration trace's counts are uneven
+    # calls that two experts cover take two slots in layer 0: the rest go to layer 1, which spreads over all 8
+    skewed = resolve(specs(inputs, policy=CALIBRATED, capacity=4, initial_residency=f"warm:{inputs['skewed']}")[0], src)
+    assert skewed.capacities.sum() == 8 and skewed.capacities[0] < skewed.capacities[1], skewed.capacities
     assert _residency(got["file"]) == [[5, 1, 7, 2], [3, 0, 6]]
     assert [len(r) for r in _residency(got["per-layer C_l, warm"])] == [3, 5]
     assert got["cold"].initial_residency is None
