@@ -165,6 +165,18 @@ def _best_resident(score_row, sel_mark, i, slot_expert, cap, nneed, subs):
     return nfound
 
 
+@njit(cache=True, inline="always")
+def _log(lg, n_logs, j, t, e, s):
+    """Append (t, e[, s]) to the event log `lg` (log j of n_logs): counted even when the log is full."""
+    n = n_logs[j]
+    if n < lg.shape[0]:
+        lg[n, 0] = t
+        lg[n, 1] = e
+        if lg.shape[1] > 2:
+            lg[n, 2] = s
+    n_logs[j] = n + 1
+
+
 @njit(cache=True)
 def _free_slot(slot_expert, cap):
     for s in range(cap):
@@ -308,12 +320,7 @@ def _build_run_layer(lean: bool):
                     nb += 1
                     tslots[nts] = s
                     nts += 1
-                    n = n_logs[0]
-                    if n < adm_log.shape[0]:
-                        adm_log[n, 0] = t
-                        adm_log[n, 1] = e
-                        adm_log[n, 2] = s
-                    n_logs[0] = n + 1
+                    _log(adm_log, n_logs, 0, t, e, s)
                 if fast:  # re-key the batch's slots (they were pinned against each other)
                     for b_ in range(nb):
                         s = bslots[b_]
@@ -356,12 +363,7 @@ def _build_run_layer(lean: bool):
                     nc += 1
                 pfe[npl] = e
                 npl += 1
-                n = n_logs[2]
-                if n < pf_log.shape[0]:
-                    pf_log[n, 0] = t
-                    pf_log[n, 1] = e
-                    pf_log[n, 2] = s
-                n_logs[2] = n + 1
+                _log(pf_log, n_logs, 2, t, e, s)
             if fast:  # re-key every protected slot
                 for b_ in range(nts):
                     s = tslots[b_]
@@ -591,11 +593,7 @@ def _build_run_layer(lean: bool):
                 q_due[tail] = t + delay
                 q_len += 1
                 acc[e] = 0.0
-                n = n_logs[1]
-                if n < q_log.shape[0]:
-                    q_log[n, 0] = t
-                    q_log[n, 1] = e
-                n_logs[1] = n + 1
+                _log(q_log, n_logs, 1, t, e, -1)
             ev[i, EV_ADM_QUEUED] += nq
             return q_len
 
