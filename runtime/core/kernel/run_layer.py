@@ -477,14 +477,22 @@ def _build_run_layer(lean: bool):
                         nlow += 1
                         ltok += wj
                     else:
-                        out_kind[oi, j] = DROP
-                        out_served[oi, j] = -1
+                        drop(oi, j)
                         ndrop += 1
                         mtok += wj
-                    acc[e] += wj
-                    cand[nc] = e
-                    nc += 1
+                    nc = candidate(e, wj, nc)
             return nf, nh, nlow, ndrop, nneed, mtok, ltok, nc, npn
+
+        def drop(oi, j):
+            """A miss nothing serves: DROP, served -1 (its slot stays -1)."""
+            out_kind[oi, j] = DROP
+            out_served[oi, j] = -1
+
+        def candidate(e, wj, nc):
+            """A miss not fetched: its gate weight joins e's accumulator, e an admission candidate; returns nc."""
+            acc[e] += wj
+            cand[nc] = e
+            return nc + 1
 
         def substitutes(i, oi, nneed, nc):
             """Step 4: substitutes in rank order, after all fetches. ranking[:k] is the selection (each entry a
@@ -517,13 +525,10 @@ def _build_run_layer(lean: bool):
                     out_slot[oi, j] = expert_slot[found]
                     nsub += 1
                 else:
-                    out_kind[oi, j] = DROP
-                    out_served[oi, j] = -1
+                    drop(oi, j)
                     ndrop += 1
                 mtok += wj
-                acc[e] += wj
-                cand[nc] = e
-                nc += 1
+                nc = candidate(e, wj, nc)
             return nsub, ndrop, mtok, nc
 
         def rekey(i, oi, t, nm, npn, nf):
