@@ -430,6 +430,17 @@ def _build_run_layer(lean: bool):
                     nm += 1
             return nm, npn
 
+        def drop(oi, j):
+            """A miss nothing serves: DROP, served -1 (its slot stays -1)."""
+            out_kind[oi, j] = DROP
+            out_served[oi, j] = -1
+
+        def candidate(e, wj, nc):
+            """A miss not fetched: its gate weight joins e's accumulator, e an admission candidate; returns nc."""
+            acc[e] += wj
+            cand[nc] = e
+            return nc + 1
+
         def miss_rule(i, oi, nm, npn, nc, st_):
             """Steps 2-3 and the fallbacks other than substitute: each miss's decision, the fetches in rank
             order through claim. Returns (nf, nh, nlow, ndrop, nneed, mtok, ltok, nc, npn): nneed misses left
@@ -482,17 +493,6 @@ def _build_run_layer(lean: bool):
                         mtok += wj
                     nc = candidate(e, wj, nc)
             return nf, nh, nlow, ndrop, nneed, mtok, ltok, nc, npn
-
-        def drop(oi, j):
-            """A miss nothing serves: DROP, served -1 (its slot stays -1)."""
-            out_kind[oi, j] = DROP
-            out_served[oi, j] = -1
-
-        def candidate(e, wj, nc):
-            """A miss not fetched: its gate weight joins e's accumulator, e an admission candidate; returns nc."""
-            acc[e] += wj
-            cand[nc] = e
-            return nc + 1
 
         def substitutes(i, oi, nneed, nc):
             """Step 4: substitutes in rank order, after all fetches. ranking[:k] is the selection (each entry a
