@@ -376,13 +376,13 @@ def test_fetch_exact_fails_on_any_pair_that_differs_or_moved_nothing():
     class E:
         device, dtype = "cpu", torch.bfloat16
 
-    names = ("quarter", "E-1", "lookahead", "quality-first", "quality-first, debug")
+    names = ("quarter", "E-1", "lookahead", "admissions", "admissions, debug")
     good = {n: run() for n in names}
     assert ex.fetch_exact_record(good, nll, E, 12, False)["ok"]
     for n in names[1:]:
         bad = {**good, n: run(nll_=nll + np.eye(2, 6) * 1e-7)}
         rec = ex.fetch_exact_record(bad, nll, E, 12, False)
         assert not rec["ok"] and not all(p["bit_identical"] for p in rec["pairs"].values()), n
-    assert not ex.fetch_exact_record({**good, "quality-first": run(fetches=4)}, nll, E, 12, False)["ok"]
+    assert not ex.fetch_exact_record({**good, "admissions": run(fetches=4)}, nll, E, 12, False)["ok"]
     for kw in ({"prefetch": 0}, {"admit": 0}):
         assert not ex.fetch_exact_record({**good, **{n: run(**kw) for n in names}}, nll, E, 12, False)["ok"], kw
