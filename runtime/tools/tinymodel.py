@@ -75,8 +75,9 @@ _LATER_FIELDS = {"architecture": "qwen3_moe", "shared_expert_intermediate_size":
 
 SPECS: dict[str, TinySpec] = {
     # ~7M parameters (4 x 64 experts of 3 x 128 x 64), top-8: trained far enough (1,200 steps of 4 x 256 tokens) that its experts
-    # differ, so every lossy policy costs perplexity, within a fresh `make pareto`'s 10 minutes
-    # (docs/tiny_models.md has what it costs).
+    # differ, so every lossy policy costs perplexity, within a fresh `make pareto`'s 10 minutes; a weak load-balancing
+    # loss (0.001) lets the router specialise, which makes the losses larger and steadier from build to build
+    # (docs/tiny_models.md has what it costs and the builds compared).
     "demo": TinySpec(
         name="demo",
         num_layers=4,
@@ -95,6 +96,7 @@ SPECS: dict[str, TinySpec] = {
         warmup_steps=50,
         lr=3e-3,
         seed=0,
+        router_aux_loss_coef=0.001,
     ),
     # ~1.3M parameters, for tests and quick end-to-end runs.
     "test": TinySpec(
