@@ -39,7 +39,7 @@ def parse_build(text: str, fields: dict) -> dict:
         try:
             out[key] = type(fields[key])(value)
         except ValueError:
-            sys.exit(f"demo_builds: --build {text!r}: {key} = {value!r} is not a {type(fields[key]).__name__}")
+            sys.exit(f"demo_builds: --build {text!r}: {key} = {value!r}: expected {type(fields[key]).__name__}")
     return out
 
 
