@@ -39,6 +39,15 @@ CALIBRATED = PolicyConfig(rule="first_choice", evict="lfuda", capacity_alloc="ca
 PINNED = PolicyConfig(rule="threshold", tau=0.15, evict="lfuda", pin_fraction=0.34, beta=0.3)
 
 
+def ids_trace(ids: np.ndarray, meta) -> Trace:
+    """A trace of these router selections [T, L, k] (every cell valid, gate weight 0.5, the selection as its
+    ranking, one sequence) with `meta`'s model and dimensions."""
+    T = len(ids)
+    return Trace(ids, np.full(ids.shape, 0.5, np.float32), ids.copy(), np.ones(ids.shape[:2], bool),
+                 np.zeros(T, np.int32), np.arange(T, dtype=np.int32),
+                 dataclasses.replace(meta, lookahead_depth=0, ranking_depth=ids.shape[2]))
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """The checkpoint, the text, a calibration trace of another text, the simulator's trace and a residency file."""
@@ -61,11 +70,8 @@ def inputs(tmp_path_factory):
     n = 4 * len(held)
     ev = np.resize(c.topk_ids, (n, *c.topk_ids.shape[1:]))
     tids = np.concatenate([ev, held]).astype(np.int32)  # [5 T_c, L, k]
-    T = len(tids)
-    trace = Trace(tids, np.full(tids.shape, 0.5, np.float32), tids.copy(), np.ones(tids.shape[:2], bool),
-                  np.zeros(T, np.int32), np.arange(T, dtype=np.int32), dataclasses.replace(c.meta, lookahead_depth=0, ranking_depth=2))
     trace_path = d / "trace.parquet"
-    save_trace(trace, trace_path)
+    save_trace(ids_trace(tids, c.meta), trace_path)
     npy = d / "residency.npy"  # layer 0 full (4 slots), layer 1 with one empty slot
     np.save(npy, np.array([[5, 1, 7, 2], [3, 0, 6, -1]], np.int64))
     (d / "config.json").write_text((Path(ckpt) / "config.json").read_text())
@@ -75,9 +81,7 @@ def inputs(tmp_path_factory):
     sk[:, 0] = (0, 1)
     sk[:, 1] = (np.arange(64)[:, None] * 2 + np.arange(2)) % 8
     skewed = d / "skewed.parquet"
-    save_trace(Trace(sk, np.full(sk.shape, 0.5, np.float32), sk.copy(), np.ones(sk.shape[:2], bool),
-                     np.zeros(64, np.int32), np.arange(64, dtype=np.int32), dataclasses.replace(c.meta, lookahead_depth=0, ranking_depth=2)),
-               skewed)
+    save_trace(ids_trace(sk, c.meta), skewed)
     return {"dir": d, "ckpt": str(ckpt), "text": str(text), "calib": str(calib), "trace": str(trace_path),
             "skewed": str(skewed),
             "npy": str(npy), "m": m, "text_src": text_src, "held_T": len(held), "config": str(Path(ckpt) / "config.json")}
