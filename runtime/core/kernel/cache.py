@@ -23,11 +23,12 @@ from runtime.core.kernel.plan import (
     StepResult,
     Tokens,
 )
-from runtime.core.kernel.run_layer import F_SUBSTITUTE, run_layers, run_layers_lean
+from runtime.core.kernel.run_layer import F_SUBSTITUTE, run_layers
 from runtime.core.kernel.state import FIELDS, Q_RES, allocate
 from runtime.core.policy import PolicyConfig, kernel_record, pinned_count
 
-__all__ = ["COUNTER_NAMES", "PolicyCache", "next_use", "predicted_layers", "predicted_lists", "warmup"]
+__all__ = ["COUNTER_NAMES", "PolicyCache", "kernel_signatures", "next_use", "predicted_layers", "predicted_lists",
+           "warmup"]
 
 
 @njit(cache=True)
@@ -48,20 +49,41 @@ def next_use(ids, valid, E, t0):
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) the kernel before anything is timed."""
+    """Compile (or load from numba's cache) the kernel before anything is timed.
+
+    `run_layers` has one signature (PolicyCache converts every array it passes: C-contiguous, fixed dtypes) and
+    compiles both builds of run_layer with it, so one step of each build would do; the calls below also go
+    through every path a caller takes (ranking, router scores, predicted lists, next uses, no decisions,
+    step_layers) so that a new signature, should one appear, is compiled here and not in a timed run."""
     pc = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5, prefetch="lookahead"), 4, 1, np.array([1]),
                      [np.array([0])])
     pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), nxt=np.zeros((2, 1)),
             predicted=np.array([[3], [-1]]))
-    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 4)))
-    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 6))[:, 1:5])  # strided
+    pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), scores=np.zeros((2, 6))[:, 1:5])  # strided: copied
     lean = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5), 4, 1, np.array([1]), [np.array([0])])
-    lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]))
     lean.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), decisions=False)
     ids, w, rk = np.array([[[1], [2]]], np.int32), np.array([[[0.9], [0.1]]]), np.array([[[1, 0], [2, 0]]], np.int32)
     for c in (pc, lean):
         c.next_t[:] = 0
         c.step_layers(ids, w, rk, np.ones((1, 2), np.bool_), np.zeros((1, 2, N_EV), np.int32))
+
+
+def kernel_signatures() -> dict[str, int]:
+    """How many signatures each of the kernel's entry dispatchers holds in this process (compiled here or
+    loaded from numba's cache), and how many of them this process compiled: {"run_layers": n, ...,
+    "compiled": c}. `warmup()` in a process whose cache a previous one filled leaves "compiled" at 0
+    (tests/test_kernel.py, scripts/gpu_checks.sh's steps)."""
+    from runtime.core.kernel import run_layer as rl
+
+    out: dict[str, int] = {}
+    compiled = 0
+    for name in ("run_layers", "run_layer", "run_layer_lean"):
+        d = getattr(rl, name)
+        out[name] = len(d.signatures)
+        st = d.stats
+        compiled += sum(st.cache_misses.values())
+    out["compiled"] = compiled
+    return out
 
 
 def predicted_lists(policy: PolicyConfig, layer: int, topk_ids: np.ndarray, valid: np.ndarray,
@@ -219,13 +241,15 @@ class PolicyCache:
         if scores is None or rank.shape[1] == self.E:  # a full ranking: walk it (stops after a few entries)
             sc = np.zeros((0, 0))
         else:
-            sc = np.asarray(scores, dtype=np.float64)  # rows may be strided (a slice of the adapters' pack)
+            # C-contiguous, whatever the caller holds (the adapters pass a strided slice of their pack): one
+            # compiled signature (a strided one would be a second compile in every process)
+            sc = np.ascontiguousarray(scores, dtype=np.float64)
             if sc.shape != (T, self.E):
                 raise InputError(f"router scores: shape {sc.shape}, expected [T={T}, E={self.E}] (layer {layer})")
             rank = ids
         t0 = int(self.next_t[layer]) if t0 is None else int(t0)
         self.next_t[layer] = t0 + T
-        nxt = np.zeros((0, k)) if nxt is None else nxt
+        nxt = np.zeros((0, k)) if nxt is None else np.ascontiguousarray(nxt, dtype=np.float64)
         if predicted is None or self.prefetch_width == 0:
             pred = np.zeros((0, 0), np.int32)
         else:
@@ -235,16 +259,18 @@ class PolicyCache:
         kind = np.empty((rows, k), np.int8)
         served = np.empty((rows, k), np.int32)
         slot = np.empty((rows, k), np.int32)
-        ev = np.zeros((T, N_EV), np.int32) if events is None else events
+        ev = np.zeros((T, N_EV), np.int32) if events is None else np.ascontiguousarray(events, dtype=np.int32)
         n_adm = min(T * k, 1 << 20) + self.E if logs else 0  # the simulator needs no logs
         adm_log = np.empty((n_adm, 3), np.int64)
         q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
-        fn = run_layers_lean if self._lean and sc.shape[0] == 0 else run_layers
-        fn(Tokens(ids[None], w[None], rank[None], valid[None], sc[None], nxt[None], pred[None]), t0, self._params,
-           self._state, Outputs(kind[None], served[None], slot[None], ev[None], adm_log[None], q_log[None],
-                                pf_log[None], n_logs[None]), l_)
+        run_layers(Tokens(ids[None], w[None], rank[None], valid[None], sc[None], nxt[None], pred[None]), t0,
+                   self._params, self._state, Outputs(kind[None], served[None], slot[None], ev[None], adm_log[None],
+                                                      q_log[None], pf_log[None], n_logs[None]), l_,
+                   self._lean and sc.shape[0] == 0)
+        if events is not None and ev is not events:  # the caller's array (another dtype or layout) gets the counts
+            events[...] = ev
         na, nq, npf = (int(x) for x in n_logs)
         if not decisions:
             kind = served = slot = None
@@ -302,8 +328,8 @@ class PolicyCache:
         out = Outputs(np.empty((L, rows, k), np.int8), np.empty((L, rows, k), np.int32),
                       np.empty((L, rows, k), np.int32), events, np.empty((L, 0, 3), np.int64),
                       np.empty((L, 0, 2), np.int64), np.empty((L, 0, 3), np.int64), np.zeros((L, 3), np.int64))
-        fn = run_layers_lean if self._lean else run_layers
-        fn(Tokens(ids, weights, ranking, valid, np.zeros((L, 0, 0)), nxt, pred), t0, self._params, self._state, out, 0)
+        run_layers(Tokens(ids, weights, ranking, valid, np.zeros((L, 0, 0)), nxt, pred), t0, self._params, self._state,
+                   out, 0, self._lean)
         return (out.kind, out.served, out.slot) if decisions else None
 
     def resident(self, layer: int) -> np.ndarray:

@@ -17,7 +17,8 @@ atomic reference-count updates at each call: a claim as a module-level inlined f
 The one source is compiled twice (`_build_run_layer`): `run_layer` for every policy and `run_layer_lean`,
 in which the paper's presets' features are constants (lfu with gamma 1, the substitute fallback, no fetch
 cap, pinning, prefetch or router scores); `PolicyCache` picks the lean build when the policy allows it.
-Python enters through `run_layers` (one build's run_layer over a range of layers).
+Python enters through `run_layers` (either build's run_layer over a range of layers; module-level, so it
+loads from numba's cache in a new process).
 
 Where the time goes (docs/performance.md): a replay streams its trace from memory, so run_layer asks for
 the rows of token i + PF_AHEAD while it decides token i (`_prefetch`, a hint); per token the hits pass lists
@@ -679,22 +680,24 @@ run_layer = _build_run_layer(False)
 run_layer_lean = _build_run_layer(True)
 
 
-def _build_run_layers(layer_fn):
-    """run_layers over one build of run_layer: the kernel's one entry from Python (PolicyCache.step for one
-    layer, PolicyCache.step_layers for a whole trace), so a replay of L layers is one call, not L."""
+@njit(cache=True)
+def run_layers(tok, t0, pol, cs, out, l0, lean):
+    """The kernel's one entry from Python (PolicyCache.step for one layer, PolicyCache.step_layers for a whole
+    trace, so a replay of L layers is one call, not L): layers l0 .. l0+n-1 in order over tokens t0..,
+    through `run_layer_lean` when `lean` is true, else `run_layer`. `tok` Tokens and `out` Outputs whose
+    arrays carry a leading layer axis ([n, T, k] ...: row i is layer l0 + i), `cs` the CacheState (mutated in
+    place).
 
-    @njit(cache=True)
-    def run_layers(tok, t0, pol, cs, out, l0):
-        """Layers l0 .. l0+n-1 in order over tokens t0..: `tok` Tokens and `out` Outputs whose arrays carry a
-        leading layer axis ([n, T, k] ...: row i is layer l0 + i), `cs` the CacheState (mutated in place)."""
-        for i in range(tok.ids.shape[0]):
-            layer_fn(Tokens(tok.ids[i], tok.w[i], tok.rank[i], tok.valid[i], tok.score[i], tok.nxt[i], tok.pred[i]), t0,
-                     pol, layer_state(cs, l0 + i),
-                     Outputs(out.kind[i], out.served[i], out.slot[i], out.ev[i], out.adm_log[i], out.q_log[i],
-                             out.pf_log[i], out.n_logs[i]))
-
-    return run_layers
-
-
-run_layers = _build_run_layers(run_layer)
-run_layers_lean = _build_run_layers(run_layer_lean)
+    A module-level function over the two module-level dispatchers, not a closure: numba hashes a closure's
+    cells into its cache key and a dispatcher pickles with a per-process id, so a closure over run_layer
+    never loaded from the cache (every process compiled it again and added cache files, docs/performance.md
+    "Compile once"). Every caller passes C-contiguous arrays of fixed dtypes (PolicyCache converts), so this
+    is one signature."""
+    for i in range(tok.ids.shape[0]):
+        lt = Tokens(tok.ids[i], tok.w[i], tok.rank[i], tok.valid[i], tok.score[i], tok.nxt[i], tok.pred[i])
+        lo = Outputs(out.kind[i], out.served[i], out.slot[i], out.ev[i], out.adm_log[i], out.q_log[i],
+                     out.pf_log[i], out.n_logs[i])
+        if lean:
+            run_layer_lean(lt, t0, pol, layer_state(cs, l0 + i), lo)
+        else:
+            run_layer(lt, t0, pol, layer_state(cs, l0 + i), lo)
