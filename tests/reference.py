@@ -374,8 +374,9 @@ def _replay_layer(
             return crf[e]
         if evict == "lfuda":
             return dak[e]
-        # belady: minus the next use; never again = +inf -> key -inf (evicted first)
-        return -next_use(e, belady_start)
+        if evict == "belady":  # minus the next use; never again = +inf -> key -inf (evicted first)
+            return -next_use(e, belady_start)
+        raise ValueError(f"reference: no eviction key for {evict!r}")  # s3fifo has no key: pick_victim
 
     def s3_victim(allowed):
         while True:
@@ -489,8 +490,10 @@ def _replay_layer(
                 fetch = j == 0  # "FETCH if j == 0, else SUBSTITUTE"
             elif rule == "substitute_all":
                 fetch = False  # "SUBSTITUTE every miss, the first choice included"
-            else:  # band: the first choice always; a later miss with tau <= w < tau_high is not fetched
+            elif rule == "band":  # the first choice always; a later miss with tau <= w < tau_high is not fetched
                 fetch = j == 0 or not (tau <= w[j] < tau_high)
+            else:
+                raise ValueError(f"reference: no miss rule {rule!r}")
             # Additions (2), fetch cap: "the first fetch_cap of them in rank order are fetched and the
             # others get the policy's fallback ... exactly as if the rule had not fetched them"
             if fetch and fetch_cap is not None and sum(x == FETCH for x in decision) >= fetch_cap:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +23,8 @@ from hypothesis import strategies as st
 
 from runtime.cli import main as cli_main
 from runtime.core.kernel import N_EV, PolicyCache
-from runtime.core.kernel.evict import EVICT_KINDS
+from runtime.core.kernel import run_layer as rl
+from runtime.core.kernel.evict import EVICT_KINDS, check_kinds
 from runtime.core.policy import EVICTS, PARAM_BY_NAME, PolicyConfig
 from runtime.formats.trace import load_trace, save_trace, synthetic_trace
 from tests import reference
@@ -34,8 +38,52 @@ def test_every_kind_has_a_row_rules_and_a_reference():
     """The policy table, the kernel's eviction table and the reference name the same kinds, in code order."""
     assert tuple(k.name for k in EVICT_KINDS) == EVICTS == reference.EVICTS
     assert PARAM_BY_NAME["evict"].choices == EVICTS
-    for kind in EVICT_KINDS:
-        assert kind.keys in ("int", "float", "queue") and kind.touch in ("selected", "computed") and kind.rule
+    check_kinds(EVICT_KINDS, EVICTS)  # what the import ran: every row names mechanisms the kernel implements
+
+
+def test_docs_table_is_the_eviction_table():
+    """docs/policies.md's table of kinds holds EVICT_KINDS' rows, in code order."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "policies.md").read_text()
+    sec = text[text.index("### Eviction kinds: the table"):]
+    rows = [ln for ln in sec[: sec.index("\n\n", sec.index("| kind |"))].splitlines() if ln.startswith("| `")]
+    cells = [tuple(c.strip().strip("`") for c in ln.strip("|").split("|")) for ln in rows]
+    assert cells == [(k.name, k.keys, k.on_load, k.touch, k.experts, k.rule) for k in EVICT_KINDS]
+
+
+def test_half_added_kind_fails_with_a_message():
+    """A kind in the policy table without its row, a row naming a mechanism the kernel lacks, and a rule,
+    fallback or touch without its kernel branch each fail (at import) with a message naming them."""
+    with pytest.raises(ValueError, match=r"no row: \['arc'\].*tests/reference.py.*docs/policies.md"):
+        check_kinds(EVICT_KINDS, (*EVICTS, "arc"))
+    for field in ("keys", "on_load", "touch"):
+        bad = (*EVICT_KINDS[:-1], EVICT_KINDS[-1]._replace(**{field: "arc"}))
+        with pytest.raises(ValueError, match=rf"row 's3fifo': {field} = 'arc' is not one the kernel implements"):
+            check_kinds(bad, EVICTS)
+    with pytest.raises(ImportError, match=r"no branch: \['clock'\]"):
+        rl._codes(("lfu", "lru"), ("lfu", "lru", "clock"), "TOUCHES")
+
+def test_reference_refuses_a_kind_or_rule_without_its_rule(monkeypatch):
+    """The reference, told of a kind or a rule it has no rule for (a half-added one), raises instead of
+    running another kind's or rule's (its eviction key used to fall through to Belady's, its miss rule to band)."""
+    ids, ws, rks, valid = [[[2]]], [[[1.0]]], [[[2, 0, 1, 3]]], [[True]]  # a miss with two residents to evict
+    monkeypatch.setattr(reference, "EVICTS", (*reference.EVICTS, "arc"))
+    with pytest.raises(ValueError, match="no eviction key for 'arc'"):
+        reference_replay(ids, ws, rks, valid, 4, [2], [[0, 1]], "fetch_all", evict="arc")
+    monkeypatch.setattr(reference, "RULES", (*reference.RULES, "spare"))
+    with pytest.raises(ValueError, match="no miss rule 'spare'"):
+        reference_replay(ids, ws, rks, valid, 4, [2], [[0, 1]], "spare")
+
+
+def test_kind_added_to_the_policy_table_alone_fails_at_import():
+    """The import itself: a kind appended to runtime.core.policy.EVICTS with nothing else fails importing the
+    kernel, naming the kind (a subprocess: the kernel is imported fresh)."""
+    code = ("import runtime.core.policy as p; p.EVICTS = (*p.EVICTS, 'arc'); p.EVICT_CODE['arc'] = len(p.EVICT_CODE); "
+            "import runtime.core.kernel")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1],
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode != 0
+    assert "no row: ['arc']" in r.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("evict", EVICTS)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -539,3 +543,32 @@ def test_cache_guard_drops_stale_kernels(tmp_path, monkeypatch):
     (d / "run_layer.y.nbi").write_text("current")
     guard.check()
     assert (d / "run_layer.y.nbi").exists()
+
+
+def test_second_process_loads_the_kernel_from_the_cache():
+    """warmup() compiles (or loads) the kernel here; a second process with the same numba cache then compiles
+    nothing (its dispatchers report no cache miss) and adds no cache file. A closure over a dispatcher (the
+    former run_layers) or a strided signature compiled again in every process (docs/performance.md)."""
+    from runtime.core.kernel import warmup
+    from runtime.core.kernel.cache import kernel_signatures
+
+    warmup()
+    assert kernel_signatures()["run_layers"] == 1  # every path warmup takes: one signature
+    root = Path(__file__).resolve().parents[1]
+    cache_dirs = [root / "runtime" / "core" / "kernel" / "__pycache__"]
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        cache_dirs.append(Path(os.environ["NUMBA_CACHE_DIR"]))
+
+    def files():
+        return sorted(str(p) for d in cache_dirs if d.is_dir() for p in d.rglob("*.nb[ic]"))
+
+    before = files()
+    code = ("import json; from runtime.core.kernel import warmup; from runtime.core.kernel.cache import "
+            "kernel_signatures; warmup(); print(json.dumps(kernel_signatures()))")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sig = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sig["compiled"] == 0, sig
+    assert sig["run_layers"] == 1, sig
+    assert files() == before

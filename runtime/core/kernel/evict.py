@@ -37,39 +37,85 @@ S3_NONE, S3_SMALL, S3_MAIN, S3_GHOST = 0, 1, 2, 3
 
 
 class EvictKind(NamedTuple):
-    """One row of the eviction table."""
+    """One row of the eviction table: the kernel picks each of the kind's mechanisms from its row (never from
+    its name), each among the ones run_layer.py implements (KEYS, ON_LOADS, TOUCHES below)."""
 
     name: str
-    keys: str  # "int" (composite slot keys; lfu only with gamma 1), "float", "queue"
-    touch: str  # which experts step 5 updates: "selected" (router demand) or "computed" (full precision)
-    rule: str
+    keys: str  # how keys are held and a victim found (KEYS): "int" composite slot keys, one vectorised minimum;
+    #            "int-gamma1" as "int" when gamma == 1, else as "float"; "float" a scan of the float keys;
+    #            "queue" S3-FIFO's queue walk
+    on_load: str  # the claim's rule when a load evicts v and e becomes resident (ON_LOADS): "none", "lfuda"
+    #               (A = max(A, K[v]), c[v] halved, K[e] = A + c[e]), "s3fifo" (s3_moved)
+    touch: str  # step 5, the bookkeeping after the token (TOUCHES): the rule of the kind that introduced it
+    experts: str  # which experts step 5 updates: "selected" (router demand) or "computed" (full precision)
+    rule: str  # the key in words (docs/policies.md, "Eviction kinds: the table")
 
+
+# What run_layer.py implements: a row may name only these (checked below, at import). A new mechanism is a new
+# name here and its branch in run_layer.py (whose import checks that it has one branch per name).
+KEYS = ("int", "int-gamma1", "float", "queue")
+ON_LOADS = ("none", "lfuda", "s3fifo")
+TOUCHES = ("lfu", "lru", "crf", "belady", "lfuda", "s3fifo")
 
 EVICT_KINDS: tuple[EvictKind, ...] = (
-    EvictKind("lfu", "int", "selected", "f[e] = gamma * f[e] + selected"),
-    EvictKind("lru", "int", "computed", "the last token e was computed (never: -1)"),
-    EvictKind("crf", "float", "computed", "c[e] = 2**(-1/h) * c[e] + computed"),
-    EvictKind("belady", "float", "selected", "minus the next use (offline bound)"),
-    EvictKind("lfuda", "int", "selected", "K[e] = A + c[e]; an eviction sets A = max(A, K[v]), halves c[v]"),
-    EvictKind("s3fifo", "queue", "computed", "small / main / ghost FIFOs, freq up to 3 (module docstring)"),
+    EvictKind("lfu", "int-gamma1", "none", "lfu", "selected", "f[e] = gamma * f[e] + selected"),
+    EvictKind("lru", "int", "none", "lru", "computed", "the last token e was computed (never: -1)"),
+    EvictKind("crf", "float", "none", "crf", "computed", "c[e] = 2**(-1/h) * c[e] + computed"),
+    EvictKind("belady", "float", "none", "belady", "selected", "minus the next use (offline bound)"),
+    EvictKind("lfuda", "int", "lfuda", "lfuda", "selected",
+              "K[e] = A + c[e]; an eviction sets A = max(A, K[v]), halves c[v]"),
+    EvictKind("s3fifo", "queue", "s3fifo", "s3fifo", "computed",
+              "small / main / ghost FIFOs, freq up to 3 (module docstring)"),
 )
-assert tuple(k.name for k in EVICT_KINDS) == tuple(EVICT_CODE), "one row per runtime.core.policy.EVICTS entry"
+
+
+def check_kinds(kinds: tuple[EvictKind, ...], evicts: tuple[str, ...]) -> None:
+    """The eviction table against the policy table's kinds (runtime.core.policy.EVICTS): one row per kind, in
+    code order, each naming mechanisms the kernel implements; a ValueError naming the kind and the field
+    otherwise (run at import, so a half-added kind never reaches the kernel)."""
+    names = tuple(k.name for k in kinds)
+    if names != tuple(evicts):
+        missing = [e for e in evicts if e not in names]
+        extra = [n for n in names if n not in evicts]
+        raise ValueError(f"runtime/core/kernel/evict.py: EVICT_KINDS names {list(names)} but runtime.core.policy.EVICTS "
+                         f"is {list(evicts)} (no row: {missing}, no policy entry: {extra}; same order): a kind is "
+                         "its EVICTS entry, its row and rules here, its reference in tests/reference.py and its "
+                         "row in docs/policies.md")
+    for k in kinds:
+        for field, allowed in (("keys", KEYS), ("on_load", ON_LOADS), ("touch", TOUCHES),
+                               ("experts", ("selected", "computed"))):
+            if getattr(k, field) not in allowed:
+                raise ValueError(f"runtime/core/kernel/evict.py: EVICT_KINDS row {k.name!r}: {field} = "
+                                 f"{getattr(k, field)!r} is not one the kernel implements ({', '.join(allowed)})")
+        if not k.rule:
+            raise ValueError(f"runtime/core/kernel/evict.py: EVICT_KINDS row {k.name!r}: no rule in words")
+
+
+check_kinds(EVICT_KINDS, tuple(EVICT_CODE))
+
+# per kind code, the index of its row's mechanism in KEYS / ON_LOADS / TOUCHES: tuples, constants to numba
+KIND_KEYS = tuple(KEYS.index(k.keys) for k in EVICT_KINDS)
+KIND_ON_LOAD = tuple(ON_LOADS.index(k.on_load) for k in EVICT_KINDS)
+KIND_TOUCH = tuple(TOUCHES.index(k.touch) for k in EVICT_KINDS)
+KEYS_INT, KEYS_INT_GAMMA1, KEYS_FLOAT, KEYS_QUEUE = range(len(KEYS))
+ON_LOAD_NONE, ON_LOAD_LFUDA, ON_LOAD_S3FIFO = range(len(ON_LOADS))
 
 
 @njit(cache=True, inline="always")
 def int_keys(evict, gamma):
-    """The kind keeps composite integer slot keys (the fast victim path)."""
-    return (evict == K_LFU and gamma == 1.0) or evict == K_LRU or evict == K_LFUDA
+    """The kind keeps composite integer slot keys (the fast victim path): its row's keys are "int", or
+    "int-gamma1" with gamma 1."""
+    kk = KIND_KEYS[evict]
+    return kk == KEYS_INT or (kk == KEYS_INT_GAMMA1 and gamma == 1.0)
 
 
 @njit(cache=True, inline="always")
-def slot_key(evict, kval, e, E, s, sb):
-    """Slot key of slot `s` holding `e` whose key is `kval` (lfu with gamma 1, lfuda, lru): the composite key
-    * E + id (smallest key, ties lower id, in one int64), shifted left by `sb` bits holding the slot
-    (2**sb >= C_l): the slots' order is the composite keys' and a minimum names its slot."""
-    if evict == K_LRU:
-        return (((np.int64(kval) + 1) * E + e) << sb) | s
-    return ((np.int64(kval) * E + e) << sb) | s
+def slot_key(kval, e, E, s, sb):
+    """Slot key of slot `s` holding `e` whose integer key is `kval` >= -1 (the "int" keys: lfu with gamma 1,
+    lfuda, lru, whose never-used residents hold -1): the composite (key + 1) * E + id (smallest key, ties
+    lower id, in one int64), shifted left by `sb` bits holding the slot (2**sb >= C_l): the slots' order is
+    the composite keys' and a minimum names its slot."""
+    return (((np.int64(kval) + 1) * E + e) << sb) | s
 
 
 @njit(cache=True, inline="always")

@@ -41,7 +41,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runtime.core.kernel import evict as ek
-from runtime.core.kernel.evict import IMAX, K_CRF, K_LFU, K_LFUDA, K_LRU, K_S3FIFO
+from runtime.core.kernel.evict import (
+    IMAX,
+    K_LFU,
+    KEYS_QUEUE,
+    KIND_KEYS,
+    KIND_ON_LOAD,
+    KIND_TOUCH,
+    ON_LOAD_LFUDA,
+    ON_LOAD_S3FIFO,
+)
 from runtime.core.kernel.plan import (
     C_ADM,
     C_ADM_SKIPPED,
@@ -75,11 +84,27 @@ from runtime.core.kernel.plan import (
     Tokens,
 )
 from runtime.core.kernel.state import Q_AGE, Q_HEAD, Q_LEN, Q_RES, Q_STAMP, layer_state
-from runtime.core.policy import FALLBACK_CODE, RULE_CODE
+from runtime.core.policy import FALLBACKS, RULES
 
-R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_BAND = (RULE_CODE[r] for r in
-    ("fetch_all", "threshold", "first_choice", "substitute_all", "band"))
-F_SUBSTITUTE, F_DROP, F_HOST, F_LOWBIT = (FALLBACK_CODE[f] for f in ("substitute", "drop", "host", "lowbit"))
+
+def _codes(implemented: tuple[str, ...], table: tuple[str, ...], what: str) -> tuple[int, ...]:
+    """The codes of the names this module has a branch for, after checking that they are exactly the names
+    of `table` (`what` names it): a miss rule, fallback or eviction touch added to a table without its branch
+    here fails at import, naming it (no branch falls through to another's rule)."""
+    if set(implemented) != set(table):
+        raise ImportError(f"runtime/core/kernel/run_layer.py: {what} is {list(table)}, the kernel has branches for "
+                          f"{list(implemented)} (no branch: {[n for n in table if n not in implemented]}; a branch "
+                          f"for nothing: {[n for n in implemented if n not in table]})")
+    return tuple(table.index(n) for n in implemented)
+
+
+# one branch each in _fetches (miss rules), miss_rule (fallbacks) and rekey (eviction touches)
+R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_BAND = _codes(
+    ("fetch_all", "threshold", "first_choice", "substitute_all", "band"), RULES, "runtime.core.policy.RULES")
+F_SUBSTITUTE, F_DROP, F_HOST, F_LOWBIT = _codes(("substitute", "drop", "host", "lowbit"), FALLBACKS,
+                                                "runtime.core.policy.FALLBACKS")
+T_LFU, T_LRU, T_CRF, T_BELADY, T_LFUDA, T_S3FIFO = _codes(("lfu", "lru", "crf", "belady", "lfuda", "s3fifo"),
+                                                          ek.TOUCHES, "runtime.core.kernel.evict.TOUCHES")
 # run_layer asks for token i + PF_AHEAD's input rows while deciding token i: a replay streams
 # the trace from memory (tens of MB) and a token's decisions take ~100 ns, less than a miss to DRAM
 PF_AHEAD = 8
@@ -188,14 +213,19 @@ def _free_slot(slot_expert, cap):
 
 @njit(cache=True, inline="always")
 def _fetches(rule, j, wj, tau, tau_high):
-    """The miss rule for the miss at rank j with gate weight wj."""
+    """The miss rule for the miss at rank j with gate weight wj: one branch per rule of RULES (checked at
+    import), none falling through to another's."""
     if rule == R_FETCH_ALL:
         return True
     if rule == R_SUBSTITUTE_ALL:
         return False
     if rule == R_BAND:
         return j == 0 or wj < tau or wj >= tau_high
-    return j == 0 or wj >= tau  # threshold, first_choice (tau = +inf)
+    if rule == R_THRESHOLD:
+        return j == 0 or wj >= tau
+    if rule == R_FIRST_CHOICE:
+        return j == 0
+    raise ValueError("run_layer: a miss rule without its branch in _fetches")
 
 
 def _build_run_layer(lean: bool):
@@ -219,8 +249,12 @@ def _build_run_layer(lean: bool):
         fcap = -1 if lean else pol.fetch_cap
         cap, age_count, s3q, ghost = st.caps, st.age_count, st.queue, st.ghost
         p0 = 0 if lean else st.npin
-        aging = evict == K_LFUDA
-        s3 = evict == K_S3FIFO
+        # the kind's mechanisms, each from its row of evict.EVICT_KINDS (constants in the lean build)
+        queue_walk = KIND_KEYS[evict] == KEYS_QUEUE  # the victim: S3-FIFO's queue walk
+        on_load = KIND_ON_LOAD[evict]  # the claim's on-load / on-evict rule
+        touch = KIND_TOUCH[evict]  # step 5's rule
+        aging = on_load == ON_LOAD_LFUDA
+        s3 = on_load == ON_LOAD_S3FIFO
         slot_expert, expert_slot, key, skey, acc, queued, pin = (st.slot_expert, st.expert_slot, st.key, st.skey,
                                                                  st.acc, st.queued, st.pin)
         qstate, q_exp, q_due = st.qstate, st.q_exp, st.q_due
@@ -247,7 +281,7 @@ def _build_run_layer(lean: bool):
         pslots = np.empty(k, np.int64)  # slots of this token's hits and fetches (pinned; re-keyed after the token)
         psk = np.empty(k, np.int64)  # lfu1: the hits' slot keys while a fetch protects them
         walk = rule != R_FETCH_ALL and fallback == F_SUBSTITUTE and not smode  # the walk reads rank rows
-        lfu1 = evict == K_LFU and gamma == 1.0
+        lfu1 = touch == T_LFU and fast  # lfu's touch on integer keys (gamma 1): a hit moves its slot key
         kstep = np.int64(E) << sb  # lfu1: a key's +1 in its slot key (evict.slot_key)
         cnt = np.zeros(N_INT, np.int64)  # the rarer counters (the per-token ones are scalars of the loop)
 
@@ -266,7 +300,7 @@ def _build_run_layer(lean: bool):
             else:
                 if fast:
                     s = _victim_int(skey, p0, cap, sb)
-                elif s3:
+                elif queue_walk:
                     s = ek.s3_victim(slot_expert, p0, cap, key, pin, stamp_, s3q, age_count, qstate)
                 else:
                     s = _victim(slot_expert, p0, cap, key, pin, stamp_)
@@ -325,7 +359,7 @@ def _build_run_layer(lean: bool):
                 if fast:  # re-key the batch's slots (they were pinned against each other)
                     for b_ in range(nb):
                         s = bslots[b_]
-                        skey[s] = ek.slot_key(evict, key[slot_expert[s]], slot_expert[s], E, s, sb)
+                        skey[s] = ek.slot_key(key[slot_expert[s]], slot_expert[s], E, s, sb)
             return q_head, q_len, stamp, nc, nts
 
         def protect(s, ps):
@@ -368,14 +402,14 @@ def _build_run_layer(lean: bool):
             if fast:  # re-key every protected slot
                 for b_ in range(nts):
                     s = tslots[b_]
-                    skey[s] = ek.slot_key(evict, key[slot_expert[s]], slot_expert[s], E, s, sb)
+                    skey[s] = ek.slot_key(key[slot_expert[s]], slot_expert[s], E, s, sb)
                 for p in range(npw):
                     e = pred[i, p]
                     if e < 0:
                         break
                     s = expert_slot[e]
                     if s >= 0:
-                        skey[s] = ek.slot_key(evict, key[e], e, E, s, sb)
+                        skey[s] = ek.slot_key(key[e], e, E, s, sb)
             cnt[C_PREF] += npl
             ev[i, EV_PREFETCH] += npl
             for p in range(npl):
@@ -482,17 +516,20 @@ def _build_run_layer(lean: bool):
                 elif fallback == F_HOST:  # served e, slot -1 (as listed)
                     out_kind[oi, j] = HOST
                     nh += 1
-                else:  # lowbit or drop: the accumulator and an admission candidate
+                elif fallback == F_LOWBIT:  # lowbit and drop: the accumulator and an admission candidate
                     wj = w[i, j]
-                    if fallback == F_LOWBIT:
-                        out_kind[oi, j] = LOWBIT
-                        nlow += 1
-                        ltok += wj
-                    else:
-                        drop(oi, j)
-                        ndrop += 1
-                        mtok += wj
+                    out_kind[oi, j] = LOWBIT
+                    nlow += 1
+                    ltok += wj
                     nc = candidate(e, wj, nc)
+                elif fallback == F_DROP:
+                    wj = w[i, j]
+                    drop(oi, j)
+                    ndrop += 1
+                    mtok += wj
+                    nc = candidate(e, wj, nc)
+                else:  # unreachable: the import check gives every FALLBACKS entry its branch
+                    raise ValueError("run_layer: a fallback without its branch in miss_rule")
             return nf, nh, nlow, ndrop, nneed, mtok, ltok, nc, npn
 
         def substitutes(i, oi, nneed, nc):
@@ -542,13 +579,13 @@ def _build_run_layer(lean: bool):
                     for q_ in range(k - nm, npn):
                         s = pslots[q_]
                         e = slot_expert[s]
-                        skey[s] = ek.slot_key(K_LFU, key[e], e, E, s, sb)
-            elif evict == K_LFU:
+                        skey[s] = ek.slot_key(key[e], e, E, s, sb)
+            elif touch == T_LFU:
                 for e in range(E):
                     key[e] = ek.lfu_decay(key[e], gamma)
                 for j in range(k):
                     key[ids[i, j]] += 1.0
-            elif aging:
+            elif touch == T_LFUDA:
                 age = qstate[Q_AGE]
                 for j in range(k):
                     e = ids[i, j]
@@ -556,28 +593,30 @@ def _build_run_layer(lean: bool):
                 for q_ in range(npn):
                     s = pslots[q_]
                     e = slot_expert[s]
-                    skey[s] = ek.slot_key(K_LFUDA, key[e], e, E, s, sb)
-            elif evict == K_LRU:
+                    skey[s] = ek.slot_key(key[e], e, E, s, sb)
+            elif touch == T_LRU:
                 for j in range(k):
                     if out_kind[oi, j] <= SUB:
                         e = out_served[oi, j]
                         key[e] = t
                         s = out_slot[oi, j]
-                        skey[s] = ek.slot_key(K_LRU, t, e, E, s, sb)
-            elif evict == K_CRF:
+                        skey[s] = ek.slot_key(t, e, E, s, sb)
+            elif touch == T_CRF:
                 for e in range(E):
                     key[e] = ek.crf_decay(key[e], decay)
                 for j in range(k):
                     if out_kind[oi, j] <= SUB:
                         key[out_served[oi, j]] += 1.0
-            elif s3:  # hits and substitutes (a fetch is the load, freq 0)
+            elif touch == T_S3FIFO:  # hits and substitutes (a fetch is the load, freq 0)
                 for j in range(k):
                     if out_kind[oi, j] == HIT or out_kind[oi, j] == SUB:
                         e = out_served[oi, j]
                         age_count[e] = ek.s3_touch(age_count[e])
-            else:  # belady: minus the next use
+            elif touch == T_BELADY:  # minus the next use
                 for j in range(k):
                     key[ids[i, j]] = -nxt[i, j]
+            else:  # unreachable: the import check below gives every TOUCHES entry its branch
+                raise ValueError("run_layer: an eviction touch without its branch in rekey")
 
         def queue_admissions(i, t, nc, q_head, q_len):
             """Step 6: queue the candidates with a[e] >= beta, largest a first (ties lower id); returns q_len."""
@@ -608,7 +647,7 @@ def _build_run_layer(lean: bool):
             if fast:
                 for s in range(cap):
                     e = slot_expert[s]
-                    skey[s] = ek.slot_key(evict, key[e], e, E, s, sb) if e >= 0 else IMAX
+                    skey[s] = ek.slot_key(key[e], e, E, s, sb) if e >= 0 else IMAX
 
         def store(q_head, q_len, stamp, msum, lsum, n_calls, n_hits, n_fetch, n_subs, n_drops):
             """After the chunk: the admission ring and stamp back into qstate, the masses and counters added."""
