@@ -12,8 +12,12 @@ package by job:
 - `residency`: the warm start, calibrated per-layer capacities, the residency-file form.
 
 A new policy field is one `_p(..., kernel=(name, encoder))` row in runtime/core/policy.py and its use in
-run_layer.py; a new eviction kind is one EVICTS entry there, one EVICT_KINDS row and its rules in evict.py,
-and its reference in tests/reference.py (tests/test_evict_contract.py runs every kind against it).
+run_layer.py; a new eviction kind is one EVICTS entry there, one EVICT_KINDS row and its rules in evict.py
+(the row names its victim search, on-load rule and step-5 touch; a new mechanism is a name in evict.py's
+KEYS / ON_LOADS / TOUCHES and its branch in run_layer.py), its reference in tests/reference.py and its row
+in docs/policies.md's table of kinds (tests/test_evict_contract.py runs every kind against the reference and
+checks the table). A half-added kind, or a rule, fallback or touch without its kernel branch, fails at
+import with a message naming it.
 
 numba caches a compiled function by its own source file only; `_cache_guard` empties this package's cached
 kernels whenever any of its sources (or runtime/core/policy.py, whose codes are compiled in) changes.
