@@ -27,7 +27,10 @@ counters equal. Each run must have moved something (fetches, prefetch and admiss
 so the check cannot pass vacuously. Also reported, not judged: the
 NLL difference to the engine's exact pass (prefill, batched: other kernels, other rounding).
 
-Prints one JSON object and writes it to --out (atomically); exit status 0 when the check passed.
+Both print one progress line per stage to stderr as it happens (`[check +SECONDS] ...`: model written or
+loaded, each run started and finished with its seconds, each comparison), so a run cut by its step's
+timeout says where it was. Prints one JSON object and writes it to --out (atomically); exit status 0 when
+the check passed.
 """
 
 from __future__ import annotations
@@ -44,15 +47,27 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+_T0 = time.perf_counter()
+_CHECK = ["check"]  # the check's name, for the progress lines
 
 
-def _run(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
+def say(msg: str) -> None:
+    """One progress line on stderr, at once: `[CHECK +SECONDS since start] msg`."""
+    print(f"[{_CHECK[0]} +{time.perf_counter() - _T0:.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], env: dict | None = None, what: str = "") -> tuple[float, str]:
+    """Run one command (a stage), its start and its end (seconds) said as progress lines."""
+    what = what or " ".join(cmd[1:4])
+    say(f"{what}: started")
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {r.returncode}: {r.stderr.strip().splitlines()[-3:]}")
     sys.stderr.write(r.stderr[-2000:])
-    return time.perf_counter() - t0, r.stdout
+    sec = time.perf_counter() - t0
+    say(f"{what}: finished in {sec:.1f} s")
+    return sec, r.stdout
 
 
 def stream_check(a: argparse.Namespace) -> dict:
@@ -66,7 +81,10 @@ def stream_check(a: argparse.Namespace) -> dict:
     if not (model / "config.json").is_file():
         _run([sys.executable, "scripts/bigmodel.py", "write", "--out", str(model), "--layers", str(a.layers), "--hidden",
               str(a.hidden), "--experts", str(a.experts), "--moe-intermediate", str(a.moe_intermediate), "--top-k",
-              str(a.top_k), "--shared", str(a.moe_intermediate), "--vocab", "1024", "--shard-gb", "0.05"])
+              str(a.top_k), "--shared", str(a.moe_intermediate), "--vocab", "1024", "--shard-gb", "0.05"],
+             what="write the checkpoint (scripts/bigmodel.py)")
+    else:
+        say(f"checkpoint {model} already written")
     text = ROOT / "tests" / "data" / "kernel_source.txt"
     emu = [sys.executable, "-m", "runtime.emulate", "--model", str(model), "--text", str(text), "--policy", "rule-0.15",
            "--policy", "substitute-all", "--capacity-fraction", "0.25", "--max-tokens", str(a.tokens), "--window", "128",
@@ -81,7 +99,8 @@ def stream_check(a: argparse.Namespace) -> dict:
     for name, (flags, env) in runs.items():
         path = work / f"nll-{name}.parquet"
         path.unlink(missing_ok=True)
-        out["seconds"][f"emulate-{name}"], stdout = _run([*emu, *flags, "--nll-out", str(path)], env)
+        out["seconds"][f"emulate-{name}"], stdout = _run([*emu, *flags, "--nll-out", str(path)], env,
+                                                          what=f"emulate {name} ({a.tokens} tokens)")
         res[name] = json.loads(stdout)
         nll[name] = pq.read_table(path).to_pandas()
     if "cpu" not in runs:
@@ -94,21 +113,25 @@ def stream_check(a: argparse.Namespace) -> dict:
         "nll_max_abs_diff": max(float(np.abs(nll["streamed"][c] - nll["resident"][c]).max()) for c in cols),
         "streamed": [res["streamed"][p]["streamed"] for p in ("rule-0.15", "substitute-all")],
     }
+    say(f"compare streamed vs resident: {out['streamed_vs_resident']}")
     out["device_vs_cpu"] = {
         "exact_nll_max_abs_diff": float(np.abs(nll["streamed"]["nll_exact"] - nll["cpu"]["nll_exact"]).max()),
         "ppl_change_pct": {p: [res[r][p]["ppl_change_pct"] for r in ("streamed", "cpu")] for p in ("rule-0.15", "substitute-all")},
         "fetches": {p: [res[r][p]["fetches"] for r in ("streamed", "cpu")] for p in ("rule-0.15", "substitute-all")},
     }
+    say(f"compare device vs cpu: exact NLL max |diff| {out['device_vs_cpu']['exact_nll_max_abs_diff']:.3g}")
     rec = [sys.executable, "-m", "runtime.record", "--model", str(model), "--text", str(text), "--max-tokens",
            str(a.tokens), "--window", "128", "--dtype", "fp32", "--depth", str(a.top_k * 2)]
     traces = {}
     for name, flags, env in (("streamed", ["--device", a.device, "--max-memory", "0.001"], cap), ("cpu", [], {})):
         path = work / f"trace-{name}.parquet"
         path.unlink(missing_ok=True)
-        out["seconds"][f"record-{name}"], _ = _run([*rec, *flags, "--out", str(path)], env)
+        out["seconds"][f"record-{name}"], _ = _run([*rec, *flags, "--out", str(path)], env,
+                                                   what=f"record {name} ({a.tokens} tokens)")
         traces[name] = load_trace(path)
     ids_a, ids_b = traces["streamed"].topk_ids, traces["cpu"].topk_ids
     out["record_vs_cpu"] = {"topk_ids_agreement": float((ids_a == ids_b).mean()), "rows": int(ids_a.shape[0])}
+    say(f"compare recorded top-k ids vs cpu: agreement {out['record_vs_cpu']['topk_ids_agreement']:.4f}")
     sv, dv = out["streamed_vs_resident"], out["device_vs_cpu"]
     out["ok"] = bool(sv["counters_equal"] and sv["nll_max_abs_diff"] <= 1e-5 and all(sv["streamed"])
                      and dv["exact_nll_max_abs_diff"] <= 1e-3 and out["record_vs_cpu"]["topk_ids_agreement"] >= 0.999)
@@ -123,8 +146,10 @@ def fetch_exact(a: argparse.Namespace) -> dict:
     from runtime.core.kernel import warm_residency
     from runtime.core.policy import PRESETS, PolicyConfig, resolve_capacities
 
+    say(f"loading the engine on {a.device}: {a.model}")
     eng = load_engine(a.model, a.device)
     m = eng.m
+    say(f"model loaded: {m.num_layers} layers, {m.E} experts, top-{m.k}")
     try:
         W = 64
         windows, _ = hfmodel.tokenize_file(m, Path(a.model) / "eval.txt", a.tokens, W)
@@ -132,24 +157,41 @@ def fetch_exact(a: argparse.Namespace) -> dict:
         runs = {}
         quarter = resolve_capacities(None, m.num_layers, m.E, m.k, 0.25)
         warm = warm_residency(cids, None, m.E, quarter)
+
+        def run(name, policy, caps, residency):
+            say(f"run {name}: started ({int(windows.size)} tokens)")
+            t0 = time.perf_counter()
+            runs[name] = eng.evaluate(windows, policy, caps, residency)
+            c = runs[name]["counters"]
+            say(f"run {name}: finished in {time.perf_counter() - t0:.1f} s (fetches {c.get('fetches')}, "
+                f"admissions {c.get('admissions')}, prefetches {c.get('prefetches')})")
+
         for name, frac_or_cap in (("quarter", 0.25), ("E-1", m.E - 1)):
             caps = quarter if isinstance(frac_or_cap, float) else np.full(m.num_layers, frac_or_cap)
-            runs[name] = eng.evaluate(windows, PRESETS["fetch-every-miss"], caps, warm_residency(cids, None, m.E, caps))
+            run(name, PRESETS["fetch-every-miss"], caps, warm_residency(cids, None, m.E, caps))
         # background copies without the debug sync per layer: prefetches (lookahead), then admissions, whose
         # reference is the same run with a sync after every layer (eng.runner.debug)
-        runs["lookahead"] = eng.evaluate(windows, PolicyConfig(rule="fetch_all", prefetch="lookahead"), quarter, warm)
+        run("lookahead", PolicyConfig(rule="fetch_all", prefetch="lookahead"), quarter, warm)
         # quality-first's rule at a low beta: it admits within the dry run's 64 tokens as well (beta 0.5 may not)
         adm = dataclasses.replace(PRESETS["quality-first"], beta=0.05)
-        runs["admissions"] = eng.evaluate(windows, adm, quarter, warm)
+        run("admissions", adm, quarter, warm)
         eng.runner.debug = True
         try:
-            runs["admissions, debug"] = eng.evaluate(windows, adm, quarter, warm)
+            run("admissions, debug", adm, quarter, warm)
         finally:
             eng.runner.debug = False
+        say("exact pass: started")
+        t0 = time.perf_counter()
         exact = hfmodel.run_lanes(m, windows, [hfmodel.Lane(desc="exact")])[0]  # the engine's exact (prefill) pass
+        say(f"exact pass: finished in {time.perf_counter() - t0:.1f} s")
     finally:
         eng.close()
-    return fetch_exact_record(runs, exact, eng, int(windows.size), torch.cuda.is_available())
+    rec = fetch_exact_record(runs, exact, eng, int(windows.size), torch.cuda.is_available())
+    for label, v in rec["pairs"].items():
+        say(f"compare {label}: bit-identical {v['bit_identical']}, NLL max |diff| {v['nll_max_abs_diff']:.3g}, "
+            f"counters equal {v['counters_equal']}")
+    say(f"copies moved: {rec['copies']}")
+    return rec
 
 
 def fetch_exact_record(runs: dict, exact: np.ndarray, eng, tokens: int, cuda: bool) -> dict:
@@ -191,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-intermediate", type=int, default=256)
     p.add_argument("--top-k", type=int, default=4)
     a = p.parse_args(argv)
+    _CHECK[0] = a.check
+    say(f"started: {' '.join(sys.argv[1:] if argv is None else argv)}")
     try:
         rec = stream_check(a) if a.check == "stream" else fetch_exact(a)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the summary shows what failed (SIGINT: the step's timeout)
