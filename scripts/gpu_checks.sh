@@ -66,12 +66,12 @@
 # selected and left out of summary.md. Steps 6-8 and 12 read the model and bench_pinned.json of bench-pinned (in
 # $WORK, RESULTS_DIR): select it with them, or they fail saying what is missing.
 # A step past its limit gets SIGINT (pytest and Python flush what they have), then SIGKILL 10 s later.
-# The plan (the `step` lines at the end; docs/engine.md "GPU checks"): on CUDA the step limits add up to at
+# The plan (the `step` lines at the end; docs/performance.md "GPU check plan"): on CUDA the step limits add up to at
 # most $GPU_CHECKS_BUDGET = 420 s less GRAPHS_RESERVE (40 s, for the CUDA-graphs check added after the
 # engine's rewrite) and 2 s a step of overhead, the most valuable unverified checks first (fetch-exact and
 # stream before calibrate and bench-pageable), and bench-pageable takes what is left. The limits come from a
 # --cpu rehearsal with an empty NUMBA_CACHE_DIR scaled for the device host's slower CPU, and the two CUDA
-# runs' step times, with a margin (docs/engine.md "GPU checks"; tests/test_gpu_checks.py checks the sums).
+# runs' step times, with a margin (docs/performance.md "GPU check plan"; tests/test_gpu_checks.py checks the sums).
 # In CPU mode every limit is x5 within 840 s. A step that would not fit is cut to what is left, or skipped
 # (status 'skipped') when under 20 s remain.
 # Before a device run, here (with a package index): bash scripts/gpu_checks.sh --wheels
@@ -169,7 +169,7 @@ else
   # Qwen3-30B-A3B-like experts (3 x 2048 x 768, bf16 = 9.4 MB), 32 per layer, top-4, 4 layers; the VRAM budget
   # is the one that holds 8 slots per layer (25%) by runtime.formats.costmodel.capacities_for_budget
   # (sizes cut from the first runs' 3 windows / 10 repeats / 3 rounds, 48 generated tokens, 2048 streamed and
-  # 512 fetch-exact tokens, which did not fit their limits: docs/engine.md "GPU checks")
+  # 512 fetch-exact tokens, which did not fit their limits: docs/performance.md "GPU check plan")
   BENCH=(--device cuda --dtype bf16 --hidden 2048 --moe-intermediate 768 --experts 32 --top-k 4 --layers 4
          --budget-for-fraction 0.25 --window 64 --windows 1 --repeats 3 --workdir "$WORK/bench")
   CAL=(--device cuda --dtype bf16 --repeats 4)
@@ -406,7 +406,7 @@ summary
 # that every step needs, the environment, the streamed emulation and the race checks without debug syncs
 # (which had never completed), with the bench first among the rest as it writes the model fetch-exact
 # reads; calibrate after, and bench-pageable only in what is left. Each limit is a rehearsal's step time
-# with a margin (docs/engine.md "GPU checks"). engine-cpu is CPU-only work: it runs in the --cpu dry run
+# with a margin (docs/performance.md "GPU check plan"). engine-cpu is CPU-only work: it runs in the --cpu dry run
 # here, never on the device. The CUDA-graphs check (GRAPHS_RESERVE) goes before calibrate.
 step kernel 50 kernel
 [ "$MODE" = cuda ] && { nvidia-smi >>"$LOG" 2>&1 || true; }
