@@ -171,7 +171,7 @@ else
   # (sizes cut from the first runs' 3 windows / 10 repeats / 3 rounds, 48 generated tokens, 2048 streamed and
   # 512 fetch-exact tokens, which did not fit their limits: docs/performance.md "GPU check plan")
   BENCH=(--device cuda --dtype bf16 --hidden 2048 --moe-intermediate 768 --experts 32 --top-k 4 --layers 4
-         --budget-for-fraction 0.25 --window 64 --windows 1 --repeats 3 --workdir "$WORK/bench")
+         --budget-for-fraction 0.25 --window 64 --windows 1 --repeats 2 --workdir "$WORK/bench")
   CAL=(--device cuda --dtype bf16 --repeats 4)
   GEN_TOKENS=24
   ROUNDS=${GPU_CHECKS_ROUNDS:-1}

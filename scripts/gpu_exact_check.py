@@ -4,7 +4,8 @@
     python scripts/gpu_exact_check.py fetch-exact --device cuda|cpu --model DIR --out FILE.json [--tokens 256]
 
 `stream`: writes a small random bf16 checkpoint on the spot (scripts/bigmodel.py write: per-expert
-tensors, a shared expert, 4 layers), then runs the user's commands in their own processes:
+tensors, a shared expert, 4 layers), then runs the user's commands in their own processes (1-3 side by
+side, then the two recordings side by side: each is mostly a process's fixed cost at these sizes):
 1. `python -m runtime.emulate ... --device D --max-memory 0.001` with the device budget capped
    ($EXPERTSWEEP_DEVICE_MEMORY_GIB, so every layer is streamed through the device, stream.LayerPipe),
 2. the same with the model resident on the device (no cap; on CPU device mode: the in-memory run),
@@ -41,6 +42,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,18 +58,45 @@ def say(msg: str) -> None:
     print(f"[{_CHECK[0]} +{time.perf_counter() - _T0:.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+def _run_all(jobs: list[tuple[str, list[str], dict]]) -> dict[str, tuple[float, str]]:
+    """Run independent commands (stages) at once, each its own process: {name: (seconds, stdout)}, each start
+    and end (with its seconds) said as a progress line. Their fixed costs (interpreter, torch, the model)
+    dominate at these sizes, so side by side they take about the longest one's time, not the sum (the device
+    machine has 16 cores). A command that fails raises naming it, after the others ended."""
+    procs = {}
+    for name, cmd, env in jobs:
+        say(f"{name}: started")
+        fo, fe = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")  # (pipes could fill up)
+        procs[name] = (time.perf_counter(), subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, text=True,
+                                                             stdout=fo, stderr=fe), fo, fe)
+    out, failed = {}, []
+    while len(out) < len(procs):  # each one's end said when it ends
+        for name, (t0, proc, fo, fe) in procs.items():
+            if name in out or proc.poll() is None:
+                continue
+            sec = time.perf_counter() - t0
+            fo.seek(0)
+            fe.seek(0)
+            stdout, stderr = fo.read(), fe.read()
+            fo.close()
+            fe.close()
+            sys.stderr.write(stderr[-2000:])
+            if proc.returncode != 0:
+                failed.append(f"{name} exited {proc.returncode}: {stderr.strip().splitlines()[-3:]}")
+                say(f"{name}: FAILED after {sec:.1f} s")
+            else:
+                say(f"{name}: finished in {sec:.1f} s")
+            out[name] = (sec, stdout)
+        time.sleep(0.1)
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return out
+
+
 def _run(cmd: list[str], env: dict | None = None, what: str = "") -> tuple[float, str]:
     """Run one command (a stage), its start and its end (seconds) said as progress lines."""
     what = what or " ".join(cmd[1:4])
-    say(f"{what}: started")
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {r.returncode}: {r.stderr.strip().splitlines()[-3:]}")
-    sys.stderr.write(r.stderr[-2000:])
-    sec = time.perf_counter() - t0
-    say(f"{what}: finished in {sec:.1f} s")
-    return sec, r.stdout
+    return _run_all([(what, cmd, env or {})])[what]
 
 
 def stream_check(a: argparse.Namespace) -> dict:
@@ -96,13 +125,16 @@ def stream_check(a: argparse.Namespace) -> dict:
         del runs["cpu"]
     out: dict = {"check": "stream", "device": a.device, "model": str(model), "tokens": a.tokens, "seconds": {}}
     res, nll = {}, {}
+    jobs = []
     for name, (flags, env) in runs.items():
         path = work / f"nll-{name}.parquet"
         path.unlink(missing_ok=True)
-        out["seconds"][f"emulate-{name}"], stdout = _run([*emu, *flags, "--nll-out", str(path)], env,
-                                                          what=f"emulate {name} ({a.tokens} tokens)")
+        jobs.append((f"emulate {name} ({a.tokens} tokens)", [*emu, *flags, "--nll-out", str(path)], env))
+    done = _run_all(jobs)  # the runs side by side (independent processes)
+    for name, (what, _, _) in zip(runs, jobs, strict=True):
+        out["seconds"][f"emulate-{name}"], stdout = done[what]
         res[name] = json.loads(stdout)
-        nll[name] = pq.read_table(path).to_pandas()
+        nll[name] = pq.read_table(work / f"nll-{name}.parquet").to_pandas()
     if "cpu" not in runs:
         res["cpu"], nll["cpu"] = res["resident"], nll["resident"]
     cols = [c for c in nll["streamed"].columns if c.startswith("nll_")]
@@ -122,13 +154,15 @@ def stream_check(a: argparse.Namespace) -> dict:
     say(f"compare device vs cpu: exact NLL max |diff| {out['device_vs_cpu']['exact_nll_max_abs_diff']:.3g}")
     rec = [sys.executable, "-m", "runtime.record", "--model", str(model), "--text", str(text), "--max-tokens",
            str(a.tokens), "--window", "128", "--dtype", "fp32", "--depth", str(a.top_k * 2)]
-    traces = {}
+    traces, jobs = {}, []
     for name, flags, env in (("streamed", ["--device", a.device, "--max-memory", "0.001"], cap), ("cpu", [], {})):
         path = work / f"trace-{name}.parquet"
         path.unlink(missing_ok=True)
-        out["seconds"][f"record-{name}"], _ = _run([*rec, *flags, "--out", str(path)], env,
-                                                   what=f"record {name} ({a.tokens} tokens)")
-        traces[name] = load_trace(path)
+        jobs.append((f"record {name} ({a.tokens} tokens)", [*rec, *flags, "--out", str(path)], env))
+    done = _run_all(jobs)
+    for name, (what, _, _) in zip(("streamed", "cpu"), jobs, strict=True):
+        out["seconds"][f"record-{name}"] = done[what][0]
+        traces[name] = load_trace(work / f"trace-{name}.parquet")
     ids_a, ids_b = traces["streamed"].topk_ids, traces["cpu"].topk_ids
     out["record_vs_cpu"] = {"topk_ids_agreement": float((ids_a == ids_b).mean()), "rows": int(ids_a.shape[0])}
     say(f"compare recorded top-k ids vs cpu: agreement {out['record_vs_cpu']['topk_ids_agreement']:.4f}")

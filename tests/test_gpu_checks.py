@@ -65,11 +65,11 @@ def test_the_cuda_plan_adds_up_most_valuable_unverified_first():
 
 
 def test_cuda_sizes_are_the_cut_ones():
-    """The sizes the limits were set for (docs/performance.md "GPU check plan"): one bench round, 1 window, 3 calibration
+    """The sizes the limits were set for (docs/performance.md "GPU check plan"): one bench round, 1 window, 2 calibration
     repeats; fetch-exact 128 tokens; stream 512; generate 24 tokens. A larger size needs a new rehearsal."""
     text = SCRIPT.read_text()
     cuda = text[text.index("  BUDGET=${GPU_CHECKS_BUDGET:-420}"):text.index("\nfi\n", text.index("  BUDGET=${GPU_CHECKS_BUDGET:-420}"))]
-    assert "--windows 1 --repeats 3" in cuda and "ROUNDS=${GPU_CHECKS_ROUNDS:-1}" in cuda
+    assert "--windows 1 --repeats 2" in cuda and "ROUNDS=${GPU_CHECKS_ROUNDS:-1}" in cuda
     assert "FE_TOKENS=128" in cuda and "--tokens 512)" in cuda and "GEN_TOKENS=24" in cuda
 
 
