@@ -97,8 +97,7 @@ check_kinds(EVICT_KINDS, tuple(EVICT_CODE))
 KIND_KEYS = tuple(KEYS.index(k.keys) for k in EVICT_KINDS)
 KIND_ON_LOAD = tuple(ON_LOADS.index(k.on_load) for k in EVICT_KINDS)
 KIND_TOUCH = tuple(TOUCHES.index(k.touch) for k in EVICT_KINDS)
-KEYS_INT, KEYS_INT_GAMMA1, KEYS_FLOAT, KEYS_QUEUE = range(len(KEYS))
-ON_LOAD_NONE, ON_LOAD_LFUDA, ON_LOAD_S3FIFO = range(len(ON_LOADS))
+_KEYS_INT, _KEYS_INT_GAMMA1 = KEYS.index("int"), KEYS.index("int-gamma1")  # (int_keys)
 
 
 @njit(cache=True, inline="always")
@@ -106,7 +105,7 @@ def int_keys(evict, gamma):
     """The kind keeps composite integer slot keys (the fast victim path): its row's keys are "int", or
     "int-gamma1" with gamma 1."""
     kk = KIND_KEYS[evict]
-    return kk == KEYS_INT or (kk == KEYS_INT_GAMMA1 and gamma == 1.0)
+    return kk == _KEYS_INT or (kk == _KEYS_INT_GAMMA1 and gamma == 1.0)
 
 
 @njit(cache=True, inline="always")

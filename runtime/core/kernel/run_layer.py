@@ -41,16 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runtime.core.kernel import evict as ek
-from runtime.core.kernel.evict import (
-    IMAX,
-    K_LFU,
-    KEYS_QUEUE,
-    KIND_KEYS,
-    KIND_ON_LOAD,
-    KIND_TOUCH,
-    ON_LOAD_LFUDA,
-    ON_LOAD_S3FIFO,
-)
+from runtime.core.kernel.evict import IMAX, K_LFU, KIND_KEYS, KIND_ON_LOAD, KIND_TOUCH
 from runtime.core.kernel.plan import (
     C_ADM,
     C_ADM_SKIPPED,
@@ -98,11 +89,15 @@ def _codes(implemented: tuple[str, ...], table: tuple[str, ...], what: str) -> t
     return tuple(table.index(n) for n in implemented)
 
 
-# one branch each in _fetches (miss rules), miss_rule (fallbacks) and rekey (eviction touches)
+# one branch each in _fetches (miss rules), miss_rule (fallbacks), claim (eviction keys' victim searches and
+# on-load rules) and rekey (eviction touches)
 R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_BAND = _codes(
     ("fetch_all", "threshold", "first_choice", "substitute_all", "band"), RULES, "runtime.core.policy.RULES")
 F_SUBSTITUTE, F_DROP, F_HOST, F_LOWBIT = _codes(("substitute", "drop", "host", "lowbit"), FALLBACKS,
                                                 "runtime.core.policy.FALLBACKS")
+KY_INT, KY_INT_GAMMA1, KY_FLOAT, KY_QUEUE = _codes(("int", "int-gamma1", "float", "queue"), ek.KEYS,
+                                                  "runtime.core.kernel.evict.KEYS")
+OL_NONE, OL_LFUDA, OL_S3FIFO = _codes(("none", "lfuda", "s3fifo"), ek.ON_LOADS, "runtime.core.kernel.evict.ON_LOADS")
 T_LFU, T_LRU, T_CRF, T_BELADY, T_LFUDA, T_S3FIFO = _codes(("lfu", "lru", "crf", "belady", "lfuda", "s3fifo"),
                                                           ek.TOUCHES, "runtime.core.kernel.evict.TOUCHES")
 # run_layer asks for token i + PF_AHEAD's input rows while deciding token i: a replay streams
@@ -250,11 +245,11 @@ def _build_run_layer(lean: bool):
         cap, age_count, s3q, ghost = st.caps, st.age_count, st.queue, st.ghost
         p0 = 0 if lean else st.npin
         # the kind's mechanisms, each from its row of evict.EVICT_KINDS (constants in the lean build)
-        queue_walk = KIND_KEYS[evict] == KEYS_QUEUE  # the victim: S3-FIFO's queue walk
+        keys = KIND_KEYS[evict]  # the victim search: integer slot keys, float keys, S3-FIFO's queue walk
         on_load = KIND_ON_LOAD[evict]  # the claim's on-load / on-evict rule
         touch = KIND_TOUCH[evict]  # step 5's rule
-        aging = on_load == ON_LOAD_LFUDA
-        s3 = on_load == ON_LOAD_S3FIFO
+        aging = on_load == OL_LFUDA
+        s3 = on_load == OL_S3FIFO
         slot_expert, expert_slot, key, skey, acc, queued, pin = (st.slot_expert, st.expert_slot, st.key, st.skey,
                                                                  st.acc, st.queued, st.pin)
         qstate, q_exp, q_due = st.qstate, st.q_exp, st.q_due
@@ -298,12 +293,14 @@ def _build_run_layer(lean: bool):
                 s = _free_slot(slot_expert, cap)
                 qstate[Q_RES] += 1
             else:
-                if fast:
+                if fast:  # "int", or "int-gamma1" with gamma 1
                     s = _victim_int(skey, p0, cap, sb)
-                elif queue_walk:
+                elif keys == KY_QUEUE:
                     s = ek.s3_victim(slot_expert, p0, cap, key, pin, stamp_, s3q, age_count, qstate)
-                else:
+                elif keys == KY_FLOAT or keys == KY_INT_GAMMA1:  # (lfu with gamma < 1: float keys)
                     s = _victim(slot_expert, p0, cap, key, pin, stamp_)
+                else:  # unreachable: the import check gives every KEYS entry its branch
+                    raise ValueError("run_layer: an eviction key storage without its victim search in claim")
                 if s >= 0:
                     v = slot_expert[s]
                     expert_slot[v] = -1
