@@ -16,7 +16,7 @@ run_layer.py; a new eviction kind is one EVICTS entry there, one EVICT_KINDS row
 (the row names its victim search, on-load rule and step-5 touch; a new mechanism is a name in evict.py's
 KEYS / ON_LOADS / TOUCHES and its branch in run_layer.py), its reference in tests/reference.py and its row
 in docs/policies.md's table of kinds (tests/test_evict_contract.py runs every kind against the reference and
-checks the table). A half-added kind, or a rule, fallback or touch without its kernel branch, fails at
+checks the table). A half-added kind, or a mechanism, rule or fallback without its kernel branch, fails at
 import with a message naming it.
 
 numba caches a compiled function by its own source file only; `_cache_guard` empties this package's cached
