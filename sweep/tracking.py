@@ -56,11 +56,12 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 ENV_URI = "MLFLOW_TRACKING_URI"
 
 
-def resolve_uri(uri: str | None) -> str:
+def resolve_uri(uri: str | None, create: bool = True) -> str:
     """A usable tracking URI or a one-line InputError (unreachable server, unwritable folder).
 
     `uri` is `--mlflow-uri` (or the one a resumed sweep used); without it `MLFLOW_TRACKING_URI`,
-    else the repository's SQLite store. The error names where the URI came from."""
+    else the repository's SQLite store. The error names where the URI came from. `create=False`:
+    a SQLite store's folder is only checked (its nearest existing parent must be writable), not made."""
     flag = "--mlflow-uri"
     if uri is None and os.environ.get(ENV_URI):
         uri, flag = os.environ[ENV_URI], ENV_URI
@@ -80,6 +81,11 @@ def resolve_uri(uri: str | None) -> str:
         path = Path(uri[len("sqlite:///"):])
         if not path.is_absolute():
             path = Path.cwd() / path
+        if not create:
+            near = next(p for p in path.parents if p.exists())
+            if not near.is_dir() or not os.access(near, os.W_OK):
+                raise InputError(f"{flag} {uri}: {near} is not a writable folder")
+            return f"sqlite:///{path}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
