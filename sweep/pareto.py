@@ -91,9 +91,15 @@ STOP = _Stop()
 PROG = "expertsweep sweep" if Path(sys.argv[0]).name == "expertsweep" else "python sweep/pareto.py"
 
 
+def _packaged() -> list[str]:
+    return sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("*.yaml"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep YAML (default search_spaces/demo.yaml)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help=f"sweep YAML, or the name of a packaged search space ({', '.join(_packaged())}; "
+                        f"default demo)")
     p.add_argument("--out", help="output folder (default results/<sweep name>/)")
     p.add_argument("--name", help="override the sweep name")
     p.add_argument("--trials", type=int, help="simulator trials per host after the baselines")
@@ -225,7 +231,11 @@ def _out_dir(args: argparse.Namespace) -> Path:
 
 
 def _absolute(args: argparse.Namespace) -> argparse.Namespace:
-    """Paths of the command line made absolute (a resumed driver may start elsewhere)."""
+    """Paths of the command line made absolute (a resumed driver may start elsewhere); a --config that is no
+    file but the name of a packaged search space (`smoke`, `demo.yaml`) is that file."""
+    packaged = DEFAULT_CONFIG.parent / (args.config if args.config.endswith(".yaml") else f"{args.config}.yaml")
+    if not Path(args.config).expanduser().exists() and "/" not in args.config and packaged.is_file():
+        args.config = str(packaged)
     args.config = str(Path(args.config).expanduser().resolve())
     if args.trace:
         args.trace = str(Path(args.trace).expanduser().resolve())
@@ -297,7 +307,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir, cfg.dtype, cfg.max_memory_GiB)
         fingerprint = _fingerprint(inputs, cfg, profiles)
         if args.resume:
-            _check_resume(out, state, fingerprint, inputs)
+            _check_resume(out, state, fingerprint)
         else:  # every check passed: only now does a new sweep replace an earlier one's state in --out
             _clear(out, STATE_FILES)
         _clear(out, REPORT_FILES)  # an answer is written only by a run that finishes
@@ -309,7 +319,12 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def preflight(args: argparse.Namespace, cfg: sweep_config.SweepConfig) -> None:
-    """The hosts' profiles (a preset must exist), as a one-line InputError naming --hosts or the config."""
+    """The flags' files and the hosts' profiles (a preset must exist): one-line InputErrors naming the flag
+    (or the config) and the value."""
+    if args.trace and not Path(args.trace).is_file():
+        raise InputError(f"--trace {args.trace}: no such file")
+    if args.model and args.model not in ("demo", "test") and not Path(args.model).is_dir():
+        raise InputError(f"--model {args.model}: no such folder")
     for h in cfg.hosts:
         try:
             hosts.preset_profile(h)
@@ -349,7 +364,7 @@ def _fingerprint(inputs: data.Inputs, cfg: sweep_config.SweepConfig, profiles: d
             "profiles": {h: p for h, p in sorted(profiles.items()) if h in simulated}}
 
 
-def _check_resume(out: Path, state: dict[str, Any], fingerprint: dict[str, Any], inputs: data.Inputs) -> None:
+def _check_resume(out: Path, state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
     """A resume continues only what was measured under the same key: the sweep's fingerprint and every
     emulation/engine row's own key (sweep/remeasure.py `check_rows`); else one line, nothing changed."""
     from sweep.ledger import Ledger
@@ -366,7 +381,7 @@ def _check_resume(out: Path, state: dict[str, Any], fingerprint: dict[str, Any],
                              f"the sweep over without --resume, or in another --out")
     ledger = Ledger(out / "trials.jsonl")
     try:
-        check_rows(ledger.rows, inputs.digest, str(out / "trials.jsonl"))
+        check_rows(ledger.rows, fingerprint.get("model_digest"), str(out / "trials.jsonl"))
     finally:
         ledger.close()
 
