@@ -538,13 +538,11 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
                                     "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],
                                     **({"mass_ppl_pearson_r": hyp["r"]} if hyp["r"] == hyp["r"] else {})})
         status = "FINISHED"
-        served = uri.startswith("http")
-        page = tracking.runs_page(uri if served else "http://127.0.0.1:5000", tracker.experiment_id)
-        _print(rep, host_names, gpus, out, stats,
-               f"MLflow: {uri}; runs: {page}" + ("" if served else " (after make mlflow-ui)"))
+        _print(rep, host_names, gpus, out, stats, tracking.where_runs_are(uri, tracker.experiment_id))
         return {"out": out, "stats": stats, "report": rep, "parent_run_id": parent, "trace": inputs.trace}
     except Stopped:
         status = "KILLED"
+        session.close_bars()  # before the driver's last line
         raise
     finally:
         tracker.close(status)

@@ -83,6 +83,12 @@ def test_wheel_carries_its_data_and_the_command(installed):
     assert r.returncode == 2 and r.stderr.startswith("expertsweep: error:"), r.stderr
     r = _run([bin_ / "expertsweep", "sweep", "--config", "nowhere.yaml"], work, env)  # the installed sweep driver
     assert r.returncode == 2 and f"--config {work / 'nowhere.yaml'}: cannot read" in r.stderr, r.stderr[-2000:]
+    r = _run([bin_ / "expertsweep", "sweep", "--help"], work, env)
+    assert r.returncode == 0 and r.stdout.startswith("usage: expertsweep sweep"), r.stdout[:500]
+    # a packaged search space by name; refused at its (bad) --hosts, before anything is created
+    r = _run([bin_ / "expertsweep", "sweep", "--config", "smoke", "--hosts", "rtx9999"], work, env)
+    assert r.returncode == 2 and "--hosts rtx9999: host rtx9999: profile: no preset" in r.stderr, r.stderr[-2000:]
+    assert not any(work.iterdir())  # no results/, no mlflow/
 
 
 @pytest.mark.slow

@@ -634,3 +634,29 @@ def test_emulation_runs_at_the_slots_the_simulator_gave_a_budget():
     by_fraction = complete({"rule": "threshold", "tau": 0.15, "capacity_fraction": 0.25})
     spec = emulation_spec(by_fraction, "/m", "/t.txt", 2048, None, [16, 16, 16, 16])
     assert spec.capacity_fraction == 0.25 and spec.capacity is None
+
+
+def test_a_submitted_job_needs_a_durable_mlflow_store_and_says_where_its_runs_are(tmp_path, monkeypatch):
+    """Under `ray job submit` (Ray's job supervisor sets RAY_JOB_CONFIG_JSON_ENV_VAR) the default store would
+    be inside Ray's temporary copy of the submitted folder: --mlflow-uri is required, and a SQLite path in
+    that copy is refused; the closing line names the store and how to open it (make mlflow-ui only for a
+    checkout's own store)."""
+    from sweep import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    default = f"sqlite:///{tracking.DEFAULT_DB}"
+    assert "open them with make mlflow-ui, then http://127.0.0.1:5000/#/experiments/3/runs" in \
+        tracking.where_runs_are(default, "3")
+    other = f"sqlite:///{tmp_path / 'm.db'}"
+    assert tracking.where_runs_are(other, "3") == (
+        f"MLflow runs: in {other}; open them with mlflow ui --backend-store-uri {other} --host 127.0.0.1 "
+        f"--port 5000, then http://127.0.0.1:5000/#/experiments/3/runs")
+    assert tracking.where_runs_are("http://h:5000", "3") == "MLflow runs: http://h:5000/#/experiments/3/runs"
+    monkeypatch.setenv(tracking.RAY_JOB_ENV, "{}")
+    with pytest.raises(InputError, match=r"^--mlflow-uri: required under ray job submit") as e:
+        tracking.resolve_uri(None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(InputError, match="inside Ray's temporary copy"):
+        tracking.resolve_uri("sqlite:///mlflow/mlflow.db", create=False)  # relative: in the job's folder
+    assert tracking.resolve_uri(other, create=False) == other
+    assert "make mlflow-ui" not in tracking.where_runs_are(default, "3")  # a job's copy is no checkout
