@@ -289,6 +289,24 @@ def test_ledger_writes_each_key_once(tmp_path):
     again.close()
 
 
+def test_mlflow_progress_counts_infeasible_trials_apart_from_failed(tmp_path):
+    """trials_failed_<host> counts only failed trials; one that did not fit the budget is trials_infeasible_<host>."""
+    from sweep.ledger import Session
+
+    class Tracker:
+        def log_parent_metrics(self, metrics, step=None):
+            self.metrics, self.step = metrics, step
+
+    led = Ledger(tmp_path / "l.jsonl")
+    for i, status in enumerate(["ok", "ok", "infeasible", "infeasible", "infeasible", "failed"]):
+        led.add({"key": f"a:{i}", "host": "a", "fidelity": "simulator", "status": status})
+    led.add({"key": "emulation:full:x", "host": "all", "fidelity": "emulation", "status": "failed"})
+    tr = Tracker()
+    Session(tmp_path, led, tr, ["a"], {"a": "gpu"}, ("time_per_token_s",)).refresh()
+    assert tr.metrics == {"trials_ok_a": 2, "trials_infeasible_a": 3, "trials_failed_a": 1} and tr.step == 6
+    led.close()
+
+
 def test_policy_families_from_the_table_in_a_space():
     """The fields added to the parameter table (fallback, lowbit, prefetch) are searchable with no
     sweep-side list; a string choice named off (prefetch) stays a value, beta off stays None."""
