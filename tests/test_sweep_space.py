@@ -678,3 +678,15 @@ def test_a_submitted_job_needs_a_durable_mlflow_store_and_says_where_its_runs_ar
         tracking.resolve_uri("sqlite:///mlflow/mlflow.db", create=False)  # relative: in the job's folder
     assert tracking.resolve_uri(other, create=False) == other
     assert "make mlflow-ui" not in tracking.where_runs_are(default, "3")  # a job's copy is no checkout
+
+
+def test_one_label_per_policy_across_hosts():
+    """A policy that is a baseline on one host and a search trial on another is named by the baseline on both."""
+    from sweep.plot import label
+
+    rows = _rows("a", 3) + _rows("b", 3)
+    b0 = next(r for r in rows if r["key"] == "b:0")
+    b0["baseline"] = None  # host b drew rule-0.15's policy as a search trial
+    df = trials_frame(rows).set_index("key")
+    assert label(df.loc["a:0"]) == label(df.loc["b:0"]) == "rule-0.15"
+    assert label(df.loc["b:1"]) == df.loc["b:1", "policy"]  # no baseline anywhere: its policy

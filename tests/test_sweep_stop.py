@@ -87,7 +87,7 @@ def test_sigint_stops_the_sweep_and_a_resume_finishes_it(tmp_path):
     is KILLED; --resume records every trial once and finishes."""
     from mlflow.tracking import MlflowClient
 
-    cfg = write_config(tmp_path, trials=12, batch=2)
+    cfg = write_config(tmp_path, trials=12, batch=2, baselines={"policies": ["fetch-every-miss", "rule-0.15"]})
     out = tmp_path / "out"
     db = f"sqlite:///{tmp_path / 'm.db'}"
     proc = _start(cfg, out, db)
