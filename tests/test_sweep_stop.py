@@ -173,7 +173,7 @@ def test_a_resume_after_a_stop_before_screening_gives_the_clean_answer(tmp_path,
     kw = dict(trace=None, calib_trace=None, model=str(micro_model), max_tokens=384, trials=0,
               emulation={"rungs": [], "max_full": 1}, ppl_budgets_pct=[1.0, 50.0],
               baselines={"policies": ["fetch-every-miss", "substitute-all"]},
-              space={"rule": {"choices": ["threshold", "substitute_all"]}, "vram_budget_GiB": "auto"})
+              space={"rule": {"choices": ["threshold", "substitute_all"]}, "tau": 0.15, "vram_budget_GiB": "auto"})
     clean, stopped = tmp_path / "clean", tmp_path / "stopped"
     clean.mkdir()
     stopped.mkdir()
