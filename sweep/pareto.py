@@ -34,6 +34,7 @@ import time  # noqa: E402
 from importlib import resources  # noqa: E402
 from typing import Any  # noqa: E402
 
+from runtime.core import threads  # noqa: E402
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, cli_main  # noqa: E402
 from runtime.core.policy import PRESETS  # noqa: E402
 from sweep import config as sweep_config  # noqa: E402
@@ -245,6 +246,8 @@ def _absolute(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
+    threads.configure(counts=False)  # passive OpenMP waiting here (a test model built in-process) and in the
+    # embedded cluster's workers, which inherit it; their thread counts stay Ray's (sweep/worker.py)
     STOP.__init__()
     STOP.install()
     args = _absolute(build_parser().parse_args(argv))
