@@ -202,3 +202,28 @@ def test_a_resume_after_a_stop_before_screening_gives_the_clean_answer(tmp_path,
     emu = [r for r in ledger(out) if r["fidelity"] == "emulation"]
     sims = {r["params"]["rule"]: r["capacity_slots"] for r in ledger(out) if r["fidelity"] == "simulator"}
     assert emu and all(r["capacity"] == sims[r["params"]["rule"]] for r in emu)  # at the budget's slots
+
+
+def test_the_stop_handler_asks_tune_first_then_stops_at_once():
+    """SIGTERM (as SIGINT) inside tuner.fit(): Tune's own interrupt (SIGUSR1) once, the driver raises Stopped when
+    fit returns; a second signal, or one outside fit, raises Stopped at once."""
+    from sweep.pareto import Stopped, _Stop
+
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: got.append("usr1"))
+    try:
+        stop = _Stop()
+        stop.in_fit = True
+        stop(signal.SIGTERM, None)
+        assert got == ["usr1"] and stop.signal == "SIGTERM"
+        with pytest.raises(Stopped, match="SIGTERM"):
+            stop.check()
+        with pytest.raises(Stopped, match="SIGINT"):
+            stop(signal.SIGINT, None)
+        assert got == ["usr1"]
+        outside = _Stop()
+        with pytest.raises(Stopped, match="SIGINT"):
+            outside(signal.SIGINT, None)
+        assert got == ["usr1"]
+    finally:
+        signal.signal(signal.SIGUSR1, old)
