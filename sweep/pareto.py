@@ -65,6 +65,7 @@ class _Stop:
     def __init__(self) -> None:
         self.signal: str | None = None
         self.in_fit = False
+        self.defer = False  # while the MLflow parent, ledger and Tuner are set up: record, raise at `check`
         self.out: Path | None = None  # the sweep's --out, once known
 
     def __call__(self, signum: int, frame: Any) -> None:
@@ -74,13 +75,18 @@ class _Stop:
             log.warning("%s: stopping the trials (again to stop at once)", self.signal)
             signal.raise_signal(signal.SIGUSR1)
             return
+        if first and self.defer:
+            return
         raise Stopped(self.signal)
 
-    def install(self) -> None:
-        """(Re)install on SIGINT and SIGTERM (ray.init installs its own SIGTERM handler: call after it)."""
+    def install(self) -> dict[int, Any]:
+        """(Re)install on SIGINT and SIGTERM (ray.init installs its own SIGTERM handler: call after it);
+        returns the handlers it replaced."""
+        old: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self)
-            signal.signal(signal.SIGTERM, self)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self)
+        return old
 
     def check(self) -> None:
         if self.signal is not None:
@@ -246,10 +252,20 @@ def _absolute(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """One sweep (the command line's `argv`), with the driver's SIGINT / SIGTERM handling (`STOP`) while it
+    runs; the caller's handlers are restored after."""
     threads.configure(counts=False)  # passive OpenMP waiting here (a test model built in-process) and in the
     # embedded cluster's workers, which inherit it; their thread counts stay Ray's (sweep/worker.py)
     STOP.__init__()
-    STOP.install()
+    old = STOP.install()
+    try:
+        return _run(argv)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _run(argv: list[str] | None) -> dict[str, Any]:
     args = _absolute(build_parser().parse_args(argv))
     state: dict[str, Any] = {}
     if args.resume:
@@ -443,6 +459,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
 
     host_names = [h.name for h in cfg.hosts]
     gpus = {h: profiles[h]["gpu"] for h in host_names}
+    STOP.defer = True  # a signal from here on stops the sweep through the `finally` below, which closes all
     tracker = tracking.Tracker(uri, args.mlflow_experiment)
     parent = tracker.start_parent(
         cfg.name, params={"config": args.config, "trace": inputs.trace, "model": inputs.model_dir,
@@ -503,6 +520,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
                                       callbacks=[LedgerCallback(str(out))]))
     status = "FAILED"
     try:
+        STOP.defer = False
         STOP.check()
         STOP.in_fit = True
         try:
@@ -672,9 +690,12 @@ def main(argv: list[str] | None = None) -> None:
         run(argv)
     except Stopped as exc:
         out = STOP.out
-        print(f"expertsweep: stopped by {exc} before the sweep finished: no answer was written (the trials "
-              f"recorded so far are in {out}/trials.jsonl); continue it with: {PROG} --out {out} --resume",
-              file=sys.stderr)
+        if out is None or not (out / "state.json").is_file():
+            print(f"expertsweep: stopped by {exc} before the sweep started: nothing was measured", file=sys.stderr)
+        else:
+            print(f"expertsweep: stopped by {exc} before the sweep finished: no answer was written (the trials "
+                  f"recorded so far are in {out}/trials.jsonl); continue it with: {PROG} --out {out} --resume",
+                  file=sys.stderr)
         sys.exit(130 if str(exc) == "SIGINT" else 143 if str(exc) == "SIGTERM" else 1)
 
 
