@@ -21,6 +21,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from runtime.core import threads
 from runtime.core.errors import ArgumentParser, InputError, cli_main
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """`expertsweep COMMAND ARGS`: the command's own `main(ARGS)`; bad input is one line, exit 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    threads.configure(counts=argv[:1] != ["sweep"])  # before any subcommand imports torch (OpenMP reads it once)
     if not argv or argv[0] not in COMMANDS:
         # `expertsweep`, `expertsweep --help` or an unknown command: argparse prints or raises
         cli_main(lambda: build_parser().parse_args(argv[:1] or ["--help"]))

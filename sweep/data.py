@@ -89,8 +89,17 @@ def resolve_model(model: str) -> Path:
 
         return Path(ensure_model(model, progress=True)).resolve()
     p = _abs(model, "model", "dir")
-    if not (p / "config.json").is_file():
+    conf = p / "config.json"
+    if not conf.is_file():
         raise InputError(f"model = {model}: {p} has no config.json")
+    try:
+        c = json.loads(conf.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"model = {model}: {conf}: cannot be read ({str(exc).splitlines()[0][:200]})") from None
+    c = c.get("text_config", c) if isinstance(c, dict) else {}
+    if not any(c.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise InputError(f"model = {model}: {conf}: model_type = {c.get('model_type')!r} has no experts "
+                         f"(no num_experts, num_local_experts or n_routed_experts): not a mixture-of-experts model")
     return p
 
 
@@ -230,6 +239,7 @@ def _synthetic(spec: dict[str, Any], folder: Path) -> tuple[Path, Path]:
     paths = folder / "synthetic.parquet", folder / "synthetic_calib.parquet"
     if stamp.is_file() and json.loads(stamp.read_text()) == spec and all(p.is_file() for p in paths):
         return paths
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         save_trace(synthetic_trace(**params), paths[0])
         save_trace(synthetic_trace(**{**params, "sample": calib_sample}), paths[1])
@@ -249,8 +259,7 @@ def _write(path: Path, data: bytes | str) -> Path:
 def prepare(cfg: SweepConfig, out: Path, loc: Located, record: Any = None) -> Inputs:
     """Resolve and, where needed, build the traces; every problem is an InputError. `record(**kw)` runs
     `record_on_node` where the model is (sweep/worker.py `record_task`; default: in this process)."""
-    folder = out / "traces"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = out / "traces"  # made only when something is written there (a synthetic or recorded trace)
     model_dir, text, calib_text = loc.model_dir, loc.text, loc.calib_text
     model_config = digest = None
     calib = str(_abs(cfg.calib_trace, "calib_trace")) if cfg.calib_trace else None
@@ -265,7 +274,7 @@ def prepare(cfg: SweepConfig, out: Path, loc: Located, record: Any = None) -> In
                                          max_memory=cfg.max_memory_GiB)
         model_dir, text, calib_text, digest = got["model_dir"], got["text"], got["calib_text"], got["digest"]
         conf_dir = folder / got["model_name"]
-        conf_dir.mkdir(exist_ok=True)
+        conf_dir.mkdir(parents=True, exist_ok=True)
         model_config = str(_write(conf_dir / "config.json", got["config_json"]))
         for role in ("eval", "calib"):
             if got[role] is not None:

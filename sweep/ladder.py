@@ -10,10 +10,11 @@
 4. **Engine** (hosts with `profile: calibrate`): the full-budget set decoded by the offloading
    engine on that host, for a measured time per token beside the simulated one.
 
-Quality does not depend on the host: each (policy, capacity, text, budget) is emulated once and
-shared by all hosts (ledger rows with host `all`). The candidates are each host's screening front
-in (time, mass), computed separately for the policies that always fetch the first choice and for
-those that can substitute it (mass ranks only within a family), plus the baselines.
+Quality does not depend on the host: each measurement (policy, capacity as emulated, model digest, text,
+token budget, warm start: `measurement_key`) is emulated once and shared by all hosts (ledger rows with
+host `all`). The candidates are each host's screening front in (time, mass), computed separately for
+the policies that always fetch the first choice and for those that can substitute it (mass ranks only
+within a family), plus the baselines.
 
 Promotion is synchronous successive halving: a rung's candidates are all measured before any is
 promoted, so each rung keeps the best `ceil(n / eta)` of its `n` candidates by score, ties broken by
@@ -31,6 +32,7 @@ budget scores 0.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -45,13 +47,16 @@ from sweep.space import policy_of
 FULL = "full"
 
 
-def digest(params: dict[str, Any]) -> str:
-    return hashlib.sha1(policy_key(params).encode()).hexdigest()[:16]
-
-
-def emulation_key(params: dict[str, Any], budget: int | str, host: str | None = None) -> str:
-    """Ledger key of one measurement: `emulation:<budget>:<policy>` or `engine:<host>:<policy>`."""
-    return f"engine:{host}:{digest(params)}" if host else f"emulation:{budget}:{digest(params)}"
+def measurement_key(spec: dict[str, Any], model_digest: str | None, budget: int | str,
+                    host: str | None = None) -> str:
+    """Ledger key of one measurement: `emulation:<budget>:<digest>` or `engine:<host>:<digest>`, the digest
+    (SHA-1, 16 hex digits) over everything the measurement depends on: the RunSpec as evaluated (`spec`,
+    `RunSpec.to_dict()`: the policy, its cache size as emulated (the simulator's slots for a budget, or the
+    fraction), the model and text, the token budget, the warm start, dtype and memory) and the checkpoint's
+    content digest (`data.checkpoint_digest`). Two measurements share a key only when they are the same."""
+    material = json.dumps({"spec": spec, "model_digest": model_digest}, sort_keys=True, default=str)
+    digest = hashlib.sha1(material.encode()).hexdigest()[:16]
+    return f"engine:{host}:{digest}" if host else f"emulation:{budget}:{digest}"
 
 
 def screening_candidates(rows: list[dict[str, Any]], hosts: list[str]) -> list[dict[str, Any]]:

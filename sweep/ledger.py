@@ -77,7 +77,7 @@ class Session:
         if totals:  # a progress bar per host (trials recorded, with tqdm's rate and ETA)
             from tqdm import tqdm
 
-            done = {h: ok + bad for h, (ok, bad) in self._counts(hosts).items()}
+            done = {h: sum(c) for h, c in self._counts(hosts).items()}
             self.bars = {h: tqdm(total=totals[h], initial=done[h], desc=f"trials {h}", unit="trial", position=i,
                                  mininterval=1.0, dynamic_ncols=True) for i, h in enumerate(hosts)}
         self.hosts, self.gpus, self.objectives = hosts, gpus, objectives
@@ -115,14 +115,15 @@ class Session:
         self.bars = {}
 
     def counts(self) -> dict[str, list[int]]:
-        """host -> [ok, failed] simulator trials recorded."""
+        """host -> [ok, infeasible, failed] simulator trials recorded (infeasible: did not fit the sweep's
+        device-memory budget, an answer about the policy, not a failure)."""
         return self._counts(self.hosts)
 
     def _counts(self, hosts: list[str]) -> dict[str, list[int]]:
-        counts = {h: [0, 0] for h in hosts}
+        counts = {h: [0, 0, 0] for h in hosts}
         for r in self.ledger.rows:
             if r.get("fidelity") == "simulator" and r["host"] in counts:
-                counts[r["host"]][0 if r["status"] == "ok" else 1] += 1
+                counts[r["host"]][{"ok": 0, "infeasible": 1}.get(r["status"], 2)] += 1
         return counts
 
     def refresh(self) -> None:
@@ -133,12 +134,14 @@ class Session:
             log.warning("could not refresh the Pareto tables: %s", exc)
         if self.tracker is not None:
             counts = self.counts()
-            self.tracker.log_parent_metrics({**{f"trials_ok_{h}": ok for h, (ok, _) in counts.items()},
-                                             **{f"trials_failed_{h}": bad for h, (_, bad) in counts.items()}},
-                                            step=sum(ok + bad for ok, bad in counts.values()))
+            self.tracker.log_parent_metrics({**{f"trials_ok_{h}": ok for h, (ok, _, _) in counts.items()},
+                                             **{f"trials_infeasible_{h}": inf for h, (_, inf, _) in counts.items()},
+                                             **{f"trials_failed_{h}": bad for h, (_, _, bad) in counts.items()}},
+                                            step=sum(sum(c) for c in counts.values()))
 
     def progress(self) -> None:
-        log.info("progress: %s", ", ".join(f"{h} {ok} ok/{bad} failed" for h, (ok, bad) in self.counts().items()))
+        log.info("progress: %s", ", ".join(f"{h} {ok} ok/{inf} infeasible/{bad} failed"
+                                           for h, (ok, inf, bad) in self.counts().items()))
 
     def missing(self, items: list[dict[str, Any]], host: str, error: str) -> list[dict[str, Any]]:
         """Failed rows for the items of a task that never reported them."""

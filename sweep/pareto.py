@@ -28,10 +28,13 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import secrets  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from importlib import resources  # noqa: E402
 from typing import Any  # noqa: E402
 
+from runtime.core import threads  # noqa: E402
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, cli_main  # noqa: E402
 from runtime.core.policy import PRESETS  # noqa: E402
 from sweep import config as sweep_config  # noqa: E402
@@ -42,12 +45,68 @@ log = logging.getLogger("sweep.pareto")
 
 # search_spaces/ is package data (sweep/search_spaces links to it): found in a checkout and an installed wheel
 DEFAULT_CONFIG = Path(str(resources.files("sweep") / "search_spaces" / "demo.yaml"))
-STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json", "logs")
+STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json")
+# what sweep/report.py writes: deleted when a run starts, written again only by a run that finishes
+REPORT_FILES = ("answer.csv", "summary.md", "pareto.png", "pareto_*.csv", "pareto_*.parquet", "pareto_*.png",
+                "screening_*.csv", "speed_ratios.csv", "bounds.csv", "policy_by_host.csv", "trials.csv")
+
+
+class Stopped(BaseException):
+    """The driver got SIGINT or SIGTERM. A BaseException, as KeyboardInterrupt: no `except Exception` on its
+    way out records it as a failed trial or measurement."""
+
+
+class _Stop:
+    """The driver's SIGINT / SIGTERM handler. Inside `tuner.fit()` the first signal asks Tune to stop the way
+    Ctrl-C does (SIGUSR1, Tune's own interrupt: the experiment state saved, trials in flight left unfinished
+    for `--resume`), and the driver raises `Stopped` when fit returns; anywhere else, or a second signal,
+    raises `Stopped` at once. Rows already in the ledger stay (each written whole); nothing is reported."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.in_fit = False
+        self.defer = False  # while the MLflow parent, ledger and Tuner are set up: record, raise at `check`
+        self.out: Path | None = None  # the sweep's --out, once known
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        first = self.signal is None
+        self.signal = signal.Signals(signum).name
+        if first and self.in_fit and hasattr(signal, "SIGUSR1"):
+            log.warning("%s: stopping the trials (again to stop at once)", self.signal)
+            signal.raise_signal(signal.SIGUSR1)
+            return
+        if first and self.defer:
+            return
+        raise Stopped(self.signal)
+
+    def install(self) -> dict[int, Any]:
+        """(Re)install on SIGINT and SIGTERM (ray.init installs its own SIGTERM handler: call after it);
+        returns the handlers it replaced."""
+        old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self)
+        return old
+
+    def check(self) -> None:
+        if self.signal is not None:
+            raise Stopped(self.signal)
+
+
+STOP = _Stop()
+# how the user ran this driver, for the lines that tell what to run next
+PROG = "expertsweep sweep" if Path(sys.argv[0]).name == "expertsweep" else "python sweep/pareto.py"
+
+
+def _packaged() -> list[str]:
+    return sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("*.yaml"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python sweep/pareto.py", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep YAML (default search_spaces/demo.yaml)")
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help=f"sweep YAML, or the name of a packaged search space ({', '.join(_packaged())}; "
+                        f"default demo)")
     p.add_argument("--out", help="output folder (default results/<sweep name>/)")
     p.add_argument("--name", help="override the sweep name")
     p.add_argument("--trials", type=int, help="simulator trials per host after the baselines")
@@ -179,7 +238,11 @@ def _out_dir(args: argparse.Namespace) -> Path:
 
 
 def _absolute(args: argparse.Namespace) -> argparse.Namespace:
-    """Paths of the command line made absolute (a resumed driver may start elsewhere)."""
+    """Paths of the command line made absolute (a resumed driver may start elsewhere); a --config that is no
+    file but the name of a packaged search space (`smoke`, `demo.yaml`) is that file."""
+    packaged = DEFAULT_CONFIG.parent / (args.config if args.config.endswith(".yaml") else f"{args.config}.yaml")
+    if not Path(args.config).expanduser().exists() and "/" not in args.config and packaged.is_file():
+        args.config = str(packaged)
     args.config = str(Path(args.config).expanduser().resolve())
     if args.trace:
         args.trace = str(Path(args.trace).expanduser().resolve())
@@ -189,6 +252,20 @@ def _absolute(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """One sweep (the command line's `argv`), with the driver's SIGINT / SIGTERM handling (`STOP`) while it
+    runs; the caller's handlers are restored after."""
+    threads.configure(counts=False)  # passive OpenMP waiting here (a test model built in-process) and in the
+    # embedded cluster's workers, which inherit it; their thread counts stay Ray's (sweep/worker.py)
+    STOP.__init__()
+    old = STOP.install()
+    try:
+        return _run(argv)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _run(argv: list[str] | None) -> dict[str, Any]:
     args = _absolute(build_parser().parse_args(argv))
     state: dict[str, Any] = {}
     if args.resume:
@@ -206,30 +283,34 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = load(args)
     out = _out_dir(args)
     args.out = str(out)
+    STOP.out = out
 
-    # -- inputs, MLflow and hosts are checked before anything is scheduled
-    if not args.resume:
-        for name in STATE_FILES:
-            p = out / name
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    logs = setup_logging(out, args.verbose)
-    loc = data.locate(cfg)  # what the driver can check itself, before Ray starts
+    # -- every check the driver can make itself, before Ray starts and before anything in --out (or the
+    # MLflow folder) is created or deleted: the config (above), the hosts' profiles, the model, the trace
+    preflight(args, cfg)
+    loc = data.locate(cfg)
+    uri = tracking.resolve_uri(args.mlflow_uri or state.get("mlflow_uri"), create=False)
     inputs = None
-    if loc.model_dir is None:  # a trace sweep: every input is checked here
+    if loc.model_dir is None:  # a trace sweep: every input is checked here (a synthetic trace is built in --out)
         inputs = data.prepare(cfg, out, loc)
         cfg = _check_inputs(cfg, inputs)
-    uri = tracking.resolve_uri(args.mlflow_uri or state.get("mlflow_uri"))
+    out.mkdir(parents=True, exist_ok=True)
+    logs = setup_logging(out, args.verbose)
+    if uri.startswith("sqlite:///"):
+        tracking.resolve_uri(uri)  # its folder, now
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "10")  # the ledger covers the gap
     os.environ.setdefault("TUNE_MAX_PENDING_TRIALS_PG", str(max(8, 4 * len(cfg.hosts))))
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on stdout
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT is the driver's (STOP), which asks Tune to stop
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)  # no result.json: by design
     import ray
 
     extra = {f"model:{cfg.model_resource}": 1.0} if cfg.model_resource else {}
     owns_ray, session_dir = connect_ray(args.ray_address, cfg.hosts, args.num_cpus, args.verbose, extra)
+    STOP.install()  # after ray.init's own SIGTERM handler
+    STOP.check()
     setup_logging(out, args.verbose)  # ray.init installs its own handlers: route them again
     _link_ray_logs(logs, session_dir)
     try:
@@ -243,11 +324,85 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             inputs = data.prepare(cfg, out, loc, record=_record_where_the_model_is(placement))
             cfg = _check_inputs(cfg, inputs)
         profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir, cfg.dtype, cfg.max_memory_GiB)
-        return _sweep(args, cfg, out, inputs, uri, profiles, state, placement)
+        fingerprint = _fingerprint(inputs, cfg, profiles)
+        if args.resume:
+            _check_resume(out, state, fingerprint)
+        else:  # every check passed: only now does a new sweep replace an earlier one's state in --out
+            _clear(out, STATE_FILES)
+        _clear(out, REPORT_FILES)  # an answer is written only by a run that finishes
+        return _sweep(args, cfg, out, inputs, uri, profiles, state, placement, fingerprint)
     finally:
         ray.shutdown()
         if owns_ray:
             log.info("embedded Ray stopped")
+
+
+def preflight(args: argparse.Namespace, cfg: sweep_config.SweepConfig) -> None:
+    """The flags' files and the hosts' profiles (a preset must exist): one-line InputErrors naming the flag
+    (or the config) and the value."""
+    if args.trace and not Path(args.trace).is_file():
+        raise InputError(f"--trace {args.trace}: no such file")
+    if args.model and args.model not in ("demo", "test") and not Path(args.model).is_dir():
+        raise InputError(f"--model {args.model}: no such folder")
+    for h in cfg.hosts:
+        try:
+            hosts.preset_profile(h)
+        except InputError as exc:
+            if args.hosts and h.name in args.hosts.split(","):
+                raise InputError(f"--hosts {args.hosts}: {exc}") from None
+            raise InputError(f"{cfg.source}: {exc}") from None
+
+
+def _clear(out: Path, names: tuple[str, ...]) -> None:
+    """Delete these files and folders of --out (glob patterns)."""
+    for pattern in names:
+        for p in out.glob(pattern):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+
+
+def _sha(path: str | None) -> str | None:
+    import hashlib
+
+    if path is None:
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _fingerprint(inputs: data.Inputs, cfg: sweep_config.SweepConfig, profiles: dict[str, dict]) -> dict[str, Any]:
+    """What every measurement of this sweep depends on beyond its own row's key: the trace and its
+    calibration (content), the checkpoint digest, the texts, the warm start, the token budget and the
+    simulated hosts' profiles (calibrated ones are measured again on a resume)."""
+    simulated = {h.name for h in cfg.hosts if hosts.simulated(h)}
+    return {"trace_sha256": _sha(inputs.trace), "calib_trace_sha256": _sha(inputs.calib_trace),
+            "model_digest": inputs.digest, "text": inputs.text, "calib_text": inputs.calib_text,
+            "warm_start": inputs.warm_start, "max_tokens": cfg.max_tokens,
+            "profiles": {h: p for h, p in sorted(profiles.items()) if h in simulated}}
+
+
+def _check_resume(out: Path, state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    """A resume continues only what was measured under the same key: the sweep's fingerprint and every
+    emulation/engine row's own key (sweep/remeasure.py `check_rows`); else one line, nothing changed."""
+    from sweep.ledger import Ledger
+    from sweep.remeasure import check_rows
+
+    saved = state.get("fingerprint")
+    if saved is None:
+        raise InputError(f"--resume: {out / 'state.json'} has no fingerprint of its inputs (written by an earlier "
+                         f"version): start the sweep over without --resume, or in another --out")
+    for k, v in fingerprint.items():
+        if json.loads(json.dumps(saved.get(k), default=str)) != json.loads(json.dumps(v, default=str)):
+            shown = "changed" if k == "profiles" else f"{saved.get(k)!r} -> {v!r}"
+            raise InputError(f"--resume: {out / 'trials.jsonl'} was measured under another {k} ({shown}); start "
+                             f"the sweep over without --resume, or in another --out")
+    ledger = Ledger(out / "trials.jsonl")
+    try:
+        check_rows(ledger.rows, fingerprint.get("model_digest"), str(out / "trials.jsonl"))
+    finally:
+        ledger.close()
 
 
 def _check_inputs(cfg: sweep_config.SweepConfig, inputs: data.Inputs) -> sweep_config.SweepConfig:
@@ -292,7 +447,8 @@ def _link_ray_logs(logs: Path, session_dir: str | None) -> None:
         link.symlink_to(Path(session_dir) / "logs")
 
 
-def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict[str, Any]:  # noqa: ANN001
+def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa: ANN001
+           fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
     import ray
     from ray import tune
 
@@ -303,6 +459,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
 
     host_names = [h.name for h in cfg.hosts]
     gpus = {h: profiles[h]["gpu"] for h in host_names}
+    STOP.defer = True  # a signal from here on stops the sweep through the `finally` below, which closes all
     tracker = tracking.Tracker(uri, args.mlflow_experiment)
     parent = tracker.start_parent(
         cfg.name, params={"config": args.config, "trace": inputs.trace, "model": inputs.model_dir,
@@ -316,7 +473,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
         run_id=state.get("parent_run_id"))
     state = {"args": {**vars(args), "resume": False}, "name": cfg.name, "mlflow_uri": uri,
              "experiment": args.mlflow_experiment, "parent_run_id": parent,
-             "started": state.get("started", time.time())}
+             "started": state.get("started", time.time()), "fingerprint": fingerprint}
     atomic_write(out / "state.json", lambda tmp: Path(tmp).write_text(json.dumps(state, indent=2)))
     ledger = Ledger(out / "trials.jsonl")
     session = Session(out, ledger, tracker, host_names, gpus, cfg.objectives,
@@ -363,13 +520,19 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
                                       callbacks=[LedgerCallback(str(out))]))
     status = "FAILED"
     try:
-        results = tuner.fit()
+        STOP.defer = False
+        STOP.check()
+        STOP.in_fit = True
+        try:
+            results = tuner.fit()
+        finally:
+            STOP.in_fit = False
         fit_window.append(time.time())
-        if results.num_terminated + results.num_errors < len(results):  # stopped (Ctrl-C): not finished
-            status = "KILLED"
+        if STOP.signal is None and results.num_terminated + results.num_errors < len(results):
+            STOP.signal = "a stop of Tune"  # stopped from elsewhere (Tune's SIGUSR1): not finished either
+        if STOP.signal is not None:
             session.refresh()
-            raise InputError(f"the sweep was stopped before it finished; continue it with: python sweep/pareto.py "
-                             f"--out {out} --resume")
+            raise Stopped(STOP.signal)
         sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
         session.close_bars()
         session.refresh()
@@ -396,11 +559,12 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None) -> dict
                                     "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],
                                     **({"mass_ppl_pearson_r": hyp["r"]} if hyp["r"] == hyp["r"] else {})})
         status = "FINISHED"
-        served = uri.startswith("http")
-        page = tracking.runs_page(uri if served else "http://127.0.0.1:5000", tracker.experiment_id)
-        _print(rep, host_names, gpus, out, stats,
-               f"MLflow: {uri}; runs: {page}" + ("" if served else " (after make mlflow-ui)"))
+        _print(rep, host_names, gpus, out, stats, tracking.where_runs_are(uri, tracker.experiment_id))
         return {"out": out, "stats": stats, "report": rep, "parent_run_id": parent, "trace": inputs.trace}
+    except Stopped:
+        status = "KILLED"
+        session.close_bars()  # before the driver's last line
+        raise
     finally:
         tracker.close(status)
         ledger.close()
@@ -439,7 +603,8 @@ def _ladder(cfg, inputs, session, ledger, enabled: bool,  # noqa: ANN001
     cands = ladder.screening_candidates(ledger.rows, session.hosts)
     bases = ladder.baseline_params(list(cfg.baseline_policies), cfg.baseline_capacity())
     measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.add_rows,
-                       placement=placement, run_fields={"dtype": cfg.dtype, "max_memory_GiB": cfg.max_memory_GiB})
+                       placement=placement, run_fields={"dtype": cfg.dtype, "max_memory_GiB": cfg.max_memory_GiB},
+                       model_digest=inputs.digest)
     stats = ladder.run_ladder(cands, bases, ledger.rows, session.hosts, list(cfg.emulation.rungs), cfg.emulation.eta,
                               cfg.emulation.max_full, cfg.max_tokens, list(cfg.ppl_budgets_pct), measure)
     full_params = {report.policy_key(p): p for p in cands + bases}
@@ -521,7 +686,17 @@ def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    run(argv)
+    try:
+        run(argv)
+    except Stopped as exc:
+        out = STOP.out
+        if out is None or not (out / "state.json").is_file():
+            print(f"expertsweep: stopped by {exc} before the sweep started: nothing was measured", file=sys.stderr)
+        else:
+            print(f"expertsweep: stopped by {exc} before the sweep finished: no answer was written (the trials "
+                  f"recorded so far are in {out}/trials.jsonl); continue it with: {PROG} --out {out} --resume",
+                  file=sys.stderr)
+        sys.exit(130 if str(exc) == "SIGINT" else 143 if str(exc) == "SIGTERM" else 1)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ logger = logging.getLogger(__name__)
 
 
 def label(r: pd.Series) -> str:
-    """A row's name: its baseline's name when it is one, else its policy."""
+    """A row's name: its `label` (sweep/report.py `trials_frame`: the baseline name of its policy on any host,
+    else its policy), else its baseline's name when it is one, else its policy."""
+    if isinstance(r.get("label"), str):
+        return r["label"]
     return f"{r['baseline']}" if isinstance(r.get("baseline"), str) else r["policy"]
 
 

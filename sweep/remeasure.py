@@ -4,9 +4,12 @@
 becomes one `RunSpec` each (the policy, its cache size, the model and text, the budget and the warm
 start: the sweep's calibration text, else `held-out`), evaluated by `runtime.backends`'
 `emulation` backend in one Ray task (`evaluate_many`: the exact pass runs once for all). Each
-result becomes a ledger row keyed by budget and policy (`emulation:<budget>:<digest>`, host `all`,
-fidelity `emulation`): quality is measured once and shared by every host, and a resumed sweep
-measures nothing twice. `engine` runs the same specs through the `engine` backend pinned to a
+result becomes a ledger row keyed by everything the measurement depends on
+(`sweep.ladder.measurement_key`: the spec as evaluated, with its capacity, tokens and warm start, and
+the checkpoint's digest; `emulation:<budget>:<digest>`, host `all`, fidelity `emulation`), the spec
+and digest stored in the row (`spec`, `model_digest`; `check_rows` refuses a resume over rows that
+do not match them): quality is measured once and shared by every host, and a resumed sweep measures
+nothing twice and reuses nothing measured otherwise. `engine` runs the same specs through the `engine` backend pinned to a
 calibrated host (`host:NAME` resource, one GPU where its nodes have one): rows with fidelity
 `engine`, that host, and the measured time per token.
 """
@@ -18,8 +21,9 @@ import time
 from typing import Any
 
 from runtime.backends import COUNTER_NAMES
+from runtime.core.errors import InputError
 from runtime.core.spec import HELD_OUT, RunSpec
-from sweep.ladder import emulation_key
+from sweep.ladder import measurement_key
 from sweep.report import policy_key
 from sweep.space import policy_of
 
@@ -48,8 +52,9 @@ class Measurer:
 
     def __init__(self, model_dir: str, text: str, calib_text: str | None, ledger, add_rows,  # noqa: ANN001
                  progress: bool = True, placement: dict[str, Any] | None = None,
-                 run_fields: dict[str, Any] | None = None):
+                 run_fields: dict[str, Any] | None = None, model_digest: str | None = None):
         self.model_dir, self.text, self.calib_text = model_dir, text, calib_text
+        self.model_digest = model_digest
         # emulation tasks run where the model's files are, with their CPUs as torch threads (sweep/worker.py)
         self.placement = placement or {"num_cpus": 1}
         self.run_fields = run_fields or {}
@@ -74,7 +79,11 @@ class Measurer:
         from sweep.hosts import HOST_SLIVER, resource
         from sweep.worker import evaluate_task
 
-        keys = {policy_key(p): emulation_key(p, budget, host) for p in params_list}
+        slots = self._slots()
+        specs = {policy_key(p): emulation_spec(p, self.model_dir, self.text, tokens, self.calib_text,
+                                               slots.get(policy_key(p)), **self.run_fields).to_dict()
+                 for p in params_list}
+        keys = {pk: measurement_key(spec, self.model_digest, budget, host) for pk, spec in specs.items()}
         todo = [p for p in params_list if keys[policy_key(p)] not in self.ledger.keys]
         if todo:
             opts: dict[str, Any] = {**self.placement, "max_retries": 1}
@@ -82,14 +91,12 @@ class Measurer:
                 opts = {"num_cpus": 1, "max_retries": 1, "num_gpus": gpus, "resources": {resource(host): HOST_SLIVER}}
             what = f"engine {host}" if host else f"emulation {budget}"
             log.info("%s: %d policies", what, len(todo))
-            slots = self._slots()
-            specs = [emulation_spec(p, self.model_dir, self.text, tokens, self.calib_text,
-                                    slots.get(policy_key(p)), **self.run_fields).to_dict() for p in todo]
+            specs_todo = [specs[policy_key(p)] for p in todo]
             t0 = time.time()
             bar = _bar(len(todo), what) if self.progress else None
             try:
                 results, err = ray.get(ray.remote(evaluate_task).options(**opts).remote(
-                    specs, "engine" if host else "emulation")), None
+                    specs_todo, "engine" if host else "emulation")), None
             except Exception as exc:  # noqa: BLE001 - recorded as failed rows
                 results, err = [None] * len(todo), f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             self.tasks_seconds += time.time() - t0
@@ -100,7 +107,8 @@ class Measurer:
             for p, r in zip(todo, results, strict=True):
                 row = {"key": keys[policy_key(p)], "number": None, "baseline": None, "params": p,
                        "host": host or "all", "fidelity": "engine" if host else "emulation", "budget": budget,
-                       "policy": policy_of(p).label(), "finished_at": time.time()}
+                       "policy": policy_of(p).label(), "finished_at": time.time(),
+                       "spec": specs[policy_key(p)], "model_digest": self.model_digest}
                 if r is None:
                     row.update(status="failed", error=err or "no result")
                 else:
@@ -116,6 +124,27 @@ class Measurer:
     def engine(self, params_list: list[dict[str, Any]], tokens: int | None, host: str, gpus: int
                ) -> dict[str, dict[str, Any]]:
         return self._run(params_list, tokens, "full", host, gpus)
+
+
+def check_rows(rows: list[dict[str, Any]], model_digest: str | None, where: str) -> None:
+    """Before a resume reuses them: every emulation / engine row of the ledger must carry the key of what it
+    measured (its stored spec and checkpoint digest give its key again) and this sweep's checkpoint; else a
+    one-line InputError naming the ledger, the row and what differs."""
+    for r in rows:
+        if r.get("fidelity") not in ("emulation", "engine"):
+            continue
+        if "spec" not in r:
+            raise InputError(f"--resume: {where}: row {r['key']} was measured under another key (a ledger "
+                             f"without the measurement's capacity, tokens and warm start in its key); start "
+                             f"the sweep over without --resume, or in another --out")
+        if measurement_key(r["spec"], r.get("model_digest"), r.get("budget", ""),
+                           r["host"] if r.get("fidelity") == "engine" else None) != r["key"]:
+            raise InputError(f"--resume: {where}: row {r['key']}: its key is not the digest of its spec "
+                             f"(edited?); start the sweep over without --resume")
+        if r.get("model_digest") != model_digest:
+            raise InputError(f"--resume: {where}: row {r['key']} was measured on checkpoint digest "
+                             f"{r.get('model_digest')}, this sweep's is {model_digest} (the model changed); "
+                             f"start the sweep over without --resume, or in another --out")
 
 
 def _bar(total: int, desc: str):  # noqa: ANN202 - a tqdm bar

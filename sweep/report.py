@@ -90,6 +90,13 @@ def trials_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         recs.append(rec)
     df = pd.DataFrame(recs)
     if not df.empty:
+        # one name per policy on every host: a baseline's name wherever its policy appears (a search trial on
+        # one host may draw the policy a baseline is on another), else the policy's label
+        if "baseline" in df:
+            names = df[df["baseline"].map(lambda b: isinstance(b, str))].groupby("policy_key")["baseline"].first()
+            df["label"] = df["policy_key"].map(names)
+            if "policy" in df:
+                df["label"] = df["label"].fillna(df["policy"])
         df["time_per_token_ms"] = df.get("time_per_token_s", np.nan) * 1e3
         df = equal_memory_ratios(df)
     return df

@@ -52,18 +52,28 @@ REPO = Path(__file__).resolve().parent.parent
 # mlflow library's own folder) in ./mlflow/ of the working directory, like results/
 DEFAULT_DB = (REPO if (REPO / "mlflow" / "start.sh").is_file() else Path.cwd()) / "mlflow" / "mlflow.db"
 EXPERIMENT = "expertsweep"
+# set by Ray's job supervisor in the driver of a `ray job submit`: its working directory (REPO above) is then
+# Ray's temporary copy of the submitted folder, deleted with the cluster's session
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 ENV_URI = "MLFLOW_TRACKING_URI"
 
 
-def resolve_uri(uri: str | None) -> str:
+def resolve_uri(uri: str | None, create: bool = True) -> str:
     """A usable tracking URI or a one-line InputError (unreachable server, unwritable folder).
 
     `uri` is `--mlflow-uri` (or the one a resumed sweep used); without it `MLFLOW_TRACKING_URI`,
-    else the repository's SQLite store. The error names where the URI came from."""
+    else the repository's SQLite store. The error names where the URI came from. `create=False`:
+    a SQLite store's folder is only checked (its nearest existing parent must be writable), not made."""
     flag = "--mlflow-uri"
     if uri is None and os.environ.get(ENV_URI):
         uri, flag = os.environ[ENV_URI], ENV_URI
+    in_job = submitted_job()
+    if uri is None and in_job:
+        raise InputError("--mlflow-uri: required under ray job submit (the default store would be inside Ray's "
+                         f"temporary copy of the submitted folder, {REPO}, deleted with the cluster): give "
+                         "--mlflow-uri http://HOST:PORT, or sqlite:////ABSOLUTE/PATH/mlflow.db on the head, "
+                         "e.g. sqlite:///$PWD/mlflow/mlflow.db of the submitting checkout")
     if uri is None:
         uri = f"sqlite:///{DEFAULT_DB}"
     if uri.startswith(("http://", "https://")):
@@ -80,6 +90,15 @@ def resolve_uri(uri: str | None) -> str:
         path = Path(uri[len("sqlite:///"):])
         if not path.is_absolute():
             path = Path.cwd() / path
+        if in_job and path.resolve().is_relative_to(REPO):
+            raise InputError(f"{flag} {uri}: inside Ray's temporary copy of the submitted folder ({REPO}), deleted "
+                             f"with the cluster: give an absolute path outside it (sqlite:////ABSOLUTE/PATH) or "
+                             f"http://HOST:PORT")
+        if not create:
+            near = next(p for p in path.parents if p.exists())
+            if not near.is_dir() or not os.access(near, os.W_OK):
+                raise InputError(f"{flag} {uri}: {near} is not a writable folder")
+            return f"sqlite:///{path}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -120,6 +139,25 @@ def source_tags(source: str = "sweep/pareto.py") -> dict[str, str]:
         if remote:
             tags[mt.MLFLOW_GIT_REPO_URL] = remote
     return tags
+
+
+def submitted_job() -> bool:
+    """This driver runs as a `ray job submit` entrypoint."""
+    return bool(os.environ.get(RAY_JOB_ENV))
+
+
+def where_runs_are(uri: str, experiment_id: str) -> str:
+    """The closing line's MLflow part: where the runs are and how to open them. A server: its runs page. A
+    SQLite store: the checkout's default one opens with `make mlflow-ui`; any other (an installed package, a
+    job, another path) with `mlflow ui --backend-store-uri ...`, then the runs page on 127.0.0.1:5000."""
+    if uri.startswith("http"):
+        return f"MLflow runs: {runs_page(uri, experiment_id)}"
+    page = runs_page("http://127.0.0.1:5000", experiment_id)
+    checkout = (REPO / "Makefile").is_file() and not submitted_job()
+    if checkout and uri == f"sqlite:///{DEFAULT_DB}":
+        return f"MLflow runs: in {uri}; open them with make mlflow-ui, then {page}"
+    return (f"MLflow runs: in {uri}; open them with mlflow ui --backend-store-uri {uri} --host 127.0.0.1 "
+            f"--port 5000, then {page}")
 
 
 def runs_page(ui: str, experiment_id: str) -> str:

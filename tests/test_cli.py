@@ -186,3 +186,33 @@ def test_sweep_config_reads_run_fields_through_the_table():
             RUN_FIELD_BY_NAME[key].check(bad, f"x.yaml: {key}")
         assert str(got.value) == str(want.value), key
     assert sweep_config.from_dict({**base, "max_memory_GiB": 8, "dtype": "bf16"}, "x.yaml").max_memory_GiB == 8.0
+
+
+@pytest.mark.parametrize("entry", ["expertsweep simulate", "expertsweep findings", "tinymodel", "findings args"])
+def test_cpu_heavy_entry_points_set_passive_openmp_waiting_and_their_threads(entry, monkeypatch):
+    """Each entry point sets OMP_WAIT_POLICY=PASSIVE and the thread counts first (runtime/core/threads.py), before
+    anything imports torch; a value the user set is kept."""
+    from runtime import cli
+    from runtime.core import threads
+    from runtime.tools import tinymodel
+    from runtime.tools.findings import cli as findings_cli
+
+    run = {"expertsweep simulate": lambda: cli.main(["simulate", "--help"]),
+           "expertsweep findings": lambda: cli.main(["findings", "--help"]),
+           "tinymodel": lambda: tinymodel.main(["--help"]),
+           "findings args": lambda: findings_cli.checked_args(["--help"])}[entry]
+    for var in ("OMP_WAIT_POLICY", threads.ENV_THREADS, *threads.COUNT_VARS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")  # the user's own setting
+    with pytest.raises(SystemExit):
+        run()
+    import os
+
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["OPENBLAS_NUM_THREADS"] == str(threads.available_cpus())
+    assert os.environ["MKL_NUM_THREADS"] == "1"
+    monkeypatch.setenv(threads.ENV_THREADS, "3")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads.configure() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

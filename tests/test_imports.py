@@ -165,6 +165,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                             "one-line-error command-line helpers every command shares"),
     "runtime.core.policy": ((SWEEP, TOOLS), "the policy table (PARAMS, PARAM_BY_NAME, PARAM_NAMES) the search "
                                             "space is built from; preset and resolve_capacities"),
+    "runtime.core.threads": ((SWEEP, TOOLS), "configure: passive OpenMP waiting and thread counts, set by each "
+                                             "CPU-heavy entry point before torch loads"),
     "runtime.core.spec": ((SWEEP, TOOLS), "the run-field table (RUN_FIELD_BY_NAME, add_run_flags) and HELD_OUT: "
                                           "sweep and tool options are run fields"),
     "runtime.formats.costmodel": ((SWEEP, TOOLS), "host profiles, model shapes and the VRAM budget: the sweep's "

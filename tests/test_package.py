@@ -83,6 +83,12 @@ def test_wheel_carries_its_data_and_the_command(installed):
     assert r.returncode == 2 and r.stderr.startswith("expertsweep: error:"), r.stderr
     r = _run([bin_ / "expertsweep", "sweep", "--config", "nowhere.yaml"], work, env)  # the installed sweep driver
     assert r.returncode == 2 and f"--config {work / 'nowhere.yaml'}: cannot read" in r.stderr, r.stderr[-2000:]
+    r = _run([bin_ / "expertsweep", "sweep", "--help"], work, env)
+    assert r.returncode == 0 and r.stdout.startswith("usage: expertsweep sweep"), r.stdout[:500]
+    # a packaged search space by name; refused at its (bad) --hosts, before anything is created
+    r = _run([bin_ / "expertsweep", "sweep", "--config", "smoke", "--hosts", "rtx9999"], work, env)
+    assert r.returncode == 2 and "--hosts rtx9999: host rtx9999: profile: no preset" in r.stderr, r.stderr[-2000:]
+    assert not any(work.iterdir())  # no results/, no mlflow/
 
 
 @pytest.mark.slow
@@ -146,3 +152,28 @@ def test_presets_are_package_data_and_the_env_folders_still_win(tmp_path, monkey
     assert costmodel.load_model_shape("tiny").num_experts == costmodel.load_model_shape(pkg / "models" / "olmoe-1b-7b.yaml").num_experts
     with pytest.raises(InputError, match="unknown host profile 'rtx4090'.*presets: mybox"):
         costmodel.load_host_profile("rtx4090")
+
+
+def test_dependency_bounds_admit_the_tested_versions_and_no_untested_minor():
+    """pyproject's bounds take the version of each dependency that constraints.txt pins (the suite's) and
+    refuse the next minor release (an untested optuna 5.1, transformers 5.25, torch 2.14 ...)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    tested = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, v = line.split("==")
+            tested[name.strip().lower().replace("_", "-")] = Version(v.strip())
+    reqs = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    for req in reqs:
+        v = tested[req.name.lower()]
+        nxt = Version(f"{v.major}.{v.minor + 1}")
+        assert req.specifier.contains(v, prereleases=True), (req, v)
+        assert not req.specifier.contains(nxt), (req, nxt)
+    assert {r.name for r in reqs} >= {"optuna", "transformers", "torch", "ray"}
+    readme = (REPO / "README.md").read_text()
+    assert "-c constraints.txt" in readme and "https://download.pytorch.org/whl/cpu" in readme

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -262,3 +263,50 @@ def test_no_worker_touches_the_output_folder(ray_cluster, micro_model, tmp_path)
     assert "audit: a Ray worker touched the driver's output folder" in probe.stdout, (probe.stdout[-2000:],
                                                                                       probe.stderr[-2000:])
     assert any("summary.md" in p.read_text() for p in audit.glob("violations-*"))
+
+
+def test_local_cluster_uses_a_token_and_the_documented_client_steps_work(tmp_path):
+    """infra/local_cluster.sh with RAY_AUTH_MODE unset (as a user runs it): token authentication, the nodes on
+    127.0.0.1; docs/sweep.md's client steps (the token and RAY_AUTH_MODE=token, as `up` writes them to
+    client.env; or the token copied to ~/.ray/auth_token) join it and submit a job; a client without the
+    token, or with the token but not RAY_AUTH_MODE=token, is refused."""
+    state, home = tmp_path / "state", tmp_path / "home"
+    home.mkdir()  # no ~/.ray/auth_token of this machine's user reaches the test
+    base = env(EXPERTSWEEP_LOCAL_CLUSTER=str(state), HOME=str(home))
+    base.pop("RAY_AUTH_MODE")
+    token = state / "auth_token"
+    up = subprocess.run(["bash", "infra/local_cluster.sh", "up"], cwd=REPO, env=base, capture_output=True, text=True,
+                        timeout=600)
+    try:
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        client = dict(kv.split("=", 1) for kv in (state / "client.env").read_text().split()[1:])
+        assert client["RAY_AUTH_MODE"] == "token" and client["RAY_ADDRESS"].startswith("127.0.0.1:")
+        assert Path(client["RAY_AUTH_TOKEN_PATH"]) == token and (token.stat().st_mode & 0o777) == 0o600
+        code = (f"import ray; ray.init(address={client['RAY_ADDRESS']!r}, logging_level='ERROR'); "
+                "print('resources', ray.cluster_resources().get('host:rtx3090'))")
+
+        def join(**extra: str) -> subprocess.CompletedProcess:
+            e = {**base, **extra}
+            return subprocess.run([PY, "-c", code], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=240)
+
+        r = join(**client)
+        assert r.returncode == 0 and "resources 2.0" in r.stdout, r.stderr[-2000:]
+        (home / ".ray").mkdir()
+        (home / ".ray" / "auth_token").write_text(token.read_text())
+        r = join(RAY_AUTH_MODE="token")  # the token copied to ~/.ray/auth_token, as docs/sweep.md says
+        assert r.returncode == 0 and "resources 2.0" in r.stdout, r.stderr[-2000:]
+        (home / ".ray" / "auth_token").unlink()
+        for extra in ({}, {"RAY_AUTH_TOKEN_PATH": str(token)}):  # no token; the token without RAY_AUTH_MODE=token
+            r = join(**extra)
+            assert r.returncode != 0 and "resources" not in r.stdout, (extra, r.stdout[-500:])
+        job = [RAY, "job", "submit", "--address", (state / "dashboard").read_text().strip(), "--", "python", "-c",
+               "print('answer', 6 * 7)"]
+        r = subprocess.run(job, cwd=tmp_path, env={**base, **client}, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "answer 42" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+        r = subprocess.run(job, cwd=tmp_path, env=base, capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "answer 42" not in r.stdout
+    finally:
+        down = subprocess.run(["bash", "infra/local_cluster.sh", "down"], cwd=REPO, env=base, capture_output=True,
+                              text=True, timeout=120)
+        assert down.returncode == 0, down.stderr[-2000:]
+    assert not token.exists() and not (state / "client.env").exists()

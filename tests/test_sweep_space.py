@@ -289,6 +289,24 @@ def test_ledger_writes_each_key_once(tmp_path):
     again.close()
 
 
+def test_mlflow_progress_counts_infeasible_trials_apart_from_failed(tmp_path):
+    """trials_failed_<host> counts only failed trials; one that did not fit the budget is trials_infeasible_<host>."""
+    from sweep.ledger import Session
+
+    class Tracker:
+        def log_parent_metrics(self, metrics, step=None):
+            self.metrics, self.step = metrics, step
+
+    led = Ledger(tmp_path / "l.jsonl")
+    for i, status in enumerate(["ok", "ok", "infeasible", "infeasible", "infeasible", "failed"]):
+        led.add({"key": f"a:{i}", "host": "a", "fidelity": "simulator", "status": status})
+    led.add({"key": "emulation:full:x", "host": "all", "fidelity": "emulation", "status": "failed"})
+    tr = Tracker()
+    Session(tmp_path, led, tr, ["a"], {"a": "gpu"}, ("time_per_token_s",)).refresh()
+    assert tr.metrics == {"trials_ok_a": 2, "trials_infeasible_a": 3, "trials_failed_a": 1} and tr.step == 6
+    led.close()
+
+
 def test_policy_families_from_the_table_in_a_space():
     """The fields added to the parameter table (fallback, lowbit, prefetch) are searchable with no
     sweep-side list; a string choice named off (prefetch) stays a value, beta off stays None."""
@@ -634,3 +652,41 @@ def test_emulation_runs_at_the_slots_the_simulator_gave_a_budget():
     by_fraction = complete({"rule": "threshold", "tau": 0.15, "capacity_fraction": 0.25})
     spec = emulation_spec(by_fraction, "/m", "/t.txt", 2048, None, [16, 16, 16, 16])
     assert spec.capacity_fraction == 0.25 and spec.capacity is None
+
+
+def test_a_submitted_job_needs_a_durable_mlflow_store_and_says_where_its_runs_are(tmp_path, monkeypatch):
+    """Under `ray job submit` (Ray's job supervisor sets RAY_JOB_CONFIG_JSON_ENV_VAR) the default store would
+    be inside Ray's temporary copy of the submitted folder: --mlflow-uri is required, and a SQLite path in
+    that copy is refused; the closing line names the store and how to open it (make mlflow-ui only for a
+    checkout's own store)."""
+    from sweep import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    default = f"sqlite:///{tracking.DEFAULT_DB}"
+    assert "open them with make mlflow-ui, then http://127.0.0.1:5000/#/experiments/3/runs" in \
+        tracking.where_runs_are(default, "3")
+    other = f"sqlite:///{tmp_path / 'm.db'}"
+    assert tracking.where_runs_are(other, "3") == (
+        f"MLflow runs: in {other}; open them with mlflow ui --backend-store-uri {other} --host 127.0.0.1 "
+        f"--port 5000, then http://127.0.0.1:5000/#/experiments/3/runs")
+    assert tracking.where_runs_are("http://h:5000", "3") == "MLflow runs: http://h:5000/#/experiments/3/runs"
+    monkeypatch.setenv(tracking.RAY_JOB_ENV, "{}")
+    with pytest.raises(InputError, match=r"^--mlflow-uri: required under ray job submit") as e:
+        tracking.resolve_uri(None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(InputError, match="inside Ray's temporary copy"):
+        tracking.resolve_uri("sqlite:///mlflow/mlflow.db", create=False)  # relative: in the job's folder
+    assert tracking.resolve_uri(other, create=False) == other
+    assert "make mlflow-ui" not in tracking.where_runs_are(default, "3")  # a job's copy is no checkout
+
+
+def test_one_label_per_policy_across_hosts():
+    """A policy that is a baseline on one host and a search trial on another is named by the baseline on both."""
+    from sweep.plot import label
+
+    rows = _rows("a", 3) + _rows("b", 3)
+    b0 = next(r for r in rows if r["key"] == "b:0")
+    b0["baseline"] = None  # host b drew rule-0.15's policy as a search trial
+    df = trials_frame(rows).set_index("key")
+    assert label(df.loc["a:0"]) == label(df.loc["b:0"]) == "rule-0.15"
+    assert label(df.loc["b:1"]) == df.loc["b:1", "policy"]  # no baseline anywhere: its policy

@@ -657,3 +657,25 @@ def test_record_lookahead_is_the_next_router_on_this_input(tiny_ckpts, tiny_text
     want = torch.sort(-score, dim=1, stable=True).indices[:, :3].numpy()
     assert np.array_equal(tr.lookahead[:64, 0], want)
     assert (tr.lookahead[:, -1] == -1).all()
+
+
+@pytest.mark.parametrize("column, values, fragments", [
+    ("token", lambda t: [f"x{v}" for v in t], ["column 'token' has type string", "'x0'", "expected integers"]),
+    ("token", lambda t: [str(v) for v in t], ["column 'token' has type string", "'0'", "expected integers"]),
+    ("layer", lambda t: [v + 0.5 * (i == 3) for i, v in enumerate(t)], ["column 'layer' row 3 holds ",
+                                                                         ".5, expected an integer"]),
+])
+def test_token_and_layer_must_be_integers(tmp_path, column, values, fragments):
+    """Strings (even "0", "1") or fractions in `token` / `layer` are one-line errors, never a traceback or a
+    silently accepted trace; whole floats (a writer's float64) are read as integers."""
+    tr = small_trace()
+    p = tmp_path / "t.parquet"
+    save_trace(tr, p)
+    table = pq.read_table(p)
+    i = table.column_names.index(column)
+    old = table.column(column).to_pylist()
+    q = tmp_path / "bad.parquet"
+    pq.write_table(table.set_column(i, column, pa.array(values(old))), q)
+    expect_error(q, "bad.parquet", *fragments)
+    pq.write_table(table.set_column(i, column, pa.array([float(v) for v in old])), q)
+    assert_same(tr, load_trace(q))

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.core.errors import ArgumentParser, InputError, cli_main
+from runtime.core.threads import configure as configure_threads
 from runtime.tools.corpus import EOS, CorpusSplit, join_documents, load_corpus
 from runtime.tools.tinyspec import ARCHITECTURES, TinySpec  # noqa: F401 (importable from here, as before)
 from runtime.tools.tinytrain import (
@@ -466,6 +467,7 @@ def ensure_model(size: str | TinySpec, progress: bool = True, force: bool = Fals
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m runtime.tools.tinymodel --size demo|test|all [--force]``."""
+    configure_threads()  # before torch is imported: passive OpenMP waiting (runtime/core/threads.py)
     parser = ArgumentParser(
         prog="python -m runtime.tools.tinymodel",
         description="Build (if not cached) the tiny reference Qwen3-MoE models and print their paths.",

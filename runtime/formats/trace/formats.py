@@ -396,6 +396,22 @@ def _scalar_column(where: str, table: pa.Table, name: str) -> np.ndarray:
     return col.to_numpy()
 
 
+def _int_column(where: str, table: pa.Table, name: str) -> np.ndarray:
+    """An integer column: integers, or floats that are whole numbers (a writer's float64); anything else (strings,
+    even "0", "1"; 0.5; booleans) is a one-line InputError naming the column and the first bad value."""
+    typ = table.schema.field(name).type
+    a = _scalar_column(where, table, name)
+    if pa.types.is_integer(typ):
+        return a.astype(np.int64)
+    if pa.types.is_floating(typ):
+        i = _first(~np.isfinite(a) | (a != np.round(a)))
+        if i is None:
+            return a.astype(np.int64)
+        r = int(i[0])
+        raise InputError(f"{where}: column '{name}' row {r} holds {float(a[r])!r}, expected an integer")
+    raise InputError(f"{where}: column '{name}' has type {typ} (first value {a[0]!r}), expected integers")
+
+
 def _from_table(where: str, table: pa.Table, num_experts: int | None) -> Trace:
     meta = _meta_from_json(where, (table.schema.metadata or {}).get(META_KEY))
     if num_experts is not None:
@@ -412,8 +428,8 @@ def _from_table(where: str, table: pa.Table, num_experts: int | None) -> Trace:
         raise InputError(f"{where}: {n} rows is not a positive multiple of L = {L} layers")
     T = n // L
 
-    token = _scalar_column(where, table, "token").astype(np.int64)
-    layer = _scalar_column(where, table, "layer").astype(np.int64)
+    token = _int_column(where, table, "token")
+    layer = _int_column(where, table, "layer")
     want_t = np.repeat(np.arange(T), L)
     want_l = np.tile(np.arange(L), T)
     order = None

@@ -27,6 +27,7 @@ from typing import Any
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, check_output_path
 from runtime.core.policy import PRESETS
 from runtime.core.spec import Result
+from runtime.core.threads import configure as configure_threads
 from runtime.tools.findings import experiments as X
 from runtime.tools.findings import stats
 from runtime.tools.findings.experiments import (
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def checked_args(argv: list[str] | None) -> argparse.Namespace:
     """Parsed and checked flags (every check before any work)."""
+    configure_threads()  # first, before torch loads: also for scripts/findings.py (runtime/core/threads.py)
     a = build_parser().parse_args(argv)
     check_output_path(a.out_md, "--out-md")
     check_output_path(a.out_json, "--out-json")
