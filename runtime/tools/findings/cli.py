@@ -92,14 +92,13 @@ def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Ro
     presets = {n: PRESETS[n] for n in ("fetch-every-miss", *X.LOSSY)}
     main = timed("presets", X.emulate_policies, s, presets, s.eval_text)
     s.starts, s.blocks = X.choose_blocks(s, main)
-    rows = [X.finding_heavy(s, main)]
     mp = timed("mass", lambda: X.emulate_policies(s, X.mass_policies(), s.eval_text, mass=True))
-    rows.extend(X.finding_mass(s, mp))
-    rows.append(timed("band", X.finding_band, s))
-    rows.append(X.finding_admission(s, main))
-    rows.append(timed("topic", finding_topic, s))
-    rows.append(timed("speed", X.finding_speed, s, main))
-    rows.append(timed("generation", X.finding_generation, s))
+    kept = X.dedupe(X.trace_decisions(s, X.mass_policies()))
+    r2a, r2b, r2c = X.finding_mass(s, mp, kept)
+    r4a, r5q, r5s = X.finding_admission(s, main)
+    rows = [X.finding_heavy(s, main), r2a, r2b, timed("band", X.finding_band, s), r4a,
+            timed("topic", finding_topic, s), timed("speed", X.finding_speed, s, main), r5q, r5s,
+            timed("generation", X.finding_generation, s), r2c]  # the paper's rows in order, then the page's own
     for r in rows:
         r.column = label
     return rows, main["fetch-every-miss"].result
