@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from runtime.tools.findings import admission as X_ADM
 from runtime.tools.findings import experiments as X
 from runtime.tools.findings import rows as R
 from runtime.tools.findings import stats
@@ -495,3 +496,47 @@ def test_flipped_direction_changes_the_holds_case(rid: str, i: int, monkeypatch:
     claims[i] = dataclasses.replace(claims[i], direction=-claims[i].direction)
     monkeypatch.setitem(RULES, rid, dataclasses.replace(rule, claims=tuple(claims)))
     assert HOLDS_CASES[rid]()["verdict"] == D
+
+
+# --------------------------------------------------------------------------- admission against C/k
+
+
+def _point(ck: float, m_with: float, m_without: float, hit_with: float = 0.5, hit_without: float = 0.5) -> dict:
+    pols = {}
+    for a, b in X_ADM.PAIRS:
+        pols[a] = {"mass_per_token": m_with, "hit_rate": hit_with, "substituted_share": 0.1,
+                   "admissions_per_token_layer": 0.2}
+        pols[b] = {"mass_per_token": m_without, "hit_rate": hit_without, "substituted_share": 0.1,
+                   "admissions_per_token_layer": 0.0}
+    return {"c_over_k": ck, "slots": int(ck * 4), **pols}
+
+
+def test_admission_starts_helping() -> None:
+    """The smallest C/k from which admission lowers the mass at every larger C/k; None when it does not at the
+    largest."""
+    pair = X_ADM.PAIRS[0]
+    pts = [_point(1, 0.9, 0.6), _point(2, 0.7, 0.6), _point(4, 0.5, 0.6), _point(8, 0.4, 0.5)]
+    assert X_ADM.starts_helping(pts, pair) == 4
+    assert X_ADM.starts_helping(pts[:2], pair) is None
+    assert X_ADM.starts_helping([_point(2, 0.5, 0.6), _point(4, 0.7, 0.6), _point(8, 0.4, 0.5)], pair) == 8
+    e = X_ADM.effects(pts)
+    assert e[0][f"{pair[0]} - {pair[1]}"]["mass_per_token"] == pytest.approx(0.3)
+
+
+def test_admission_curve_on_a_real_trace(tmp_path) -> None:  # noqa: ANN001
+    """Mixtral's real trace (skipped without ../shared): the curve's slots follow C/k, the four policies are
+    replayed at each, and the plot is written."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mixtral-8x7b-humaneval0.npz"
+    if not path.is_file():
+        pytest.skip(f"{path} absent (a checkout without ../shared)")
+    c = X_ADM.trace_curve(path, grid=(1.0, 2.0, 3.0, 4.0))
+    assert c["experts"] == 8 and c["top_k"] == 2 and [p["slots"] for p in c["points"]] == [2, 4, 6]  # C < E
+    for p in c["points"]:
+        for a, b in X_ADM.PAIRS:
+            assert p[b]["admissions_per_token_layer"] == 0 and p[a]["admissions_per_token_layer"] > 0
+    mp = [{"c_over_k": 2.0, "qf_minus_rule": {"point": 0.1, "ci95": [0.0, 0.2]},
+           "sf_minus_fc": {"point": 0.3, "ci95": [0.1, 0.5]}}]
+    X_ADM.plot({"mixtral": c["points"]}, mp, tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -78,7 +78,23 @@ def _result() -> dict[str, Any]:
                              "slots_per_top_k": 12.8, "substitute_all_share": 0.085, "layers": 48},
             "sweep": {"target_share": 0.085, "found": 0.25,
                       "points": [{"slots": 8, "substitute_all_share": 0.5}, {"slots": 63, "substitute_all_share": 0.01}]},
-            "rows": [r.to_dict() for r in rows], "seconds": 60.0}
+            "rows": [r.to_dict() for r in rows], "seconds": 60.0,
+            "admission": {"model": {"source": "m (recorded)", "experts": 64, "top_k": 8, "layers": 2, "tokens": 4096,
+                                    "warm_start": "calibration text", "points": [
+                                        _adm_point(2.0, 0.96, 0.65, 0.60, 0.62), _adm_point(8.0, 0.10, 0.12, 0.9, 0.88)]},
+                          "model_ppl": [{"column": "C=16 (25.0%)", "c_over_k": 2.0,
+                                         "qf_minus_rule": {"point": 2.57, "ci95": [1.9, 3.2]},
+                                         "sf_minus_fc": {"point": 5.82, "ci95": [4.4, 7.1]}}]}}
+
+
+def _adm_point(ck: float, m_with: float, m_without: float, h_with: float, h_without: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"c_over_k": ck, "slots": int(ck * 8)}
+    for a, b in (("quality-first", "rule-0.15"), ("speed-first", "first-choice")):
+        out[a] = {"mass_per_token": m_with, "hit_rate": h_with, "substituted_share": 0.2,
+                  "admissions_per_token_layer": 0.8}
+        out[b] = {"mass_per_token": m_without, "hit_rate": h_without, "substituted_share": 0.2,
+                  "admissions_per_token_layer": 0.0}
+    return out
 
 
 def _leaves(x: Any) -> list[float]:
@@ -139,6 +155,11 @@ def test_page_numbers_are_the_json_numbers() -> None:
     # the page's own check sits below the paper's rows, in its own table; the paper's hedges are on the page
     assert md.index("| 5s |") < md.index("### The page's own checks") < md.index("| 2c |")
     assert "calls its conclusions modest" in md
+    # admission against C/k: the mass change, where it starts helping, why it hurts at C/k = 2, the perplexity
+    assert "## Admission against the cache size" in md
+    assert "| 2.00 | 16 | +47.7% (0.650 -> 0.960) | -2.00 | 5.00% |" in md
+    assert "QF vs the rule: from C/k = 8.00 on" in md and "evicts one the next tokens still use" in md
+    assert "C/k = 2.0: QF - rule +2.57 [+1.90, +3.20], SF - first-choice +5.82 [+4.40, +7.10]" in md
     # the regime table and the block check
     col = res["columns"][0]
     assert (f"| {col['label']} | 16 of 64 | 2.0 | {col['warm_set_miss_rate']:.1%} | "
@@ -342,6 +363,17 @@ def test_script_page_is_whole_and_checks_flags_first() -> None:
     assert proc.stderr.strip().splitlines() == [
         "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
     assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
+
+
+def test_script_skips_real_traces_without_shared(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    res = {"admission": {"model": {}}}
+    script.add_traces(res, tmp_path / "absent")
+    assert res == {"admission": {"model": {}}}
 
 
 def test_the_committed_page_is_its_json_rendered() -> None:

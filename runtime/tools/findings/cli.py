@@ -27,8 +27,8 @@ from typing import Any
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, check_output_path
 from runtime.core.policy import PRESETS
 from runtime.core.spec import Result
+from runtime.tools.findings import admission, stats
 from runtime.tools.findings import experiments as X
-from runtime.tools.findings import stats
 from runtime.tools.findings.experiments import (
     PAPER_EXPERTS,
     PAPER_LAYERS,
@@ -104,6 +104,18 @@ def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Ro
     return rows, main["fetch-every-miss"].result
 
 
+def admission_ppl(rows: Sequence[Row], columns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per column: C/k and admission's perplexity effects with their intervals (Quality-First minus the 0.15 rule,
+    Speed-First minus first-choice; points), from row 4a's data."""
+    out = []
+    for c in columns:
+        d = next(r.data for r in rows if r.id == "4a" and r.column == c["label"])
+        out.append({"column": c["label"], "c_over_k": c["c_over_k"],
+                    "qf_minus_rule": {"point": d["difference"], "ci95": d["ci95"]},
+                    "sf_minus_fc": {k: d["speed_first_minus_first_choice"][k] for k in ("point", "ci95")}})
+    return out
+
+
 def check_run_args(model: Path, max_tokens: int | None, capacity_fractions: Sequence[float | str], segment: int,
                    early: int) -> list[float | str]:
     """The checks `run` makes before any work; the parsed capacity fractions."""
@@ -141,6 +153,7 @@ def run(model: str | Path, max_tokens: int | None = None,
                    prompts_per_domain, new_tokens, seed, Path(tmp), hfmodel.load(model), progress)
         trace, calib_ids, _ = exact_trace(s0, eval_text)
         paper_frac, sweep = paper_capacity(trace, calib_ids)
+        adm_curve = admission.curve(trace, calib_ids)
         seen: list[float] = []
         for f in fracs:
             frac = paper_frac if f == "paper" else float(f)
@@ -172,6 +185,10 @@ def run(model: str | Path, max_tokens: int | None = None,
                       "early": early, "prompts_per_domain": prompts_per_domain, "new_tokens": new_tokens,
                       "seed": seed, "bootstrap_resamples": stats.N_BOOT, "min_blocks": stats.MIN_BLOCKS,
                       "block_width_tolerance": stats.WIDTH_TOL},
+            "admission": {"model": {"source": f"{model.name} (recorded exact routing of {eval_text.name})",
+                                    "experts": trace.E, "top_k": trace.k, "layers": trace.L, "tokens": trace.T,
+                                    "warm_start": "calibration text", "points": adm_curve},
+                          "model_ppl": admission_ppl(rows, columns)},
             "seconds": round(time.perf_counter() - t0, 1), "seconds_by_finding": timings}
 
 

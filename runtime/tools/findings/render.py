@@ -8,6 +8,7 @@ from typing import Any
 
 from runtime.tools.findings.experiments import PAPER_LAYERS
 from runtime.tools.findings.rules import PAPER_HEDGE
+from runtime.tools.findings.stats import fmt_ci
 
 
 def _cell(text: Any) -> str:
@@ -111,6 +112,71 @@ def table(rows: list[dict[str, Any]], order: list[str]) -> list[str]:
     return out
 
 
+def _pair_tag(a: str) -> str:
+    return "QF vs the rule" if a == "quality-first" else "SF vs first-choice"
+
+
+def admission_lines(res: dict[str, Any]) -> list[str]:
+    """Admission against C/k: per source the mass effect of each pair at each C/k, where it starts to help, the
+    churn behind it, and the reference model's perplexity effect per column (all from `res["admission"]`)."""
+    from runtime.tools.findings.admission import PAIRS, starts_helping
+
+    adm = res.get("admission")
+    if not adm:
+        return []
+    out = ["## Admission against the cache size", "",
+           "Background admission (beta 0.5) against the same policy without it: Quality-First (QF) against the 0.15 "
+           "rule, Speed-First (SF) against first-choice. Substituted mass per token from the simulator's replay of "
+           "each routing at each C/k (slots per top-k), with its warm start; churn: admissions per token and layer "
+           "as a share of the slots. The plot: docs/img/admission_ck.png.", ""]
+    sources = [adm["model"], *adm.get("traces", [])]
+    for src in sources:
+        pts = src["points"]
+        out += [f"**{src['source']}** ({src['experts']} experts, top-{src['top_k']}, {src['layers']} layers, "
+                f"{src['tokens']} tokens; warm start: {src['warm_start']})", "",
+                "| C/k | slots | " + " | ".join(f"{_pair_tag(a)}: mass change | hit-rate change (points) | "
+                                                 "admissions per token-layer / slots" for a, _ in PAIRS) + " |",
+                "|---|---|" + "---|---|---|" * len(PAIRS)]
+        for p in pts:
+            cells = [f"{p['c_over_k']:.2f}", str(p["slots"])]
+            for a, b in PAIRS:
+                mb = p[b]["mass_per_token"]
+                rel = f"{(p[a]['mass_per_token'] / mb - 1) * 100:+.1f}%" if mb > 0 else "n/a"
+                cells += [f"{rel} ({mb:.3f} -> {p[a]['mass_per_token']:.3f})",
+                          f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}",
+                          f"{p[a]['admissions_per_token_layer'] / p['slots']:.2%}"]
+            out.append("| " + " | ".join(cells) + " |")
+        helps = []
+        for pair in PAIRS:
+            x = starts_helping(pts, pair)
+            helps.append(f"{_pair_tag(pair[0])}: " + (f"from C/k = {x:.2f} on (every C/k tried)" if x is not None
+                                                       else "not at the largest C/k tried"))
+        out += ["", "Admission lowers the substituted mass " + "; ".join(helps) + "."]
+        for a, b in PAIRS:
+            hurt = [p for p in pts if p[a]["mass_per_token"] > p[b]["mass_per_token"]]
+            if hurt:
+                out.append(f"Where {_pair_tag(a)} raises the mass (C/k " + ", ".join(f"{p['c_over_k']:.2f}"
+                                                                                   for p in hurt) +
+                           "), the hit rate changes by " + ", ".join(
+                               f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}" for p in hurt) +
+                           " points while each token's admissions replace " + ", ".join(
+                               f"{p[a]['admissions_per_token_layer'] / p['slots']:.1%}" for p in hurt) +
+                           " of a layer's slots" + (
+                               ": with so few slots an admitted expert evicts one the next tokens still use, which "
+                               "then misses and is substituted." if all(p[a]["hit_rate"] < p[b]["hit_rate"]
+                                                                         for p in hurt)
+                               else "; the hit rate does not fall at all of them, so eviction of experts in use does "
+                                    "not explain it alone."))
+        out.append("")
+    mp = adm.get("model_ppl") or []
+    if mp:
+        out += ["Reference model, perplexity (emulation, per findings column; points, 95% interval): " + "; ".join(
+            f"C/k = {m['c_over_k']:.1f}: QF - rule {m['qf_minus_rule']['point']:+.2f} "
+            f"{fmt_ci(*m['qf_minus_rule']['ci95'])}, SF - first-choice {m['sf_minus_fc']['point']:+.2f} "
+            f"{fmt_ci(*m['sf_minus_fc']['ci95'])}" for m in mp) + ".", ""]
+    return out
+
+
 def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
     """The whole page body: command, commit, regimes, the table, the rules, the block check and the reading."""
     st = res["setup"]
@@ -139,4 +205,5 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
             seen.add(r["id"])
             rules.append(f"- {r['id']}: {r['rule']}.")
     samples = ["", "Samples:", ""] + [f"- {r['id']} at {r['column']}: {r['sample']}." for r in res["rows"]]
-    return "\n".join(head + lines + rules + samples + [""] + block_lines(res) + [""] + reading(res)) + "\n"
+    return "\n".join(head + lines + rules + samples + [""] + block_lines(res) + [""] + reading(res) + [""]
+                     + admission_lines(res)) + "\n"
