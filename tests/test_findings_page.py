@@ -73,7 +73,7 @@ def _result() -> dict[str, Any]:
     return {"setup": {"model": "m", "eval_text": "eval.txt", "num_layers": 2, "num_experts": 64, "top_k": 8,
                       "tokens": 4096, "exact_perplexity": 50.0, "initial_residency": "calib", "min_blocks": 10,
                       "bootstrap_resamples": 2000, "seed": 0, "block_width_tolerance": stats.WIDTH_TOL},
-            "commit": {"commit": "a" * 40, "dirty": False}, "columns": cols,
+            "commit": {"commit": "a" * 40, "dirty": False}, "columns": cols, "format": 2,
             "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": 128, "experts": 512, "top_k": 10,
                              "slots_per_top_k": 12.8, "substitute_all_share": 0.085, "layers": 48},
             "sweep": {"target_share": 0.085, "found": 0.25,
@@ -363,6 +363,14 @@ def test_script_page_is_whole_and_checks_flags_first() -> None:
     assert proc.stderr.strip().splitlines() == [
         "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
     assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
+
+
+def test_an_older_result_says_so() -> None:
+    """A result of the findings before issue 35 (no `format`) renders with a line saying its rules are older."""
+    res = _result()
+    assert "older version of the findings" not in render.to_markdown(res)
+    del res["format"]
+    assert "older version of the findings" in render.to_markdown(res)
 
 
 def test_script_skips_real_traces_without_shared(tmp_path: Path) -> None:

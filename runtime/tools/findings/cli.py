@@ -46,6 +46,8 @@ from runtime.tools.findings.topic import finding_topic
 
 log = logging.getLogger(__name__)
 
+FORMAT = 2  # the result's format: 2 = one interval per statistic, the paper's claims as made (issue 35)
+
 
 def git_commit(repo: Path | None = None) -> dict[str, Any]:
     """The commit this code runs at, and whether tracked files differ from it ({"commit": None} outside git)."""
@@ -168,7 +170,7 @@ def run(model: str | Path, max_tokens: int | None = None,
             reg.update({"label": label, "requested": f, "blocks": s.blocks})
             columns.append(reg)
             rows.extend(col_rows)
-    return {"commit": git_commit(),
+    return {"commit": git_commit(), "format": FORMAT,
             "rows": [r.to_dict() for r in rows],
             "columns": columns,
             "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": PAPER_SLOTS, "experts": PAPER_EXPERTS,

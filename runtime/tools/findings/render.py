@@ -190,8 +190,12 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
                 f"top-{st['top_k']}; evaluated text `{st['eval_text']}`, {st['tokens']} tokens, exact perplexity "
                 f"{st['exact_perplexity']:.3f}; warm start: {st['initial_residency']}. Intervals: "
                 f"{st['bootstrap_resamples']} bootstrap resamples, seed {st['seed']}.")
-    head += ["", f"The paper's own hedge: {PAPER_HEDGE}. The rows below test what it claimed, each against one "
-             "95% interval fixed before the data.", ""]
+    if res.get("format", 1) < 2:
+        head += ["", "**This result was computed by an older version of the findings (before issue 35): its rows "
+                 "follow that version's rules (2a's interval a union of two, row 1 and 2b as tested then), not the "
+                 "rules listed in runtime/tools/findings/rules.py now.**"]
+    head += ["", f"The paper's own hedge: {PAPER_HEDGE}. The rows below test what it claimed"
+             + (", each against one 95% interval fixed before the data." if res.get("format", 1) >= 2 else "."), ""]
     head += ["### Cache regimes", ""] + regime_lines(res) + ["", "### Findings", ""]
     order = [r["id"] for r in res["rows"]]
     own = [r for r in res["rows"] if r.get("own_check")]
