@@ -7,7 +7,8 @@ what the rest of the project calls when it needs one.
 The ``demo`` and ``test`` models are ``Qwen3MoeForCausalLM`` (64 experts, top-8, every layer
 sparse) trained on the running Python's standard library; ``mix`` (128 experts, top-8) is trained
 on a mixture of code, English prose and verse (``runtime.tools.corpus`` source ``mix``) and has
-held-out calibration and evaluation texts per domain; ``next-shape`` has Qwen3-Next's routing
+held-out calibration and evaluation texts per domain; ``ref`` (128 experts, top-4, the mix corpus) is the
+findings' reference model, whose 25% cache holds 8 x top-k as the paper's regime does; ``next-shape`` has Qwen3-Next's routing
 shape (48 MoE layers, 512 experts, top-10, one shared expert; ``Qwen2MoeForCausalLM``, since
 Qwen3-MoE has no shared expert) at a tiny hidden size, briefly trained, for rehearsals. Each has a
 byte-level BPE tokenizer trained by ``tokenizers`` on its corpus. Training is a fixed number of AdamW steps with warmup and
