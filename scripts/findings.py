@@ -1,6 +1,6 @@
 """`make findings`: the paper's findings on the `ref` reference model, written whole to docs/findings.md (+ .json).
 
-    python scripts/findings.py [--model DIR] [--max-tokens N] [runtime.tools.findings flags ...]
+    python scripts/findings.py [--model DIR | --second-seed N] [--max-tokens N] [runtime.tools.findings flags ...]
 
 Builds the `ref` model if it is not cached (runtime.tools.tinymodel), runs runtime.tools.findings (the package's
 cli) on it (at the capacities `make findings` names: C/k = 2, the small-cache contrast; 25%, C/k = 8; and the
@@ -8,11 +8,14 @@ paper's regime, the capacity where substitute-all substitutes ~8.5% of calls), a
 the real traces of ../shared/data/traces when that folder exists (`findings.admission.trace_curve`; skipped
 without it), and writes docs/findings.md (command line, commit, regimes, table, rules, the reading and the
 admission section, every number from the run), docs/findings.json and docs/img/admission_ck.png. Nothing of an
-older page is kept. Every flag other than --model is passed on to `python -m runtime.findings`.
+older page is kept. `--second-seed N` builds `ref` again with build seed N, runs the same findings on it and
+marks every row whose verdict differs between the two builds `unstable` (`findings.stability`). Every flag other
+than --model and --second-seed is passed on to `python -m runtime.findings`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shlex
@@ -20,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.core.errors import atomic_write, cli_main
+from runtime.core.errors import InputError, atomic_write, cli_main
 from runtime.tools import findings
 from runtime.tools.findings import admission
 
@@ -58,14 +61,29 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     cmd = ("python scripts/findings.py " + shlex.join(argv)).strip()
+    second_seed = None
+    if "--second-seed" in argv:  # the ref model built again with this seed: every verdict checked on it
+        i = argv.index("--second-seed")
+        try:
+            second_seed = int(argv[i + 1])
+        except (IndexError, ValueError):
+            raise InputError(f"--second-seed = {argv[i + 1:i + 2]}: an integer build seed is needed") from None
+        argv = argv[:i] + argv[i + 2:]
     a = findings.checked_args(argv if "--model" in argv else ["--model", ".", *argv])
+    if second_seed is not None and "--model" in argv:
+        raise InputError("--second-seed: only with the ref model (no --model)")
     if "--model" not in argv:
-        from runtime.tools.tinymodel import ensure_model
+        from runtime.tools.tinymodel import SPECS, ensure_model
 
         a.model = str(ensure_model("ref"))
     t0 = time.perf_counter()
     res = findings.run(a.model, a.max_tokens, a.capacity_fraction, a.segment, a.early, a.prompts, a.new_tokens,
                        a.seed, progress=sys.stderr.isatty())
+    if second_seed is not None:
+        m2 = ensure_model(dataclasses.replace(SPECS["ref"], seed=second_seed))
+        res2 = findings.run(m2, a.max_tokens, a.capacity_fraction, a.segment, a.early, a.prompts, a.new_tokens,
+                            a.seed, progress=sys.stderr.isatty())
+        findings.stability(res, res2)
     add_traces(res)
     res["command"] = cmd
     res["wall_seconds"] = round(time.perf_counter() - t0, 1)

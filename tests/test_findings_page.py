@@ -365,6 +365,28 @@ def test_script_page_is_whole_and_checks_flags_first() -> None:
     assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
 
 
+def test_stability_marks_rows_whose_verdict_differs_between_builds() -> None:
+    """Rows matched by id and requested capacity (labels differ between builds); a differing verdict reads
+    unstable on the page, with both verdicts."""
+    res, res2 = _result(), _result()
+    for c in (*res["columns"], *res2["columns"]):
+        c["requested"] = 0.25
+    res2["columns"][0]["label"] = "C=17 (26.6%)"  # another build, another paper column
+    for r in res2["rows"]:
+        r["column"] = "C=17 (26.6%)"
+    flip = next(r for r in res2["rows"] if r["id"] == "4a")
+    before = next(r for r in res["rows"] if r["id"] == "4a")["verdict"]
+    flip["verdict"] = DIFFERS if before != DIFFERS else HOLDS
+    out = findings.stability(res, res2)
+    by = {r["id"]: r for r in out["rows"]}
+    assert by["4a"]["verdict"] == "unstable" and by["4a"]["verdict_by_build"] == [before, flip["verdict"]]
+    assert all(r["verdict"] != "unstable" for r in out["rows"] if r["id"] != "4a")
+    md = render.to_markdown(out)
+    assert f"**unstable** ({before} on the first build, {flip['verdict']} on the second)" in md
+    assert "also computed on a second build" in md
+    assert "one build of the model only" in render.to_markdown(_result())
+
+
 def test_an_older_result_says_so() -> None:
     """A result of the findings before issue 35 (no `format`) renders with a line saying its rules are older."""
     res = _result()

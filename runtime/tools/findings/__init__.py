@@ -25,9 +25,11 @@ from runtime.tools.findings.cli import (
            parse_capacity_fraction,
            run,
            scrub,
+           stability,
 )
 from runtime.tools.findings.render import to_markdown
 from runtime.tools.findings.rules import DIFFERS, HOLDS, INCONCLUSIVE, RULES, UNTESTABLE, VERDICTS
 
 __all__ = ["DIFFERS", "HOLDS", "INCONCLUSIVE", "RULES", "UNTESTABLE", "VERDICTS", "build_parser", "checked_args",
-           "git_commit", "main", "parse_capacity_fraction", "run", "scrub", "to_markdown"]
+           "git_commit", "main", "parse_capacity_fraction", "run", "scrub", "stability",
+           "to_markdown"]

@@ -42,6 +42,7 @@ from runtime.tools.findings.experiments import (
     regime,
 )
 from runtime.tools.findings.render import to_markdown
+from runtime.tools.findings.rules import UNSTABLE
 from runtime.tools.findings.topic import finding_topic
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,26 @@ def admission_ppl(rows: Sequence[Row], columns: Sequence[dict[str, Any]]) -> lis
                     "qf_minus_rule": {"point": d["difference"], "ci95": d["ci95"]},
                     "sf_minus_fc": {k: d["speed_first_minus_first_choice"][k] for k in ("point", "ci95")}})
     return out
+
+
+def stability(res: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """`res` with every row's verdict checked on a second build's result `second` (the same command on another
+    build seed): rows are matched by id and requested capacity (the columns' `requested`); a row whose verdicts
+    differ becomes `unstable` (both kept: `verdict_by_build`), one without a match in `second` keeps its verdict
+    with `verdict_by_build` [its own, None]. `res["second_build"]` names the second model."""
+    def key(r: dict[str, Any], cols: list[dict[str, Any]]) -> tuple[str, str]:
+        req = next(c["requested"] for c in cols if c["label"] == r["column"])
+        return r["id"], str(req)
+
+    other = {key(r, second["columns"]): r["verdict"] for r in second["rows"]}
+    for r in res["rows"]:
+        v2 = other.get(key(r, res["columns"]))
+        r["verdict_by_build"] = [r["verdict"], v2]
+        if v2 is not None and v2 != r["verdict"]:
+            r["verdict"] = UNSTABLE
+    res["second_build"] = {"model": second["setup"]["model"],
+                           "exact_perplexity": second["setup"]["exact_perplexity"], "commit": second["commit"]}
+    return res
 
 
 def check_run_args(model: Path, max_tokens: int | None, capacity_fractions: Sequence[float | str], segment: int,

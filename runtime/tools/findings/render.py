@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.tools.findings.experiments import PAPER_LAYERS
-from runtime.tools.findings.rules import PAPER_HEDGE
+from runtime.tools.findings.rules import PAPER_HEDGE, UNSTABLE
 from runtime.tools.findings.stats import fmt_ci
 
 
@@ -107,7 +107,10 @@ def table(rows: list[dict[str, Any]], order: list[str]) -> list[str]:
     for r in sorted(rows, key=lambda r: order.index(r["id"])):
         note = r.get("paper_note", "")
         paper = f"{r['paper']} ({r['paper_source']})" + (f"; the paper's hedge: {note}" if note else "")
-        cells = [r["id"], r["finding"], paper, r["column"], r["ours"], r["ci95"], f"**{r['verdict']}**"]
+        v = f"**{r['verdict']}**"
+        if r["verdict"] == UNSTABLE:
+            v += " ({} on the first build, {} on the second)".format(*r["verdict_by_build"])
+        cells = [r["id"], r["finding"], paper, r["column"], r["ours"], r["ci95"], v]
         out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
     return out
 
@@ -196,6 +199,10 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
                  "rules listed in runtime/tools/findings/rules.py now.**"]
     head += ["", f"The paper's own hedge: {PAPER_HEDGE}. The rows below test what it claimed"
              + (", each against one 95% interval fixed before the data." if res.get("format", 1) >= 2 else "."), ""]
+    sb = res.get("second_build")
+    head += [f"Every verdict was also computed on a second build of the model (`{sb['model']}`, exact perplexity "
+             f"{sb['exact_perplexity']:.3f}): a row whose verdicts differ between the builds reads **unstable**.", ""
+             ] if sb else ["Verdicts on one build of the model only (no second build compared).", ""]
     head += ["### Cache regimes", ""] + regime_lines(res) + ["", "### Findings", ""]
     order = [r["id"] for r in res["rows"]]
     own = [r for r in res["rows"] if r.get("own_check")]

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 HOLDS, DIFFERS, INCONCLUSIVE, UNTESTABLE = "holds", "differs", "inconclusive here", "not testable here"
-VERDICTS = (HOLDS, DIFFERS, INCONCLUSIVE, UNTESTABLE)
+UNSTABLE = "unstable"  # the verdict differs between two builds of the model (cli.stability)
+VERDICTS = (HOLDS, DIFFERS, INCONCLUSIVE, UNTESTABLE, UNSTABLE)
 
 SPEC = "docs/policies.md, 'Policies named in the paper'"
 PAPER_SPEED = (2.5, 3.0)
