@@ -197,7 +197,7 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
         head += ["", "**This result was computed by an older version of the findings (before issue 35): its rows "
                  "follow that version's rules (2a's interval a union of two, row 1 and 2b as tested then), not the "
                  "rules listed in runtime/tools/findings/rules.py now.**"]
-    head += ["", f"The paper's own hedge: {PAPER_HEDGE}. The rows below test what it claimed"
+    head += ["", f"{PAPER_HEDGE[0].upper()}{PAPER_HEDGE[1:]}. The rows below test what it claimed"
              + (", each against one 95% interval fixed before the data." if res.get("format", 1) >= 2 else "."), ""]
     sb = res.get("second_build")
     head += [f"Every verdict was also computed on a second build of the model (`{sb['model']}`, exact perplexity "
