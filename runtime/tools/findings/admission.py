@@ -7,12 +7,17 @@ with a warm start from calibration ids (the recorded model's calibration routing
 20%, as `held-out` means everywhere: runtime/backends/resolve.py); `trace_curve` does it for a trace file;
 `effects` reads the pairs' differences off a curve; `starts_helping` the smallest C/k from which admission lowers
 the mass at every larger C/k tried; `plot` draws the curves and the model's perplexity effects (PNG).
+
+`python -m runtime.tools.findings.admission [--traces DIR] [--out-md F --out-json F --out-png F]` runs it on the
+real traces of a folder alone (docs/admission.md; the findings page adds the reference model's routing and
+perplexity: scripts/findings.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +96,36 @@ def starts_helping(points: list[dict[str, Any]], pair: tuple[str, str]) -> float
     return points[i]["c_over_k"]
 
 
+def main(argv: list[str] | None = None) -> None:
+    """The real traces' curves as JSON, Markdown (`render.admission_lines`) and a PNG."""
+    import json
+
+    from runtime.core.errors import ArgumentParser, InputError, atomic_write
+    from runtime.tools.findings.render import admission_lines
+
+    root = Path(__file__).resolve().parents[3]
+    p = ArgumentParser(prog="python -m runtime.tools.findings.admission", description=__doc__.splitlines()[0])
+    p.add_argument("--traces", default=str(root.parent / "shared" / "data" / "traces"), help="folder of .npz traces")
+    p.add_argument("--out-md", default=None)
+    p.add_argument("--out-json", default=None)
+    p.add_argument("--out-png", default=None)
+    argv = sys.argv[1:] if argv is None else argv
+    a = p.parse_args(argv)
+    files = sorted(Path(a.traces).glob("*.npz"))
+    if not files:
+        raise InputError(f"--traces {a.traces}: no .npz traces there")
+    adm: dict[str, Any] = {"traces": [trace_curve(f) for f in files], "plot": a.out_png or "(not written)"}
+    res = {"admission": adm, "command": "python -m runtime.tools.findings.admission " + " ".join(argv or [])}
+    md = "\n".join(admission_lines(res)) + "\n"
+    if a.out_json:
+        atomic_write(a.out_json, lambda tmp: Path(tmp).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8"))
+    if a.out_md:
+        atomic_write(a.out_md, lambda tmp: Path(tmp).write_text(md, encoding="utf-8"))
+    if a.out_png:
+        atomic_write(a.out_png, lambda tmp: plot({t["source"]: t["points"] for t in adm["traces"]}, [], tmp))
+    print(md)
+
+
 def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]], out: str | Path) -> None:
     """PNG: admission's effect on the substituted mass against C/k per source (left; relative to the policy without
     admission), and on the reference model's perplexity per findings column (right; points with 95% intervals)."""
@@ -99,7 +134,8 @@ def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2 if model_ppl else 1, figsize=(11, 4.2) if model_ppl else (6.5, 4.2), squeeze=False)
+    axes = axes[0]
     styles = {PAIRS[0]: "-", PAIRS[1]: "--"}
     for src, pts in curves.items():
         x = [p["c_over_k"] for p in pts]
@@ -118,18 +154,25 @@ def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]
     axes[0].set_ylabel("substituted mass with admission, change %")
     axes[0].set_title("admission's effect on substituted mass (simulator)")
     axes[0].legend(fontsize=6.5)
-    for j, key in enumerate(("qf_minus_rule", "sf_minus_fc")):
+    for j, key in enumerate(("qf_minus_rule", "sf_minus_fc") if model_ppl else ()):
         xs = [m["c_over_k"] * (1 + 0.03 * j) for m in model_ppl]
         ys = [m[key]["point"] for m in model_ppl]
         err = [[y - m[key]["ci95"][0] for y, m in zip(ys, model_ppl, strict=True)],
                [m[key]["ci95"][1] - y for y, m in zip(ys, model_ppl, strict=True)]]
         axes[1].errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label="QF - rule" if j == 0 else "SF - FC")
-    axes[1].axhline(0, color="k", lw=0.8)
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("slots per top-k (C/k)")
-    axes[1].set_ylabel("perplexity change, points")
-    axes[1].set_title("reference model: admission's effect on perplexity (emulation)")
-    axes[1].legend(fontsize=7)
+    if model_ppl:
+        axes[1].axhline(0, color="k", lw=0.8)
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("slots per top-k (C/k)")
+        axes[1].set_ylabel("perplexity change, points")
+        axes[1].set_title("reference model: admission's effect on perplexity (emulation)")
+        axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    from runtime.core.errors import cli_main
+
+    cli_main(main)

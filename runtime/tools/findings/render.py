@@ -131,8 +131,8 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
            "Background admission (beta 0.5) against the same policy without it: Quality-First (QF) against the 0.15 "
            "rule, Speed-First (SF) against first-choice. Substituted mass per token from the simulator's replay of "
            "each routing at each C/k (slots per top-k), with its warm start; churn: admissions per token and layer "
-           "as a share of the slots. The plot: docs/img/admission_ck.png.", ""]
-    sources = [adm["model"], *adm.get("traces", [])]
+           f"as a share of the slots. The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
+    sources = [x for x in (adm.get("model"), *adm.get("traces", [])) if x]
     for src in sources:
         pts = src["points"]
         out += [f"**{src['source']}** ({src['experts']} experts, top-{src['top_k']}, {src['layers']} layers, "
