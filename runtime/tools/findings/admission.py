@@ -115,8 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     if not files:
         raise InputError(f"--traces {a.traces}: no .npz traces there")
     adm: dict[str, Any] = {"traces": [trace_curve(f) for f in files], "plot": a.out_png or "(not written)"}
-    res = {"admission": adm, "command": "python -m runtime.tools.findings.admission " + " ".join(argv or [])}
-    md = "\n".join(admission_lines(res)) + "\n"
+    from runtime.tools.findings.cli import git_commit
+
+    res = {"admission": adm, "command": "python -m runtime.tools.findings.admission " + " ".join(argv),
+           "commit": git_commit()}
+    c = res["commit"].get("commit") or "unknown"
+    md = "\n".join([f"`{res['command']}` at commit `{c[:12]}`"
+                     f"{' (with uncommitted changes)' if res['commit'].get('dirty') else ''}: real traces only "
+                     "(the reference model's routing and perplexity are on docs/findings.md when `make findings` "
+                     "ran on it).", "", *admission_lines(res)]) + "\n"
     if a.out_json:
         atomic_write(a.out_json, lambda tmp: Path(tmp).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8"))
     if a.out_md:
