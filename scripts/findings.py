@@ -8,7 +8,8 @@ paper's regime, the capacity where substitute-all substitutes ~8.5% of calls), a
 the real traces of ../shared/data/traces when that folder exists (`findings.admission.trace_curve`; skipped
 without it), and writes docs/findings.md (command line, commit, regimes, table, rules, the reading and the
 admission section, every number from the run), docs/findings.json and docs/img/admission_ck.png. Nothing of an
-older page is kept. `--second-seed N` builds `ref` again with build seed N, runs the same findings on it and
+older page is kept. `--admission-only` (alone) writes only docs/admission.md (+ .json, docs/img/
+admission_traces.png): admission against C/k on the real traces. `--second-seed N` builds `ref` again with build seed N, runs the same findings on it and
 marks every row whose verdict differs between the two builds `unstable` (`findings.stability`). Every flag other
 than --model and --second-seed is passed on to `python -m runtime.findings`.
 """
@@ -53,6 +54,30 @@ def add_traces(res: dict, folder: Path = TRACES) -> None:
     res["admission"]["traces"] = [admission.trace_curve(p) for p in sorted(folder.glob("*.npz"))]
 
 
+def admission_only(cmd: str, folder: Path = TRACES) -> None:
+    """`--admission-only`: admission against C/k on the real traces alone, written to docs/admission.md (+ .json,
+    docs/img/admission_traces.png); a one-line error when the folder has no traces."""
+    from runtime.tools.findings.render import admission_lines
+
+    files = sorted(folder.glob("*.npz")) if folder.is_dir() else []
+    if not files:
+        raise InputError(f"--admission-only: no .npz traces in {folder}")
+    docs = ROOT / "docs"
+    adm = {"traces": [admission.trace_curve(f) for f in files], "plot": "docs/img/admission_traces.png"}
+    res = {"admission": adm, "command": cmd, "commit": findings.git_commit()}
+    c = res["commit"].get("commit") or "unknown"
+    md = "\n".join([f"`{cmd}` at commit `{c[:12]}`{' (with uncommitted changes)' if res['commit'].get('dirty') else ''}"
+                     ": real traces only (the reference model's routing and perplexity are on docs/findings.md when "
+                     "`make findings` ran on it).", "", *admission_lines(res)]) + "\n"
+    atomic_write(docs / "admission.json", lambda tmp: Path(tmp).write_text(json.dumps(res, indent=2) + "\n",
+                                                                         encoding="utf-8"))
+    atomic_write(docs / "admission.md", lambda tmp: Path(tmp).write_text(md, encoding="utf-8"))
+    (docs / "img").mkdir(exist_ok=True)
+    atomic_write(docs / "img" / "admission_traces.png",
+                 lambda tmp: admission.plot({t["source"]: t["points"] for t in adm["traces"]}, [], tmp))
+    print(md)
+
+
 def page(res: dict, command: str) -> str:
     """The whole page: the fixed introduction, then runtime.tools.findings' Markdown of `res`."""
     return INTRO + "\n" + findings.to_markdown(res, command)
@@ -62,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     cmd = ("python scripts/findings.py " + shlex.join(argv)).strip()
+    if argv == ["--admission-only"]:
+        admission_only(cmd)
+        return
     second_seed = None
     if "--second-seed" in argv:  # the ref model built again with this seed: every verdict checked on it
         i = argv.index("--second-seed")

@@ -404,6 +404,8 @@ def test_script_skips_real_traces_without_shared(tmp_path: Path) -> None:
     res = {"admission": {"model": {}}}
     script.add_traces(res, tmp_path / "absent")
     assert res == {"admission": {"model": {}}}
+    with pytest.raises(InputError, match="--admission-only: no .npz traces in"):
+        script.admission_only("cmd", tmp_path / "absent")
 
 
 def test_the_committed_page_is_its_json_rendered() -> None:

@@ -8,16 +8,14 @@ with a warm start from calibration ids (the recorded model's calibration routing
 `effects` reads the pairs' differences off a curve; `starts_helping` the smallest C/k from which admission lowers
 the mass at every larger C/k tried; `plot` draws the curves and the model's perplexity effects (PNG).
 
-`python -m runtime.tools.findings.admission [--traces DIR] [--out-md F --out-json F --out-png F]` runs it on the
-real traces of a folder alone (docs/admission.md; the findings page adds the reference model's routing and
-perplexity: scripts/findings.py).
+`python scripts/findings.py --admission-only` runs it on the real traces alone (docs/admission.md); a findings
+run adds the reference model's routing and perplexity to its page.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,43 +94,6 @@ def starts_helping(points: list[dict[str, Any]], pair: tuple[str, str]) -> float
     return points[i]["c_over_k"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The real traces' curves as JSON, Markdown (`render.admission_lines`) and a PNG."""
-    import json
-
-    from runtime.core.errors import ArgumentParser, InputError, atomic_write
-    from runtime.tools.findings.render import admission_lines
-
-    root = Path(__file__).resolve().parents[3]
-    p = ArgumentParser(prog="python -m runtime.tools.findings.admission", description=__doc__.splitlines()[0])
-    p.add_argument("--traces", default=str(root.parent / "shared" / "data" / "traces"), help="folder of .npz traces")
-    p.add_argument("--out-md", default=None)
-    p.add_argument("--out-json", default=None)
-    p.add_argument("--out-png", default=None)
-    argv = sys.argv[1:] if argv is None else argv
-    a = p.parse_args(argv)
-    files = sorted(Path(a.traces).glob("*.npz"))
-    if not files:
-        raise InputError(f"--traces {a.traces}: no .npz traces there")
-    adm: dict[str, Any] = {"traces": [trace_curve(f) for f in files], "plot": a.out_png or "(not written)"}
-    from runtime.tools.findings.cli import git_commit
-
-    res = {"admission": adm, "command": "python -m runtime.tools.findings.admission " + " ".join(argv),
-           "commit": git_commit()}
-    c = res["commit"].get("commit") or "unknown"
-    md = "\n".join([f"`{res['command']}` at commit `{c[:12]}`"
-                     f"{' (with uncommitted changes)' if res['commit'].get('dirty') else ''}: real traces only "
-                     "(the reference model's routing and perplexity are on docs/findings.md when `make findings` "
-                     "ran on it).", "", *admission_lines(res)]) + "\n"
-    if a.out_json:
-        atomic_write(a.out_json, lambda tmp: Path(tmp).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8"))
-    if a.out_md:
-        atomic_write(a.out_md, lambda tmp: Path(tmp).write_text(md, encoding="utf-8"))
-    if a.out_png:
-        atomic_write(a.out_png, lambda tmp: plot({t["source"]: t["points"] for t in adm["traces"]}, [], tmp))
-    print(md)
-
-
 def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]], out: str | Path) -> None:
     """PNG: admission's effect on the substituted mass against C/k per source (left; relative to the policy without
     admission), and on the reference model's perplexity per findings column (right; points with 95% intervals)."""
@@ -178,8 +139,3 @@ def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]
     fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
 
-
-if __name__ == "__main__":
-    from runtime.core.errors import cli_main
-
-    cli_main(main)
