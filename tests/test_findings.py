@@ -163,14 +163,6 @@ def test_choose_block_follows_the_data() -> None:
     assert iid["block"] <= 3
 
 
-def test_unit_ci_resamples_blocks() -> None:
-    rng = np.random.default_rng(0)
-    x = rng.normal(1.0, 0.1, N)
-    lo, hi, method = stats.unit_ci(N, STARTS, lambda idx: float(x[idx].mean()), 0, n_boot=500)
-    assert lo < 1.0 < hi and method == "BCa"
-    assert math.isnan(stats.unit_ci(N, np.array([0]), lambda idx: 0.0, 0)[0])
-
-
 # --------------------------------------------------------------------------- row 1: a few heavy experts
 
 
@@ -540,3 +532,16 @@ def test_admission_curve_on_a_real_trace(tmp_path) -> None:  # noqa: ANN001
            "sf_minus_fc": {"point": 0.3, "ci95": [0.1, 0.5]}}]
     X_ADM.plot({"mixtral": c["points"]}, mp, tmp_path / "a.png")
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_r_from_moments_is_the_r_of_the_units() -> None:
+    """Row 2b's r from block sums equals Pearson r of the units (and of any resample of whole blocks)."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=N), rng.normal(size=N)
+    y += 0.5 * x
+    b = [stats.to_blocks(v, STARTS) for v in (x, y, x * x, y * y, x * y, ONES)]
+    assert float(R.r_from_moments(*b)) == pytest.approx(float(stats.pearson(x, y)), abs=1e-12)
+    pick = np.array([0, 0, 3, 5])  # a resample of blocks: the units of blocks 0, 0, 3 and 5
+    units = np.concatenate([np.arange(STARTS[i], STARTS[i] + 3) for i in pick])
+    got = float(R.r_from_moments(*[v[pick] for v in b]))
+    assert got == pytest.approx(float(stats.pearson(x[units], y[units])), abs=1e-12)

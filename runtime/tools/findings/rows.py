@@ -98,8 +98,9 @@ def mass_per_input(starts: np.ndarray, dn: np.ndarray, mass: np.ndarray, cnt: np
     r_win = stats.pearson(m, change)  # [P]
     cis, methods = [], set()
     for p in range(dn.shape[0]):
-        lo, hi, method = stats.unit_ci(n, starts, lambda idx, p=p: float(stats.pearson(m[p, idx], change[p, idx])),
-                                       seed)
+        x, y = m[p] - m[p].mean(), change[p] - change[p].mean()  # r is shift-invariant; centring keeps sums exact
+        samples = [stats.to_blocks(v, starts) for v in (x, y, x * x, y * y, x * y, np.ones(n))]
+        lo, hi, method = stats.block_ci(samples, r_from_moments, seed)
         cis.append([lo, hi])
         methods.add(method)
     claims = [RULES["2b"].claims[0]] * len(cis)
@@ -143,6 +144,16 @@ def admission_pairs(starts: np.ndarray, pairs: dict[str, tuple[np.ndarray, ...]]
     methods = sorted({m for p in out.values() for m in p["methods"]})
     return {"pairs": out, "verdict": row_v, "counts": counts, "method": "/".join(methods),
             "lower_mass_higher_loss": [n for n, p in out.items() if p["lower_mass_higher_loss"]]}
+
+
+def r_from_moments(sx: np.ndarray, sy: np.ndarray, sxx: np.ndarray, syy: np.ndarray, sxy: np.ndarray,
+                   n: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Pearson r of the units whose block sums of x, y, x^2, y^2, xy and count are given: the r of the
+    concatenated blocks, so that a resample of blocks is a resample of their units."""
+    N = n.sum(axis)
+    Sx, Sy = sx.sum(axis), sy.sum(axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (sxy.sum(axis) - Sx * Sy / N) / np.sqrt((sxx.sum(axis) - Sx * Sx / N) * (syy.sum(axis) - Sy * Sy / N))
 
 
 def pair_key(without: str, with_: str) -> str:
