@@ -4,15 +4,18 @@ gathered here), the rules from `rules`.
 
 Each column (`cli.run_column`) runs:
 
-1. **Heavy experts**: substitute-all against the 0.15 rule: loss, substituted calls, and the share of the loss
-   against the share of calls the rule spares (emulation).
-2. **Mass hypothesis**: (a) r across distinct first-choice-fetching policies; (b) r across policies on each window
-   against r across windows for each policy; (c) with/without-admission pairs: does the loss follow the mass?
+1. **Heavy experts**: substitute-all against the 0.15 rule: the share of its loss the rule removes and the share
+   of its substituted calls the rule spares (emulation).
+2. **Mass hypothesis**: (a) r across distinct first-choice-fetching policies (policies making the same decisions
+   on the exact routing counted once: `trace_decisions`, `dedupe`); (b) per policy, r across the windows;
+   (c, the page's own check, rendered below the paper's rows) with/without-admission pairs: does the loss follow
+   the mass?
 3. **Experiment B**: a heavy band and a light band matched on substituted mass; heavy minus light.
 4. **Admission**: (a) Quality-First minus the 0.15 rule overall; (b) the same right after a topic switch, and
    that early gap minus the later one.
 5. **Speed** (cost model on the recorded routing, Qwen3-Next's expert size, the LM head charged L/48 of its
-   time so that it weighs what it weighs on the paper's 48-layer model).
+   time so that it weighs what it weighs on the paper's 48-layer model); 5q and 5s, F5's perplexity:
+   Quality-First minus the rule against 0.5-0.8 points below, Speed-First minus Quality-First.
 6. **Greedy generation agreement** with the exact model (no paper figure: not testable here).
 """
 
