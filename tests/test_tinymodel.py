@@ -84,6 +84,8 @@ def test_specs_shape() -> None:
     mix = tinymodel.SPECS["mix"]
     assert mix.corpus == "mix" and mix.num_experts >= 128
     assert mix.num_experts // 4 >= 4 * mix.num_experts_per_tok  # a 25% cache holds 4 x top-k
+    ref = tinymodel.SPECS["ref"]  # the findings' model: a 25% cache holds 8 x top-k (the paper's regime: 12.8)
+    assert ref.corpus == "mix" and ref.num_experts // 4 >= 8 * ref.num_experts_per_tok
     nxt = tinymodel.SPECS["next-shape"]
     assert (nxt.num_layers, nxt.num_experts, nxt.num_experts_per_tok) == (48, 512, 10)
     assert nxt.architecture == "qwen2_moe" and nxt.shared_expert_intermediate_size > 0

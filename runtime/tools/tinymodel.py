@@ -7,7 +7,8 @@ what the rest of the project calls when it needs one.
 The ``demo`` and ``test`` models are ``Qwen3MoeForCausalLM`` (64 experts, top-8, every layer
 sparse) trained on the running Python's standard library; ``mix`` (128 experts, top-8) is trained
 on a mixture of code, English prose and verse (``runtime.tools.corpus`` source ``mix``) and has
-held-out calibration and evaluation texts per domain; ``next-shape`` has Qwen3-Next's routing
+held-out calibration and evaluation texts per domain; ``ref`` (128 experts, top-4, the mix corpus) is the
+findings' reference model, whose 25% cache holds 8 x top-k as the paper's regime does; ``next-shape`` has Qwen3-Next's routing
 shape (48 MoE layers, 512 experts, top-10, one shared expert; ``Qwen2MoeForCausalLM``, since
 Qwen3-MoE has no shared expert) at a tiny hidden size, briefly trained, for rehearsals. Each has a
 byte-level BPE tokenizer trained by ``tokenizers`` on its corpus. Training is a fixed number of AdamW steps with warmup and
@@ -139,6 +140,33 @@ SPECS: dict[str, TinySpec] = {
         warmup_steps=30,
         lr=3e-3,
         seed=0,
+        corpus="mix",
+        train_bytes=2_000_000,  # per domain
+        heldout_bytes=50_000,  # per domain and held-out split
+    ),
+    # The findings' reference model in the paper's cache regime: 128 experts, top-4, so a 25% cache holds
+    # 32 = 8 x top-k (Qwen3-Next-80B-A3B: 128 slots for top-10, 12.8 x top-k; E/k 32 against its 51.2), on the
+    # mix corpus with the demo's weak load-balancing loss (0.001) so that the router specialises, trained about
+    # one epoch (docs/tiny_models.md has what it costs and its regime beside the paper's).
+    "ref": TinySpec(
+        name="ref",
+        num_layers=4,
+        hidden_size=128,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_experts=128,
+        num_experts_per_tok=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=8192,
+        seq_len=256,
+        batch_size=8,
+        steps=800,
+        warmup_steps=50,
+        lr=3e-3,
+        seed=0,
+        router_aux_loss_coef=0.001,
         corpus="mix",
         train_bytes=2_000_000,  # per domain
         heldout_bytes=50_000,  # per domain and held-out split

@@ -1,17 +1,19 @@
 """The paper's findings, reproduced on any MoE checkpoint: one row per finding and cache regime, with a verdict.
 
-`python -m runtime.findings --model DIR ...` (`cli`; `make findings` runs it on the `mix` reference model and
+`python -m runtime.findings --model DIR ...` (`cli`; `make findings` runs it on the `ref` reference model and
 writes docs/findings.md and .json). The package, by job:
 
 - `rules`: each row's verdict rule as data (`RULES`: the paper's claim quoted with its source, the statistics
   tested, their directions, no-effect values and paper figures) and the one function turning intervals into a
   verdict;
 - `stats`: perplexity change, Pearson r, block sums and `scipy.stats.bootstrap` intervals over blocks whose
-  length the data chooses (the width has stopped growing at the chosen length);
+  length the data chooses (the width has stopped growing at the chosen length): one interval per statistic;
 - `rows`: each row's statistics and verdict from plain per-window (or per-segment) arrays: no model runs there;
 - `experiments`: the emulations and simulations that gather those arrays, one column at a time, and each row's
   text; `topic`: finding 4b's topic-switch stream;
-- `render`: the Markdown page from the JSON result; `cli`: the command line.
+- `admission`: admission against the cache size (C/k) on a routing trace (the simulator), and its plot;
+- `render`: the Markdown page from the JSON result; `cli`: the command line, and `stability` (a second build's
+  verdicts: rows that differ read "unstable").
 
 Every row has `paper` (the claim as quoted, with `paper_source`), `ours`, `ci95`, `verdict`, `rule` (how the
 verdict follows from the intervals) and `sample` (what the interval rests on).
@@ -25,9 +27,11 @@ from runtime.tools.findings.cli import (
            parse_capacity_fraction,
            run,
            scrub,
+           stability,
 )
 from runtime.tools.findings.render import to_markdown
 from runtime.tools.findings.rules import DIFFERS, HOLDS, INCONCLUSIVE, RULES, UNTESTABLE, VERDICTS
 
 __all__ = ["DIFFERS", "HOLDS", "INCONCLUSIVE", "RULES", "UNTESTABLE", "VERDICTS", "build_parser", "checked_args",
-           "git_commit", "main", "parse_capacity_fraction", "run", "scrub", "to_markdown"]
+           "git_commit", "main", "parse_capacity_fraction", "run", "scrub", "stability",
+           "to_markdown"]

@@ -28,8 +28,8 @@ from runtime.core.errors import ArgumentParser, InputError, atomic_write, check_
 from runtime.core.policy import PRESETS
 from runtime.core.spec import Result
 from runtime.core.threads import configure as configure_threads
+from runtime.tools.findings import admission, stats
 from runtime.tools.findings import experiments as X
-from runtime.tools.findings import stats
 from runtime.tools.findings.experiments import (
     PAPER_EXPERTS,
     PAPER_LAYERS,
@@ -43,9 +43,12 @@ from runtime.tools.findings.experiments import (
     regime,
 )
 from runtime.tools.findings.render import to_markdown
+from runtime.tools.findings.rules import UNSTABLE
 from runtime.tools.findings.topic import finding_topic
 
 log = logging.getLogger(__name__)
+
+FORMAT = 2  # the result's format: 2 = one interval per statistic, the paper's claims as made (issue 35)
 
 
 def git_commit(repo: Path | None = None) -> dict[str, Any]:
@@ -93,17 +96,48 @@ def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Ro
     presets = {n: PRESETS[n] for n in ("fetch-every-miss", *X.LOSSY)}
     main = timed("presets", X.emulate_policies, s, presets, s.eval_text)
     s.starts, s.blocks = X.choose_blocks(s, main)
-    rows = [X.finding_heavy(s, main)]
     mp = timed("mass", lambda: X.emulate_policies(s, X.mass_policies(), s.eval_text, mass=True))
-    rows.extend(X.finding_mass(s, mp))
-    rows.append(timed("band", X.finding_band, s))
-    rows.append(X.finding_admission(s, main))
-    rows.append(timed("topic", finding_topic, s))
-    rows.append(timed("speed", X.finding_speed, s, main))
-    rows.append(timed("generation", X.finding_generation, s))
+    kept = X.dedupe(X.trace_decisions(s, X.mass_policies()))
+    r2a, r2b, r2c = X.finding_mass(s, mp, kept)
+    r4a, r5q, r5s = X.finding_admission(s, main)
+    rows = [X.finding_heavy(s, main), r2a, r2b, timed("band", X.finding_band, s), r4a,
+            timed("topic", finding_topic, s), timed("speed", X.finding_speed, s, main), r5q, r5s,
+            timed("generation", X.finding_generation, s), r2c]  # the paper's rows in order, then the page's own
     for r in rows:
         r.column = label
     return rows, main["fetch-every-miss"].result
+
+
+def admission_ppl(rows: Sequence[Row], columns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per column: C/k and admission's perplexity effects with their intervals (Quality-First minus the 0.15 rule,
+    Speed-First minus first-choice; points), from row 4a's data."""
+    out = []
+    for c in columns:
+        d = next(r.data for r in rows if r.id == "4a" and r.column == c["label"])
+        out.append({"column": c["label"], "c_over_k": c["c_over_k"],
+                    "qf_minus_rule": {"point": d["difference"], "ci95": d["ci95"]},
+                    "sf_minus_fc": {k: d["speed_first_minus_first_choice"][k] for k in ("point", "ci95")}})
+    return out
+
+
+def stability(res: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """`res` with every row's verdict checked on a second build's result `second` (the same command on another
+    build seed): rows are matched by id and requested capacity (the columns' `requested`); a row whose verdicts
+    differ becomes `unstable` (both kept: `verdict_by_build`), one without a match in `second` keeps its verdict
+    with `verdict_by_build` [its own, None]. `res["second_build"]` names the second model."""
+    def key(r: dict[str, Any], cols: list[dict[str, Any]]) -> tuple[str, str]:
+        req = next(c["requested"] for c in cols if c["label"] == r["column"])
+        return r["id"], str(req)
+
+    other = {key(r, second["columns"]): r["verdict"] for r in second["rows"]}
+    for r in res["rows"]:
+        v2 = other.get(key(r, res["columns"]))
+        r["verdict_by_build"] = [r["verdict"], v2]
+        if v2 is not None and v2 != r["verdict"]:
+            r["verdict"] = UNSTABLE
+    res["second_build"] = {"model": second["setup"]["model"],
+                           "exact_perplexity": second["setup"]["exact_perplexity"], "commit": second["commit"]}
+    return res
 
 
 def check_run_args(model: Path, max_tokens: int | None, capacity_fractions: Sequence[float | str], segment: int,
@@ -143,6 +177,7 @@ def run(model: str | Path, max_tokens: int | None = None,
                    prompts_per_domain, new_tokens, seed, Path(tmp), hfmodel.load(model), progress)
         trace, calib_ids, _ = exact_trace(s0, eval_text)
         paper_frac, sweep = paper_capacity(trace, calib_ids)
+        adm_curve = admission.curve(trace, calib_ids)
         seen: list[float] = []
         for f in fracs:
             frac = paper_frac if f == "paper" else float(f)
@@ -157,7 +192,7 @@ def run(model: str | Path, max_tokens: int | None = None,
             reg.update({"label": label, "requested": f, "blocks": s.blocks})
             columns.append(reg)
             rows.extend(col_rows)
-    return {"commit": git_commit(),
+    return {"commit": git_commit(), "format": FORMAT,
             "rows": [r.to_dict() for r in rows],
             "columns": columns,
             "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": PAPER_SLOTS, "experts": PAPER_EXPERTS,
@@ -174,6 +209,10 @@ def run(model: str | Path, max_tokens: int | None = None,
                       "early": early, "prompts_per_domain": prompts_per_domain, "new_tokens": new_tokens,
                       "seed": seed, "bootstrap_resamples": stats.N_BOOT, "min_blocks": stats.MIN_BLOCKS,
                       "block_width_tolerance": stats.WIDTH_TOL},
+            "admission": {"model": {"source": f"{model.name} (recorded exact routing of {eval_text.name})",
+                                    "experts": trace.E, "top_k": trace.k, "layers": trace.L, "tokens": trace.T,
+                                    "warm_start": "calibration text", "points": adm_curve},
+                          "model_ppl": admission_ppl(rows, columns)},
             "seconds": round(time.perf_counter() - t0, 1), "seconds_by_finding": timings}
 
 

@@ -4,15 +4,18 @@ gathered here), the rules from `rules`.
 
 Each column (`cli.run_column`) runs:
 
-1. **Heavy experts**: substitute-all against the 0.15 rule: loss, substituted calls, and the share of the loss
-   against the share of calls the rule spares (emulation).
-2. **Mass hypothesis**: (a) r across distinct first-choice-fetching policies; (b) r across policies on each window
-   against r across windows for each policy; (c) with/without-admission pairs: does the loss follow the mass?
+1. **Heavy experts**: substitute-all against the 0.15 rule: the share of its loss the rule removes and the share
+   of its substituted calls the rule spares (emulation).
+2. **Mass hypothesis**: (a) r across distinct first-choice-fetching policies (policies making the same decisions
+   on the exact routing counted once: `trace_decisions`, `dedupe`); (b) per policy, r across the windows;
+   (c, the page's own check, rendered below the paper's rows) with/without-admission pairs: does the loss follow
+   the mass?
 3. **Experiment B**: a heavy band and a light band matched on substituted mass; heavy minus light.
 4. **Admission**: (a) Quality-First minus the 0.15 rule overall; (b) the same right after a topic switch, and
    that early gap minus the later one.
 5. **Speed** (cost model on the recorded routing, Qwen3-Next's expert size, the LM head charged L/48 of its
-   time so that it weighs what it weighs on the paper's 48-layer model).
+   time so that it weighs what it weighs on the paper's 48-layer model); 5q and 5s, F5's perplexity:
+   Quality-First minus the rule against 0.5-0.8 points below, Speed-First minus Quality-First.
 6. **Greedy generation agreement** with the exact model (no paper figure: not testable here).
 """
 
@@ -31,7 +34,7 @@ from runtime.core.policy import PRESETS, PolicyConfig
 from runtime.core.spec import Result, RunSpec
 from runtime.tools.findings import rows as R
 from runtime.tools.findings import stats
-from runtime.tools.findings.rules import RULES, UNTESTABLE
+from runtime.tools.findings.rules import PAPER_R, R_SMALL, RULES, UNTESTABLE
 from runtime.tools.findings.stats import fmt_ci
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,8 @@ class Row:
         rule = RULES[self.id]
         return {"id": self.id, "column": self.column, "finding": rule.finding, "paper": rule.paper,
                 "paper_source": rule.source, "ours": self.ours, "ci95": self.ci95, "verdict": self.verdict,
-                "rule": rule.text(), "sample": self.sample, "data": self.data}
+                "rule": rule.text(), "sample": self.sample, "paper_note": rule.note, "own_check": rule.own,
+                "data": self.data}
 
 
 @dataclass
@@ -179,14 +183,16 @@ def exact_trace(s: Setup, text: Path, depth: int | None = None) -> tuple[Any, np
     return s.traces[key]
 
 
-def caps_and_warm(trace: Any, calib_ids: np.ndarray | None, capacity_fraction: float) -> tuple[np.ndarray, Any]:
+def caps_and_warm(trace: Any, calib_ids: np.ndarray | None, capacity_fraction: float,
+                  calib_valid: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
     """Per-layer capacities at `capacity_fraction` and the warm start the emulation uses there (from the
-    calibration ids; cold without them), resolved as every backend resolves a run (runtime/backends/resolve.py)."""
+    calibration ids [T_c, L, k], valid cells `calib_valid` [T_c, L] (default all); cold without them), resolved
+    as every backend resolves a run (runtime/backends/resolve.py)."""
     from runtime.backends.resolve import IdsSource, resolve
 
     spec = RunSpec(policy=PRESETS["fetch-every-miss"], trace="the exact pass's routing",
                    capacity_fraction=capacity_fraction, initial_residency="cold" if calib_ids is None else None)
-    run = resolve(spec, IdsSource(trace.L, trace.E, trace.k, calib_ids, source="calibration text"))
+    run = resolve(spec, IdsSource(trace.L, trace.E, trace.k, calib_ids, calib_valid, source="calibration text"))
     return run.capacities, None if run.initial_residency is None else list(run.initial_residency)
 
 
@@ -211,7 +217,7 @@ def regime(trace: Any, calib_ids: np.ndarray | None, capacity_fraction: float) -
     caps, init = caps_and_warm(trace, calib_ids, capacity_fraction)
     c = replay(trace, PRESETS["substitute-all"], caps, init).cache.counter_totals()
     return {"capacity_fraction": capacity_fraction, "slots": int(caps[0]), "experts": trace.E, "top_k": trace.k,
-            "slots_per_top_k": float(caps[0]) / trace.k, "warm_set_miss_rate": warm_miss_rate(trace, init),
+            "slots_per_top_k": float(caps[0]) / trace.k, "c_over_k": float(caps[0]) / trace.k, "warm_set_miss_rate": warm_miss_rate(trace, init),
             "substitute_all_share": (c["substitutions"] + c["drops"]) / max(c["calls"], 1)}
 
 
@@ -268,20 +274,19 @@ def finding_heavy(s: Setup, runs: dict[str, PolicyRun]) -> Row:
     n = len(sa.dnll)
     d = R.heavy(s.starts, sa.dnll, rule.dnll, sa.calls, rule.calls, sa.all_calls, np.full(n, sa.count), s.seed)
     ci = {name: policy_ci(s, r) for name, r in runs.items()}
-    dl, dc, dp = d["loss_difference"], d["calls_difference"], d["disproportion"]
-    removed = (1 - rule.change / sa.change) * 100 if sa.change != 0 else math.nan
+    dl, dc, lr, cs = d["loss_difference"], d["calls_difference"], d["loss_removed"], d["calls_spared"]
     ours = (f"0.15 rule {rule.change:+.2f}% {fmt_ci(*ci['rule-0.15'])} vs substitute-all {sa.change:+.2f}% "
-            f"{fmt_ci(*ci['substitute-all'])} (first-choice {fc.change:+.2f}%): (1) substitute-all minus the rule "
-            f"{dl['point']:+.2f} points; (2) substituted calls {sa.share() * 100:.1f}% vs {rule.share() * 100:.1f}% "
-            f"({dc['point']:+.2f} points); (3) the rule removes {removed:.0f}% of the loss and "
-            f"{(1 - rule.share() / max(sa.share(), 1e-12)) * 100:.0f}% of the substituted calls "
-            f"({dp['point']:+.1f} points)")
+            f"{fmt_ci(*ci['substitute-all'])} (first-choice {fc.change:+.2f}%); substituted calls "
+            f"{rule.share() * 100:.1f}% vs {sa.share() * 100:.1f}%: (1) the rule removes {lr['point']:.0f}% of "
+            f"substitute-all's loss ({dl['point']:+.2f} points); (2) it spares {cs['point']:.0f}% of its "
+            f"substituted calls ({dc['point']:+.2f} points of all calls)")
     data = {name: {"ppl_change_pct": r.change, "ci95": list(ci[name]), "substituted_call_fraction": r.share(),
                    "mass_per_token": r.result.mass_per_token, "perplexity": r.result.perplexity}
             for name, r in runs.items()}
     data.update(d)
-    data.update({"exact_perplexity": sa.result.exact_perplexity, "loss_removed_pct": removed})
-    cis = f"(1) {fmt_ci(*dl['ci95'])}; (2) {fmt_ci(*dc['ci95'])}; (3) {fmt_ci(*dp['ci95'], '+.1f')}"
+    data["exact_perplexity"] = sa.result.exact_perplexity
+    cis = (f"(1) {fmt_ci(*lr['ci95'], '.0f', '%')}; (2) {fmt_ci(*cs['ci95'], '.0f', '%')} (loss difference "
+           f"{fmt_ci(*dl['ci95'])} points, calls {fmt_ci(*dc['ci95'])} points)")
     return Row("1", ours, cis, d["verdict"], sample_text(s, d["method"]), data)
 
 
@@ -334,8 +339,26 @@ def distinct_pairs(pairs: list[tuple[str, str]], kept: dict[str, str]) -> list[t
     return out
 
 
-def finding_mass(s: Setup, runs: dict[str, PolicyRun]) -> tuple[Row, Row, Row]:
-    kept = dedupe({n: (r.dnll, r.mass) for n, r in runs.items()})
+def trace_decisions(s: Setup, policies: dict[str, PolicyConfig]) -> dict[str, tuple[np.ndarray, ...]]:
+    """Each policy's decisions (kind, serving expert [T, L, k]) replayed by the simulator on the exact model's
+    routing of the eval text at the column's cache size and warm start: two policies with the same decisions there
+    are one policy (their emulations differ only through the routing their own substitutions perturb)."""
+    from runtime.backends.simulate import replay
+
+    trace, calib_ids, _ = exact_trace(s, s.eval_text)
+    caps, init = caps_and_warm(trace, calib_ids, s.capacity_fraction)
+    out = {}
+    for name, pol in policies.items():
+        dec = replay(trace, pol, caps, init, decisions=True).decisions
+        out[name] = (dec["kind"], dec["served"])
+    return out
+
+
+def finding_mass(s: Setup, runs: dict[str, PolicyRun], kept: dict[str, str] | None = None) -> tuple[Row, Row, Row]:
+    """Rows 2a, 2b and 2c from the mass policies' emulations; `kept` maps each policy to the first one with its
+    decisions on the exact routing (`dedupe(trace_decisions(...))`; default: every policy its own)."""
+    kept = {n: (kept or {}).get(n, n) for n in runs}
+    kept = {n: k if k in runs else n for n, k in kept.items()}
     names = [n for n in runs if kept[n] == n]
     dups = {n: k for n, k in kept.items() if n != k}
     P, first = len(names), runs[names[0]]
@@ -346,32 +369,39 @@ def finding_mass(s: Setup, runs: dict[str, PolicyRun]) -> tuple[Row, Row, Row]:
     a = R.mass_across_policies(s.starts, dn, ms, cnt, tok, s.seed)
     mt, ch = np.asarray(a["mass_per_token"]), np.asarray(a["ppl_change_pct"])
     lo, hi = a["ci95"]
-    inside = "inside" if lo <= 0.92 <= hi else "outside"
-    row_p = Row("2a", f"r = {a['r']:.3f} over {P} distinct first-choice-fetching policies ({len(dups)} duplicates "
-                f"removed; mass/token {mt.min():.3f}-{mt.max():.3f}, change {ch.min():+.2f}% to {ch.max():+.2f}%); "
-                f"the paper's 0.92 is {inside} the interval",
-                f"{fmt_ci(lo, hi, '.3f')} (the union of Fisher's over the policies {fmt_ci(*a['ci95_fisher'], '.3f')} "
-                f"and the block bootstrap's {fmt_ci(*a['ci95_block'], '.3f')})", a["verdict"],
-                f"{P} distinct policies; " + sample_text(s, a["method"]),
+    inside = "inside" if lo <= PAPER_R <= hi else "outside"
+    row_p = Row("2a", f"r = {a['r']:.3f} over {P} distinct first-choice-fetching policies ({len(dups)} with the "
+                f"decisions of another on the exact routing counted once; mass/token {mt.min():.3f}-{mt.max():.3f}, "
+                f"change {ch.min():+.2f}% to {ch.max():+.2f}%); the paper's {PAPER_R} is {inside} the interval",
+                f"{fmt_ci(lo, hi, '.3f')}", a["verdict"], f"{P} distinct policies; " + sample_text(s, a["method"]),
                 {**a, "duplicates": dups, "policies": {n: {"mass_per_token": float(m), "ppl_change_pct": float(c)}
                                                        for n, m, c in zip(names, mt, ch, strict=True)}})
 
     w = R.mass_per_input(s.starts, dn, ms, cnt, tok, s.seed)
-    row_w = Row("2b", f"mean r across the {P} policies on one window {w['r_across_policies_per_window']:.3f}; mean r "
-                f"across the {n_win} windows for one policy {w['r_across_windows_per_policy']:.3f}; difference "
-                f"{w['difference']:+.3f}", f"{fmt_ci(*w['ci95'], '+.3f')} (difference)", w["verdict"],
-                f"{P} distinct policies; " + sample_text(s, w["method"]),
-                {**w, "r_windows": dict(zip(names, w["r_windows"], strict=True)), "windows": n_win})
+    c = w["counts"]
+    r_w = np.asarray(w["r_windows"], np.float64)
+    widest = max(range(P), key=lambda i: w["ci95_windows"][i][1] - w["ci95_windows"][i][0]) if P else 0
+    row_w = Row("2b", f"r across the {n_win} windows, per policy: median {w['r_median']:.3f} (from "
+                f"{np.nanmin(r_w):.3f} to {np.nanmax(r_w):.3f}) over {P} distinct policies; {c['holds']} below "
+                f"{R_SMALL:g}, {c['differs']} above it, {c['inconclusive here']} straddling it",
+                "per policy: " + "; ".join(f"{n} {fmt_ci(*ci, '+.2f')}" for n, ci in
+                                           zip(names, w["ci95_windows"], strict=True)),
+                w["verdict"], f"{P} distinct policies (widest interval: {names[widest]}); " +
+                sample_text(s, w["method"]),
+                {**w, "r_windows": dict(zip(names, w["r_windows"], strict=True)),
+                 "ci95_windows": dict(zip(names, w["ci95_windows"], strict=True)), "windows": n_win})
 
     pairs = distinct_pairs([(x, y) for x, y in admission_pairs(mass_policies()) if x in runs and y in runs], kept)
-    ev = {x: (runs[x].dnll, runs[x].mass, runs[y].dnll, runs[y].mass) for x, y in pairs}
+    ev = {R.pair_key(x, y): (runs[x].dnll, runs[x].mass, runs[y].dnll, runs[y].mass) for x, y in pairs}
     pr = R.admission_pairs(s.starts, ev, cnt, tok, s.seed)
     for x, y in pairs:
-        pr["pairs"][x].update({"with_admission": y, "ppl_change_pct": runs[x].change,
-                               "ppl_change_pct_with_admission": runs[y].change})
+        pr["pairs"][R.pair_key(x, y)].update({"without_admission": x, "with_admission": y,
+                                              "ppl_change_pct": runs[x].change,
+                                              "ppl_change_pct_with_admission": runs[y].change})
     c = pr["counts"]
-    raise_ = [f"{x}: {runs[x].change:+.2f}% -> {runs[pr['pairs'][x]['with_admission']].change:+.2f}% "
-              f"{fmt_ci(*pr['pairs'][x]['loss_ci95'])}" for x in pr["lower_mass_higher_loss"]]
+    raise_ = [f"{k}: {runs[pr['pairs'][k]['without_admission']].change:+.2f}% -> "
+              f"{runs[pr['pairs'][k]['with_admission']].change:+.2f}% {fmt_ci(*pr['pairs'][k]['loss_ci95'])}"
+              for k in pr["lower_mass_higher_loss"]]
     row_a = Row("2c", f"{len(pr['lower_mass_higher_loss'])} of {len(pairs)} distinct pairs: admission lowers "
                 "substituted mass and raises the loss, both intervals excluding 0" +
                 (f" ({'; '.join(raise_)})" if raise_ else ""),
@@ -437,12 +467,24 @@ def finding_band(s: Setup) -> Row:
                           "ppl_change_pct": li.change}})
 
 
-def finding_admission(s: Setup, runs: dict[str, PolicyRun]) -> Row:
-    qf, rule = runs["quality-first"], runs["rule-0.15"]
-    d = R.difference("4a", s.starts, qf.dnll, rule.dnll, np.full(len(qf.dnll), qf.count), s.seed)
-    return Row("4a", f"Quality-First {qf.change:+.2f}% vs the 0.15 rule {rule.change:+.2f}%: "
-               f"{d['difference']:+.2f} points", f"{fmt_ci(*d['ci95'])} points", d["verdict"],
-               sample_text(s, d["method"]), {**d, "quality-first": qf.change, "rule-0.15": rule.change})
+def finding_admission(s: Setup, runs: dict[str, PolicyRun]) -> tuple[Row, Row, Row]:
+    """Rows 4a (Quality-First minus the 0.15 rule, against "admission lowers perplexity"), 5q (the same difference
+    against F5's 0.5-0.8% below the rule) and 5s (Speed-First minus Quality-First: F5's "no significant
+    increase")."""
+    qf, rule, sf = runs["quality-first"], runs["rule-0.15"], runs["speed-first"]
+    cnt = np.full(len(qf.dnll), qf.count)
+    out = []
+    for rid, a, b in (("4a", qf, rule), ("5q", qf, rule), ("5s", sf, qf)):
+        d = R.difference(rid, s.starts, a.dnll, b.dnll, cnt, s.seed)
+        la, lb = ("Quality-First", "the 0.15 rule") if b is rule else ("Speed-First", "Quality-First")
+        out.append(Row(rid, f"{la} {a.change:+.2f}% vs {lb} {b.change:+.2f}%: {d['difference']:+.2f} points",
+                       f"{fmt_ci(*d['ci95'])} points", d["verdict"], sample_text(s, d["method"]),
+                       {**d, a.name: a.change, b.name: b.change}))
+    fc = runs["first-choice"]
+    sf_fc = R.paired([stats.to_blocks(x, s.starts) for x in (sf.dnll, fc.dnll, cnt)], (stats.diff_stat,), s.seed)[0]
+    out[0].data["speed_first_minus_first_choice"] = sf_fc  # admission's other pair (reported: docs/findings.md)
+    out[0].data["first-choice"] = fc.change
+    return out[0], out[1], out[2]
 
 
 def finding_speed(s: Setup, runs: dict[str, PolicyRun]) -> Row:

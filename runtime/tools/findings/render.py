@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.tools.findings.experiments import PAPER_LAYERS
+from runtime.tools.findings.rules import PAPER_HEDGE, UNSTABLE
+from runtime.tools.findings.stats import fmt_ci
 
 
 def _cell(text: Any) -> str:
@@ -91,9 +93,91 @@ def reading(res: dict[str, Any]) -> list[str]:
                 f"fetch-every-miss spends {d[h]['fetch_every_miss_stall_share']:.0%} of its time waiting for fetches.")
     st = res["setup"]
     lines += ["", f"Model `{st['model']}` (exact perplexity {st['exact_perplexity']:.3f} on {st['tokens']} tokens): a "
-              "tiny model, so magnitudes are a weak model's; the verdicts test directions, 2a also the paper's 0.92 "
-              "and 5 the paper's 2.5-3.0x (on the paper's shape)."]
+              "tiny model, so magnitudes are a weak model's; the verdicts test directions, 2a also the paper's 0.92, "
+              "5q F5's 0.5-0.8 points, and 5 the paper's 2.5-3.0x, simulated with Qwen3-Next's expert size on this "
+              f"model's routing ({st['num_layers']} layers, {st['num_experts']} experts, top-{st['top_k']}): not "
+              "the paper's shape."]
     return lines
+
+
+def table(rows: list[dict[str, Any]], order: list[str]) -> list[str]:
+    """The findings table of `rows`, the columns side by side; a row's paper hedge follows its quotation."""
+    out = ["| # | finding | paper (Qwen3-Next-80B-A3B), quoted from | column | ours | 95% interval | verdict |",
+           "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: order.index(r["id"])):
+        note = r.get("paper_note", "")
+        paper = f"{r['paper']} ({r['paper_source']})" + (f"; the paper's hedge: {note}" if note else "")
+        v = f"**{r['verdict']}**"
+        if r["verdict"] == UNSTABLE:
+            v += " ({} on the first build, {} on the second)".format(*r["verdict_by_build"])
+        cells = [r["id"], r["finding"], paper, r["column"], r["ours"], r["ci95"], v]
+        out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return out
+
+
+def _pair_tag(a: str) -> str:
+    return "QF vs the rule" if a == "quality-first" else "SF vs first-choice"
+
+
+def admission_lines(res: dict[str, Any]) -> list[str]:
+    """Admission against C/k: per source the mass effect of each pair at each C/k, where it starts to help, the
+    churn behind it, and the reference model's perplexity effect per column (all from `res["admission"]`)."""
+    from runtime.tools.findings.admission import PAIRS, starts_helping
+
+    adm = res.get("admission")
+    if not adm:
+        return []
+    out = ["## Admission against the cache size", "",
+           "Background admission (beta 0.5) against the same policy without it: Quality-First (QF) against the 0.15 "
+           "rule, Speed-First (SF) against first-choice. Substituted mass per token from the simulator's replay of "
+           "each routing at each C/k (slots per top-k), with its warm start; churn: admissions per token and layer "
+           f"as a share of the slots. The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
+    sources = [x for x in (adm.get("model"), *adm.get("traces", [])) if x]
+    for src in sources:
+        pts = src["points"]
+        out += [f"**{src['source']}** ({src['experts']} experts, top-{src['top_k']}, {src['layers']} layers, "
+                f"{src['tokens']} tokens; warm start: {src['warm_start']})", "",
+                "| C/k | slots | " + " | ".join(f"{_pair_tag(a)}: mass change | hit-rate change (points) | "
+                                                 "admissions per token-layer / slots" for a, _ in PAIRS) + " |",
+                "|---|---|" + "---|---|---|" * len(PAIRS)]
+        for p in pts:
+            cells = [f"{p['c_over_k']:.2f}", str(p["slots"])]
+            for a, b in PAIRS:
+                mb = p[b]["mass_per_token"]
+                rel = f"{(p[a]['mass_per_token'] / mb - 1) * 100:+.1f}%" if mb > 0 else "n/a"
+                cells += [f"{rel} ({mb:.3f} -> {p[a]['mass_per_token']:.3f})",
+                          f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}",
+                          f"{p[a]['admissions_per_token_layer'] / p['slots']:.2%}"]
+            out.append("| " + " | ".join(cells) + " |")
+        helps = []
+        for pair in PAIRS:
+            x = starts_helping(pts, pair)
+            helps.append(f"{_pair_tag(pair[0])}: " + (f"from C/k = {x:.2f} on (every C/k tried)" if x is not None
+                                                       else "not at the largest C/k tried"))
+        out += ["", "Admission lowers the substituted mass " + "; ".join(helps) + "."]
+        for a, b in PAIRS:
+            hurt = [p for p in pts if p[a]["mass_per_token"] > p[b]["mass_per_token"]]
+            if hurt:
+                out.append(f"Where {_pair_tag(a)} raises the mass (C/k " + ", ".join(f"{p['c_over_k']:.2f}"
+                                                                                   for p in hurt) +
+                           "), the hit rate changes by " + ", ".join(
+                               f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}" for p in hurt) +
+                           " points while each token's admissions replace " + ", ".join(
+                               f"{p[a]['admissions_per_token_layer'] / p['slots']:.1%}" for p in hurt) +
+                           " of a layer's slots" + (
+                               ": with so few slots an admitted expert evicts one the next tokens still use, which "
+                               "then misses and is substituted." if all(p[a]["hit_rate"] < p[b]["hit_rate"]
+                                                                         for p in hurt)
+                               else "; the hit rate does not fall at all of them, so eviction of experts in use does "
+                                    "not explain it alone."))
+        out.append("")
+    mp = adm.get("model_ppl") or []
+    if mp:
+        out += ["Reference model, perplexity (emulation, per findings column; points, 95% interval): " + "; ".join(
+            f"C/k = {m['c_over_k']:.1f}: QF - rule {m['qf_minus_rule']['point']:+.2f} "
+            f"{fmt_ci(*m['qf_minus_rule']['ci95'])}, SF - first-choice {m['sf_minus_fc']['point']:+.2f} "
+            f"{fmt_ci(*m['sf_minus_fc']['ci95'])}" for m in mp) + ".", ""]
+    return out
 
 
 def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
@@ -109,14 +193,22 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
                 f"top-{st['top_k']}; evaluated text `{st['eval_text']}`, {st['tokens']} tokens, exact perplexity "
                 f"{st['exact_perplexity']:.3f}; warm start: {st['initial_residency']}. Intervals: "
                 f"{st['bootstrap_resamples']} bootstrap resamples, seed {st['seed']}.")
-    head += ["", "### Cache regimes", ""] + regime_lines(res) + ["", "### Findings", ""]
-    lines = ["| # | finding | paper (Qwen3-Next-80B-A3B), quoted from | column | ours | 95% interval | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    if res.get("format", 1) < 2:
+        head += ["", "**This result was computed by an older version of the findings (before issue 35): its rows "
+                 "follow that version's rules (2a's interval a union of two, row 1 and 2b as tested then), not the "
+                 "rules listed in runtime/tools/findings/rules.py now.**"]
+    head += ["", f"{PAPER_HEDGE[0].upper()}{PAPER_HEDGE[1:]}. The rows below test what it claimed"
+             + (", each against one 95% interval fixed before the data." if res.get("format", 1) >= 2 else "."), ""]
+    sb = res.get("second_build")
+    head += [f"Every verdict was also computed on a second build of the model (`{sb['model']}`, exact perplexity "
+             f"{sb['exact_perplexity']:.3f}): a row whose verdicts differ between the builds reads **unstable**.", ""
+             ] if sb else ["Verdicts on one build of the model only (no second build compared).", ""]
+    head += ["### Cache regimes", ""] + regime_lines(res) + ["", "### Findings", ""]
     order = [r["id"] for r in res["rows"]]
-    for r in sorted(res["rows"], key=lambda r: order.index(r["id"])):  # the columns side by side
-        cells = [r["id"], r["finding"], f"{r['paper']} ({r['paper_source']})", r["column"], r["ours"], r["ci95"],
-                 f"**{r['verdict']}**"]
-        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    own = [r for r in res["rows"] if r.get("own_check")]
+    lines = table([r for r in res["rows"] if r not in own], order)
+    if own:
+        lines += ["", "### The page's own checks (not claims of the paper's)", ""] + table(own, order)
     rules = ["", "### How each verdict is decided", ""]
     seen: set[str] = set()
     for r in res["rows"]:
@@ -124,4 +216,5 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
             seen.add(r["id"])
             rules.append(f"- {r['id']}: {r['rule']}.")
     samples = ["", "Samples:", ""] + [f"- {r['id']} at {r['column']}: {r['sample']}." for r in res["rows"]]
-    return "\n".join(head + lines + rules + samples + [""] + block_lines(res) + [""] + reading(res)) + "\n"
+    return "\n".join(head + lines + rules + samples + [""] + block_lines(res) + [""] + reading(res) + [""]
+                     + admission_lines(res)) + "\n"

@@ -15,6 +15,13 @@ finding 2a). Per claim (`verdict`):
 
 A row with several claims (`Rule.decide`) differs if any claim differs, holds if all hold, is not testable if
 none is, and is inconclusive otherwise. A row whose intervals all contain no effect is never `differs`.
+
+Each interval is one 95% interval per statistic, fixed before the data: the block bootstrap of `stats` (blocks of
+consecutive windows, the length chosen by `stats.choose_block`); no union of intervals. The no-effect values
+that are not 0 are read off the claim's words, not the data: "most of the loss" is more than half of it (`MOST`),
+"about as many calls" is sparing fewer than half of them, "mass does not predict" is r below `R_SMALL`, the
+conventional bound between a small and a medium correlation. Rows marked `own` are this page's checks, not the
+paper's claims; `note` carries the paper's own hedge on a claim.
 """
 
 from __future__ import annotations
@@ -24,11 +31,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 HOLDS, DIFFERS, INCONCLUSIVE, UNTESTABLE = "holds", "differs", "inconclusive here", "not testable here"
-VERDICTS = (HOLDS, DIFFERS, INCONCLUSIVE, UNTESTABLE)
+UNSTABLE = "unstable"  # the verdict differs between two builds of the model (cli.stability)
+VERDICTS = (HOLDS, DIFFERS, INCONCLUSIVE, UNTESTABLE, UNSTABLE)
 
 SPEC = "docs/policies.md, 'Policies named in the paper'"
 PAPER_SPEED = (2.5, 3.0)
 PAPER_R = 0.92
+PAPER_QF_VS_RULE = (-0.8, -0.5)  # F5: Quality-First's perplexity change minus the 0.15 rule's (points)
+MOST = 50.0  # "most" of the loss: more than half of it (%); "about as many calls": the rule spares under half
+R_SMALL = 0.3  # "does not predict": r across windows below 0.3 (Cohen's bound between a small and a medium r)
+PAPER_HEDGE = ("the paper calls its conclusions modest: one model (Qwen3-Next-80B-A3B), one cache size (~25% "
+               "resident), a few evaluation texts")
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,8 @@ class Rule:
     source: str
     claims: tuple[Claim, ...]
     per: str = ""  # "" (each claim once) or what each claim is repeated over (pairs, hosts)
+    own: bool = False  # the page's own check, not a claim of the paper's (rendered below the paper's rows)
+    note: str = ""  # the paper's own hedge on this claim, shown with it
 
     def decide(self, cis: Sequence[Sequence[float]], claims: Sequence[Claim] | None = None) -> tuple[str, list[str]]:
         """(row verdict, per-claim verdicts) for the intervals of `claims` (default: the row's own, in order)."""
@@ -137,30 +152,28 @@ class Rule:
 RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("1", "Loss comes from a few heavy experts",
          "\"the 0.15 rule substitutes 7.5% of expert calls where substituting every miss substitutes 8.5%, and "
-         "cuts the perplexity increase from 5.67% to 0.35%\": the rule spares a few heavy calls and most of the loss",
-         SPEC,
-         (Claim("substitute-all's perplexity change minus the 0.15 rule's (points)", 1),
-          Claim("substitute-all's substituted calls minus the 0.15 rule's (% of calls)", 1),
-          Claim("share of substitute-all's loss the rule removes minus share of its substituted calls the rule "
-                "removes (points of %)", 1))),
+         "cuts the perplexity increase from 5.67% to 0.35%\": the rule removes most of the loss while substituting "
+         "about as many calls", SPEC,
+         (Claim("share of substitute-all's perplexity change the 0.15 rule removes (%; the paper's 94%)", 1,
+                null=MOST, unit="%"),
+          Claim("share of substitute-all's substituted calls the 0.15 rule spares (%; the paper's 12%; substituting "
+                "more calls than substitute-all is a share below 0)", -1, null=MOST, unit="%"))),
     Rule("2a", "Mass hypothesis across policies",
          "\"across policies that always fetch the first choice, substituted mass and perplexity increase on the "
          "same inputs correlate with Pearson r ~ 0.92\"", SPEC,
-         (Claim("Pearson r of mass per token and perplexity change across the distinct policies", 1, point=PAPER_R),)),
+         (Claim("Pearson r of mass per token and perplexity change across the distinct policies (policies making "
+                "the same decisions on the exact model's routing counted once)", 1, point=PAPER_R),)),
     Rule("2b", "Mass hypothesis per input (window)",
          "the mass hypothesis fails per input: \"mass does not predict which inputs lose\" (no figure)",
          "issue 27 and issue 12 (quoting the paper)",
-         (Claim("mean over windows of r across the policies on that window, minus mean over the policies of r "
-                "across windows", 1),)),
-    Rule("2c", "Admission pairs: does the loss follow the mass?",
-         "no claim of its own: 2a's mass hypothesis applied to each with/without-admission pair (less substituted "
-         "mass, less loss)", "2a",
-         (Claim("loss with admission minus without (points), signed by the mass change (x -1 when admission "
-                "lowers the mass)", 1),), per="distinct pair whose mass-change interval excludes 0"),
+         (Claim("Pearson r of mass per token and perplexity change across the windows", -1, null=R_SMALL),),
+         per="distinct policy"),
     Rule("3", "Experiment B: few heavy vs many light substitutions at equal mass",
          "\"at equal substituted mass a few heavy substitutions hurt more than many light ones\"",
          "issue 18 (quoting the paper)",
-         (Claim("heavy band's perplexity change minus the light band's (points)", 1),)),
+         (Claim("heavy band's perplexity change minus the light band's (points)", 1),),
+         note="the paper's own decision rule gave no verdict on Experiment B: it reports the direction, not a "
+              "test that settles it"),
     Rule("4a", "Admission overall: Quality-First vs the 0.15 rule",
          "\"background admission lowered perplexity by 0.3-1.5%\"", "issue 27 (quoting the paper)",
          (Claim("Quality-First's perplexity change minus the 0.15 rule's (points)", -1),)),
@@ -173,6 +186,21 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "perplexity\"", SPEC,
          (Claim("time per token of fetch-every-miss over the policy's", 1, null=1.0, inside=PAPER_SPEED, unit="x"),),
          per="host preset and policy (Quality-First, Speed-First)"),
+    Rule("5q", "F5's perplexity: Quality-First against the 0.15 rule",
+         "Quality-First's perplexity is 0.5-0.8% below the 0.15 rule's", "issue 35 (quoting the paper's F5)",
+         (Claim("Quality-First's perplexity change minus the 0.15 rule's (points; the statistic of 4a, against "
+                "F5's range)", -1, inside=PAPER_QF_VS_RULE),)),
+    Rule("5s", "F5's perplexity: Speed-First against Quality-First",
+         "Speed-First's perplexity shows no significant increase (over Quality-First)",
+         "issue 35 (quoting the paper's F5)",
+         (Claim("Speed-First's perplexity change minus Quality-First's (points)", -1),)),
     Rule("6", "Greedy generation agreement with the exact model",
          "an agreement test on prompts from each domain (no paper figure)", "issue 12", ()),
+    Rule("2c", "The page's own check: admission pairs, does the loss follow the mass?",
+         "no claim of the paper's: 2a's mass hypothesis applied to each with/without-admission pair (less "
+         "substituted mass, less loss)", "this page (from 2a)",
+         (Claim("loss with admission minus without (points), signed by the mass change (x -1 when admission "
+                "lowers the mass)", 1),), per="distinct pair whose mass-change interval excludes 0", own=True),
 )}
+PAPER_ROWS = tuple(r for r in RULES if not RULES[r].own)
+OWN_ROWS = tuple(r for r in RULES if RULES[r].own)

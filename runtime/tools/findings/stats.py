@@ -81,32 +81,6 @@ def block_ci(samples: Sequence[np.ndarray], statistic: Callable[..., np.ndarray]
     return math.nan, math.nan, "none"
 
 
-def unit_ci(n: int, starts: np.ndarray, statistic: Callable[[np.ndarray], float], seed: int,
-            n_boot: int = N_BOOT) -> tuple[float, float, str]:
-    """95% interval of `statistic(unit_indices)` (a statistic of the units themselves, e.g. a correlation across
-    windows) by `scipy.stats.bootstrap` over the blocks that begin at `starts`: a resample of block ids becomes
-    the concatenation of their units. BCa, else percentile; (lo, hi, method)."""
-    from scipy.stats import bootstrap
-
-    ends = np.append(starts[1:], n)
-    units = [np.arange(a, b) for a, b in zip(starts, ends, strict=True)]
-    if len(units) < 2:
-        return math.nan, math.nan, "none (one block)"
-
-    def stat(ids: np.ndarray) -> float:
-        return float(statistic(np.concatenate([units[int(i)] for i in ids])))
-
-    for method in ("BCa", "percentile"):
-        with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
-            warnings.simplefilter("ignore")
-            res = bootstrap((np.arange(len(units)),), stat, n_resamples=n_boot, vectorized=False,
-                            method=method, rng=np.random.default_rng(seed))
-        lo, hi = (float(v) for v in res.confidence_interval)
-        if math.isfinite(lo) and math.isfinite(hi):
-            return lo, hi, method
-    return math.nan, math.nan, "none"
-
-
 def block_widths(series: np.ndarray, counts: np.ndarray, seed: int, max_block: int,
                  n_boot: int = N_BOOT) -> list[dict[str, Any]]:
     """Width of the perplexity-change interval of per-unit NLL-difference sums `series` (token `counts`) at

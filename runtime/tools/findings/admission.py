@@ -1,0 +1,141 @@
+"""Admission against the cache size: what background admission (`beta` 0.5) does to the substituted mass, the hit
+rate and the churn of the cache as slots per top-k (C/k) grow, on a routing trace (the simulator's replay).
+
+Two pairs differ only in admission: Quality-First against the 0.15 rule, Speed-First against first-choice
+(docs/policies.md). `curve` replays the four on one trace at each C/k of `CK_GRID` that the trace's experts allow,
+with a warm start from calibration ids (the recorded model's calibration routing, or a real trace's held-out last
+20%, as `held-out` means everywhere: runtime/backends/resolve.py); `trace_curve` does it for a trace file;
+`effects` reads the pairs' differences off a curve; `starts_helping` the smallest C/k from which admission lowers
+the mass at every larger C/k tried; `plot` draws the curves and the model's perplexity effects (PNG).
+
+`python scripts/findings.py --admission-only` runs it on the real traces alone (docs/admission.md); a findings
+run adds the reference model's routing and perplexity to its page.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.core.policy import PRESETS
+from runtime.core.spec import HELD_OUT_FRACTION
+
+log = logging.getLogger(__name__)
+
+PAIRS = (("quality-first", "rule-0.15"), ("speed-first", "first-choice"))  # (with admission, without)
+CK_GRID = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.8, 16.0, 24.0)  # slots per top-k; 12.8: the paper's
+
+
+def curve(trace: Any, calib_ids: np.ndarray | None, grid: tuple[float, ...] = CK_GRID,
+          calib_valid: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """Per C/k of `grid` with k <= C < E (each C once): per policy of PAIRS, the substituted mass per token, the
+    substituted share of calls, the hit rate and the admissions per token and layer, from the simulator's replay
+    warm-started from `calib_ids` [T_c, L, k] (valid cells `calib_valid` [T_c, L])."""
+    from runtime.backends.simulate import replay
+    from runtime.tools.findings.experiments import caps_and_warm
+
+    out, seen = [], set()
+    for ck in grid:
+        c = int(round(ck * trace.k))
+        if not trace.k <= c < trace.E or c in seen:
+            continue
+        seen.add(c)
+        caps, init = caps_and_warm(trace, calib_ids, c / trace.E, calib_valid)
+        point: dict[str, Any] = {"slots": int(caps[0]), "c_over_k": float(caps[0]) / trace.k}
+        for name in {n for pair in PAIRS for n in pair}:
+            t = replay(trace, PRESETS[name], caps, init).cache.counter_totals()
+            calls = max(t["calls"], 1)
+            point[name] = {"mass_per_token": t["substituted_mass"] / trace.T,
+                           "substituted_share": (t["substitutions"] + t["drops"]) / calls,
+                           "hit_rate": t["hits"] / calls,
+                           "admissions_per_token_layer": t["admissions"] / (trace.T * trace.L)}
+        out.append(point)
+    return out
+
+
+def trace_curve(path: str | Path, grid: tuple[float, ...] = CK_GRID) -> dict[str, Any]:
+    """`curve` of a trace file: its first 80% evaluated, its last 20% the calibration (held-out)."""
+    from runtime.formats.trace import load_trace
+
+    tr = load_trace(path)
+    cut = int(round(tr.T * (1 - HELD_OUT_FRACTION)))
+    cal = tr.slice_tokens(cut, tr.T)
+    return {"source": Path(path).stem, "experts": tr.E, "top_k": tr.k, "layers": tr.L, "tokens": cut,
+            "warm_start": "held-out (last 20% of the trace)",
+            "points": curve(tr.slice_tokens(0, cut), cal.topk_ids, grid, cal.valid)}
+
+
+def effects(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per point and pair: the admission effect (with minus without) on mass per token, hit rate and share."""
+    out = []
+    for p in points:
+        row: dict[str, Any] = {"c_over_k": p["c_over_k"], "slots": p["slots"]}
+        for a, b in PAIRS:
+            row[f"{a} - {b}"] = {k: p[a][k] - p[b][k] for k in ("mass_per_token", "hit_rate", "substituted_share")}
+            row[f"{a} - {b}"]["admissions_per_token_layer"] = p[a]["admissions_per_token_layer"]
+        out.append(row)
+    return out
+
+
+def starts_helping(points: list[dict[str, Any]], pair: tuple[str, str]) -> float | None:
+    """The smallest C/k of `points` from which admission lowers the mass per token at every larger C/k tried
+    (None: at no C/k, or not at the largest)."""
+    a, b = pair
+    lower = [p[a]["mass_per_token"] < p[b]["mass_per_token"] for p in points]
+    if not lower or not lower[-1]:
+        return None
+    i = len(lower)
+    while i > 0 and lower[i - 1]:
+        i -= 1
+    return points[i]["c_over_k"]
+
+
+def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]], out: str | Path) -> None:
+    """PNG: admission's effect on the substituted mass against C/k per source (left; relative to the policy without
+    admission), and on the reference model's perplexity per findings column (right; points with 95% intervals)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if model_ppl else 1, figsize=(11, 4.2) if model_ppl else (6.5, 4.2), squeeze=False)
+    axes = axes[0]
+    styles = {PAIRS[0]: "-", PAIRS[1]: "--"}
+    for src, pts in curves.items():
+        x = [p["c_over_k"] for p in pts]
+        color = None
+        for pair in PAIRS:
+            a, b = pair
+            y = [(p[a]["mass_per_token"] / p[b]["mass_per_token"] - 1) * 100 if p[b]["mass_per_token"] > 0
+                 else math.nan for p in pts]
+            (line,) = axes[0].plot(x, y, styles[pair], marker="o", ms=3, color=color,
+                                   label=f"{src}: {'QF vs rule' if a == 'quality-first' else 'SF vs FC'}")
+            color = line.get_color()
+    axes[0].axhline(0, color="k", lw=0.8)
+    axes[0].axvline(12.8, color="grey", lw=0.8, ls=":")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("slots per top-k (C/k); dotted: the paper's 12.8")
+    axes[0].set_ylabel("substituted mass with admission, change %")
+    axes[0].set_title("admission's effect on substituted mass (simulator)")
+    axes[0].legend(fontsize=6.5)
+    for j, key in enumerate(("qf_minus_rule", "sf_minus_fc") if model_ppl else ()):
+        xs = [m["c_over_k"] * (1 + 0.03 * j) for m in model_ppl]
+        ys = [m[key]["point"] for m in model_ppl]
+        err = [[y - m[key]["ci95"][0] for y, m in zip(ys, model_ppl, strict=True)],
+               [m[key]["ci95"][1] - y for y, m in zip(ys, model_ppl, strict=True)]]
+        axes[1].errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label="QF - rule" if j == 0 else "SF - FC")
+    if model_ppl:
+        axes[1].axhline(0, color="k", lw=0.8)
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("slots per top-k (C/k)")
+        axes[1].set_ylabel("perplexity change, points")
+        axes[1].set_title("reference model: admission's effect on perplexity (emulation)")
+        axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
+
