@@ -26,11 +26,14 @@ def pct_change(dnll_sum: np.ndarray | float, count: np.ndarray | float) -> np.nd
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Pearson r over the last axis (`scipy.stats.pearsonr`; nan when either side is constant)."""
+    """Pearson r over the last axis (`scipy.stats.pearsonr`; nan when either side is constant or has fewer
+    than 2 values, as a run of one window has)."""
     from scipy.stats import pearsonr
 
     x = np.asarray(x, np.float64)
     y = np.asarray(y, np.float64)
+    if x.shape[-1] < 2:
+        return np.full(np.broadcast_shapes(x.shape, y.shape)[:-1], np.nan)
     with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
         warnings.simplefilter("ignore")
         return np.asarray(pearsonr(x, y, axis=-1).statistic)
