@@ -468,3 +468,46 @@ def test_pinned_store_buffers_own_their_pages():
         assert t.numel() == n and t.dtype == dt and t.data_ptr() % mmap.PAGESIZE == 0
         assert nbytes % mmap.PAGESIZE == 0 and n * t.element_size() <= nbytes < n * t.element_size() + mmap.PAGESIZE
         assert st.data_ptr() <= t.data_ptr() and t.data_ptr() + nbytes <= st.data_ptr() + st.nbytes()
+
+
+def test_slots_are_one_tensor_per_layer(pair):
+    """Every slot of a layer is a view of one row of the layer's [C_l, 2I, H] / [C_l, H, I] tensors."""
+    eng = pair["e8"][1]
+    caps = np.array([3, 5][: eng.L] + [3] * max(0, eng.L - 2))
+    eng.bind(PolicyCache(PRESETS["fetch-every-miss"], eng.E, eng.k, caps, None))
+    for l_, c in enumerate(caps):
+        gu, dn = eng.pool.gate_up[l_], eng.pool.down[l_]
+        assert gu.shape == (c, 2 * eng.I, eng.H) and dn.shape == (c, eng.H, eng.I)
+        for s, buf in enumerate(eng.pool.slots[l_]):
+            assert buf.gate_up.data_ptr() == gu[s].data_ptr() and buf.down.data_ptr() == dn[s].data_ptr()
+    assert eng.pool.slot_bytes() == int(caps.sum()) * eng.expert_bytes
+
+
+def test_grouped_experts_equal_the_per_expert_loop_and_count_no_experts():
+    """The grouped call equals the per-expert computation, and dispatches the same aten ops for 2 or 8 calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runtime.backends.plan import expert_forward, grouped_experts
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    C, H, I = 9, 32, 16  # noqa: E741
+    gu, dn = torch.randn(C, 2 * I, H, generator=g), torch.randn(C, H, I, generator=g)
+    x = torch.randn(1, H, generator=g)
+    act = torch.nn.functional.silu
+    ops = []
+    for rows in ([4, 1], [8, 0, 3, 5, 2, 7, 6, 1]):
+        w = torch.rand(len(rows), generator=g)
+        ref = sum(expert_forward(x, gu[r], dn[r], act)[0] * w[j] for j, r in enumerate(rows))
+        Count.n = 0
+        with Count():
+            y = grouped_experts(gu, dn, x.expand(len(rows), -1), torch.tensor(rows), w, act).sum(0)
+        ops.append(Count.n)
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    assert ops[0] == ops[1]

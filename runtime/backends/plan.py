@@ -45,6 +45,18 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, a
     return F.linear(act(gate) * up, down)
 
 
+def grouped_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
+                    act) -> torch.Tensor:
+    """M expert calls in one: slot tensors gate_up [C, 2I, H] and down [C, H, I], inputs x [M, H], the slot of
+    each call rows [M] (int64, on the device) and its gate weight w [M] -> weighted outputs [M, H]. Gather
+    by slot index and batched matmul (the Hugging Face `batched_mm` experts' math): the same number of
+    operators whatever M is, and the same shapes for a given M (what a CUDA graph needs)."""
+    h = torch.bmm(gate_up.index_select(0, rows), x.unsqueeze(-1)).squeeze(-1)  # [M, 2I]
+    gate, up = h.chunk(2, dim=-1)  # [M, I] each
+    y = torch.bmm(down.index_select(0, rows), (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [M, H]
+    return y * w.to(y.dtype).unsqueeze(-1)
+
+
 class PlanRunner:
     """The experts' part of one engine: the kernel's plan applied to `pool`'s slots with `copies`, host
     compute from `store`, the low-bit copies. `act[l]`: MoE layer l's activation; `ctx`: the adapters'
@@ -80,8 +92,10 @@ class PlanRunner:
         N, k = kind.shape
         cache = self.pool.cache
         t0 = int(cache.next_t[layer]) - N
-        out = torch.zeros_like(x)  # [N, H]
-        act = self.act[layer]
+        if w.device != self.device and self.cuda:  # host weights (the adapters' re-rank): pinned, async
+            w = w.pin_memory().to(self.device, non_blocking=True)
+        wd = w.to(self.device).reshape(-1)  # [N * k] gate weights on the device, rank order
+        outs: list[torch.Tensor | None] = []  # [N] of [1, H]
         pol = cache.policy
         adm, queued, d = plan.admitted, plan.queued, pol.admission_delay  # [n, 3] (t, e, s), [n, 2] (t, e)
         pref = getattr(plan, "prefetched", None)
@@ -110,26 +124,25 @@ class PlanRunner:
             # (3b) the next layer's lookahead copies start behind this layer's fetches
             if lookahead:
                 self._issue_prefetch(layer, t)
-            # (4) device compute, queued without waiting, in ascending expert id (the HF accumulation order):
-            # full precision from a slot, LOWBIT from the expert's packed low-bit copy
-            xi = x[i : i + 1]  # [1, H]
+            # (4) device compute, queued without waiting: every HIT / FETCH / SUB of the token in ONE grouped call
+            # from the layer's slot tensors (gather by slot index + batched matmul, summed over the k ranks
+            # in rank order: the Hugging Face batched_mm / grouped_mm order); LOWBIT from the expert's packed
+            # low-bit copy, added after it
+            xi = x if N == 1 else x[i : i + 1]  # [1, H]
+            oi = None
             if not self.null_compute:
+                wi = wd if N == 1 else wd[i * k : (i + 1) * k]  # [k]
+                oi = self.device_compute(layer, xi, kind[i], slot[i], wi)  # [1, H]
                 for j in np.argsort(served[i], kind="stable"):
-                    kd = kind[i, j]
-                    if kd == DROP or kd == HOST:
-                        continue
-                    if kd == LOWBIT:
-                        out[i] += (self.lowbit_expert(layer, int(served[i, j]), xi) * w[i, j])[0]
+                    if kind[i, j] == LOWBIT:
+                        oi[0] += (self.lowbit_expert(layer, int(served[i, j]), xi) * wd[i * k + j])[0]
                         self.stats["lowbit_computes"] += 1
-                        continue
-                    buf = self.pool.slots[layer][slot[i, j]]
-                    out[i] += (expert_forward(xi, buf.gate_up, buf.down, act) * w[i, j])[0]
-                    self.stats["device_computes"] += 1
             # (5) host compute runs on the CPU while the device works through (4); results go back async
             for j in sorted(hosts, key=lambda j: served[i, j]):
                 y = self.host_expert(layer, int(served[i, j]), xh)
-                out[i] += (self.result_to_device(y) * w[i, j])[0]
+                oi[0] += (self.result_to_device(y) * wd[i * k + j])[0]
                 self.stats["host_computes"] += 1
+            outs.append(oi)
             # (6) the admissions queued at this token start copying in the background
             while qi < len(queued) and queued[qi, 0] == t:
                 e = int(queued[qi, 1])
@@ -142,7 +155,35 @@ class PlanRunner:
         self.events[layer].append(plan.events)
         if self.debug:
             self.pool.check(layer)
-        return out
+        if self.null_compute:
+            return torch.zeros_like(x)
+        return outs[0] if N == 1 else torch.cat(outs)  # [N, H]
+
+    def device_compute(self, layer: int, x: torch.Tensor, kind: np.ndarray, slot: np.ndarray,
+                       w: torch.Tensor) -> torch.Tensor:
+        """One token's device-computed experts (kind HIT / FETCH / SUB) in one grouped call: x [1, H], the
+        token's plan row kind / slot [k] (host), its gate weights w [k] on the device in rank order ->
+        [1, H], the weighted outputs summed over the k ranks in rank order (other kinds count 0)."""
+        k = len(kind)
+        pos = np.flatnonzero((kind != DROP) & (kind != HOST) & (kind != LOWBIT))  # [M] ranks computed here
+        M = len(pos)
+        self.stats["device_computes"] += M
+        if M == 0:
+            return torch.zeros_like(x)
+        idx = self.to_device(slot[pos] if M == k else np.concatenate([slot[pos], pos]))  # [M] or [2M]
+        rows, wm = (idx, w) if M == k else (idx[:M], w.index_select(0, idx[M:]))  # [M], [M]
+        y = grouped_experts(self.pool.gate_up[layer], self.pool.down[layer], x.expand(M, -1), rows, wm,
+                            self.act[layer])  # [M, H]
+        if M < k:  # the ranks not computed here count 0 (exact: adding 0 changes no sum)
+            y = y.new_zeros(k, y.shape[1]).index_copy_(0, idx[M:], y)
+        return y.sum(dim=0, keepdim=True)  # [1, H]
+
+    def to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Host int indices -> an int64 tensor on the device (CUDA: from pinned memory, without blocking)."""
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def fetch(self, layer: int, e: int, s: int, prefetch_load: bool = False) -> None:
         """Copy host -> slot s on the copy stream; the compute waits for it (CPU device mode: a plain copy)."""
