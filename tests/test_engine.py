@@ -511,3 +511,34 @@ def test_grouped_experts_equal_the_per_expert_loop_and_count_no_experts():
         ops.append(Count.n)
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
     assert ops[0] == ops[1]
+
+
+def test_one_device_read_per_layer_and_no_float64_on_the_device(pair, monkeypatch):
+    """Decoding under lookahead prefetch (whose lists once took a second read): per token and MoE layer one
+    `.cpu()` (the adapters' packed read), plus one per window (its NLL); no aten op makes a float64 tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    me, eng = pair["e8"]
+    reads, f64 = [], []
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **kw: reads.append(t.shape) or cpu(t, *a, **kw))
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float64:
+                f64.append(str(func))
+            return out
+
+    W = 6
+    windows = np.random.default_rng(1).integers(0, 90, size=(1, W)).astype(np.int64)
+    caps = np.full(eng.L, 3)
+    cache = PolicyCache(PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=2), eng.E, eng.k,
+                        caps, warm_residency(emulate.record(me, windows, me.k)[0], None, me.E, caps))
+    monkeypatch.setattr(eng.runner, "debug", False)  # (the debug check reads every slot back)
+    reads.clear()
+    with Dtypes():
+        eng.teacher_forced(eng.m, windows, cache)
+    assert eng.stats["prefetch_copies"] > 0  # the lookahead lists were formed and used
+    assert len(reads) == eng.L * W + 1, reads
+    assert f64 == []

@@ -284,7 +284,7 @@ class Engine:
                 decode_s += self.clock() - t0
                 lg = torch.stack(rows).float()  # [W, V]
                 lp = torch.log_softmax(lg[:-1], dim=-1)
-                nll[a] = (-torch.gather(lp, 1, xd[0, 1:, None])[:, 0]).double().cpu().numpy()
+                nll[a] = (-torch.gather(lp, 1, xd[0, 1:, None])[:, 0]).cpu().numpy()  # float32 -> float64: exact
                 if keep_logits:
                     self.logits.append(lg.cpu())
         finally:
