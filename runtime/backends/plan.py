@@ -104,10 +104,11 @@ class PlanRunner:
         ai = qi = pi = 0
         for i in range(N):
             t = t0 + i
-            hosts = [j for j in range(k) if kind[i, j] == HOST] if not self.null_compute else []
+            ki = kind[i]  # [k] this token's decisions
+            hosts = np.flatnonzero(ki == HOST) if not self.null_compute else np.zeros(0, np.int64)  # host ranks
             # (0) the activation of a host-computed token goes to the host first: nothing but this layer's
             # dense part (already finished: its routing was read) is queued ahead of it on the stream
-            xh = x[i : i + 1].to("cpu") if hosts else None
+            xh = x[i : i + 1].to("cpu") if len(hosts) else None
             # (1) admissions the kernel applied before token t, then the copies it popped and skipped
             while ai < len(adm) and adm[ai, 0] == t:
                 self._admit(layer, int(adm[ai, 1]), int(adm[ai, 2]))
@@ -118,9 +119,8 @@ class PlanRunner:
                 self._load_prefetched(layer, int(pref[pi, 1]), int(pref[pi, 2]))
                 pi += 1
             self._release_prefetch(layer)
-            for j in range(k):
-                if kind[i, j] == FETCH:
-                    self.fetch(layer, int(served[i, j]), int(slot[i, j]))
+            for j in np.flatnonzero(ki == FETCH):  # (host-side: one copy per missed expert)
+                self.fetch(layer, int(served[i, j]), int(slot[i, j]))
             # (3b) the next layer's lookahead copies start behind this layer's fetches
             if lookahead:
                 self._issue_prefetch(layer, t)
@@ -132,13 +132,13 @@ class PlanRunner:
             oi = None
             if not self.null_compute:
                 wi = wd if N == 1 else wd[i * k : (i + 1) * k]  # [k]
-                oi = self.device_compute(layer, xi, kind[i], slot[i], wi)  # [1, H]
-                for j in np.argsort(served[i], kind="stable"):
-                    if kind[i, j] == LOWBIT:
-                        oi[0] += (self.lowbit_expert(layer, int(served[i, j]), xi) * wd[i * k + j])[0]
-                        self.stats["lowbit_computes"] += 1
+                oi = self.device_compute(layer, xi, ki, slot[i], wi)  # [1, H]
+                low = np.flatnonzero(ki == LOWBIT)
+                for j in low[np.argsort(served[i, low], kind="stable")]:  # ascending expert id
+                    oi[0] += (self.lowbit_expert(layer, int(served[i, j]), xi) * wd[i * k + j])[0]
+                    self.stats["lowbit_computes"] += 1
             # (5) host compute runs on the CPU while the device works through (4); results go back async
-            for j in sorted(hosts, key=lambda j: served[i, j]):
+            for j in hosts[np.argsort(served[i, hosts], kind="stable")]:  # ascending expert id
                 y = self.host_expert(layer, int(served[i, j]), xh)
                 oi[0] += (self.result_to_device(y) * wd[i * k + j])[0]
                 self.stats["host_computes"] += 1
