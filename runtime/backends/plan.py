@@ -10,8 +10,10 @@ order (docs/engine.md, "Per token and layer"):
       copies the kernel popped without admitting are released;
   (2) prefetch loads `prefetched (t, e, s)`, (3) FETCH (host -> slot `slot[t, j]`, synchronous);
   (3b) lookahead: the next layer's predicted experts start copying;
-  (4) device compute by kind, HIT / FETCH / SUB from slot `slot[t, j]`, LOWBIT from the expert's packed
-      low-bit copy; (5) HOST on the host CPU overlapping the device; DROP nothing;
+  (4) device compute: every HIT / FETCH / SUB of the token in ONE grouped call from the layer's slot
+      tensors (`grouped_experts`: gather rows `slot[t, j]` + batched matmul, summed over the ranks in rank
+      order), then LOWBIT from the expert's packed low-bit copy; (5) HOST on the host CPU overlapping the
+      device; DROP nothing;
   (6) the admissions `queued (t, e)` start copying into staging buffers in the background.
 
 With no plan (prefill, the exact reference) `stream_layer` computes the exact experts' output, streaming
