@@ -400,3 +400,77 @@ def test_pinned_store_buffers_own_their_pages():
         assert t.numel() == n and t.dtype == dt and t.data_ptr() % mmap.PAGESIZE == 0
         assert nbytes % mmap.PAGESIZE == 0 and n * t.element_size() <= nbytes < n * t.element_size() + mmap.PAGESIZE
         assert st.data_ptr() <= t.data_ptr() and t.data_ptr() + nbytes <= st.data_ptr() + st.nbytes()
+
+
+def test_slots_are_one_tensor_per_layer(pair):
+    """Every slot of a layer is a view of one row of the layer's [C_l, 2I, H] / [C_l, H, I] tensors."""
+    eng = pair["e8"][1]
+    caps = np.array([3, 5][: eng.L] + [3] * max(0, eng.L - 2))
+    eng.bind(PolicyCache(PRESETS["fetch-every-miss"], eng.E, eng.k, caps, None))
+    for l_, c in enumerate(caps):
+        gu, dn = eng.pool.gate_up[l_], eng.pool.down[l_]
+        assert gu.shape == (c, 2 * eng.I, eng.H) and dn.shape == (c, eng.H, eng.I)
+        for s, buf in enumerate(eng.pool.slots[l_]):
+            assert buf.gate_up.data_ptr() == gu[s].data_ptr() and buf.down.data_ptr() == dn[s].data_ptr()
+    assert eng.pool.slot_bytes() == int(caps.sum()) * eng.expert_bytes
+
+
+def test_grouped_experts_equal_the_per_expert_loop_and_count_no_experts():
+    """The grouped call equals the per-expert computation, and dispatches the same aten ops for 2 or 8 calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runtime.backends.plan import expert_forward, grouped_experts
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    C, H, I = 9, 32, 16  # noqa: E741
+    gu, dn = torch.randn(C, 2 * I, H, generator=g), torch.randn(C, H, I, generator=g)
+    x = torch.randn(1, H, generator=g)
+    act = torch.nn.functional.silu
+    ops = []
+    for rows in ([4, 1], [8, 0, 3, 5, 2, 7, 6, 1]):
+        w = torch.rand(len(rows), generator=g)
+        ref = sum(expert_forward(x, gu[r], dn[r], act)[0] * w[j] for j, r in enumerate(rows))
+        Count.n = 0
+        with Count():
+            y = grouped_experts(gu, dn, x.expand(len(rows), -1), torch.tensor(rows), w, act).sum(0)
+        ops.append(Count.n)
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    assert ops[0] == ops[1]
+
+
+def test_one_device_read_per_layer_and_no_float64_on_the_device(pair, monkeypatch):
+    """Decoding under lookahead prefetch (whose lists once took a second read): per token and MoE layer one
+    `.cpu()` (the adapters' packed read), plus one per window (its NLL); no aten op makes a float64 tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    me, eng = pair["e8"]
+    reads, f64 = [], []
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **kw: reads.append(t.shape) or cpu(t, *a, **kw))
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float64:
+                f64.append(str(func))
+            return out
+
+    W = 6
+    windows = np.random.default_rng(1).integers(0, 90, size=(1, W)).astype(np.int64)
+    caps = np.full(eng.L, 3)
+    cache = PolicyCache(PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=2), eng.E, eng.k,
+                        caps, warm_residency(emulate.record(me, windows, me.k)[0], None, me.E, caps))
+    monkeypatch.setattr(eng.runner, "debug", False)  # (the debug check reads every slot back)
+    reads.clear()
+    with Dtypes():
+        eng.teacher_forced(eng.m, windows, cache)
+    assert eng.stats["prefetch_copies"] > 0  # the lookahead lists were formed and used
+    assert len(reads) == eng.L * W + 1, reads
+    assert f64 == []

@@ -182,18 +182,16 @@ class PolicyExperts(nn.Module):
         self.experts, self.tap, self.layer, self.ctx, self.fam = experts, tap, layer, ctx, fam
         self.num_experts = 0  # E, known after the first call
 
-    def next_layer_lookahead(self, P: int) -> np.ndarray:
-        """[N, P] int32: the top-P experts (by score, ties lower id) of the next layer's router applied to
-        this layer's router input; -1 for the last layer."""
-        ctx = self.ctx
-        x = self.tap.input
-        N = self.tap.logits.reshape(-1, self.tap.logits.shape[-1]).shape[0]
-        if self.layer + 1 >= ctx.num_layers:
-            return np.full((N, P), -1, np.int32)
-        nxt = ctx.experts[self.layer + 1]
-        logits = nxt.tap.router(x)[0].reshape(N, -1)  # (the router itself: the tap keeps its own state)
-        order = torch.sort(-nxt.scores(logits), dim=1, stable=True).indices[:, :P]
-        return order.cpu().numpy().astype(np.int32)
+    def next_layer_scores(self) -> torch.Tensor | None:
+        """[N, E] float32 on the device: the next layer's router scores on this layer's router input (the
+        lookahead's input; None for the last layer). Its top P by score, ties lower id, is the next layer's
+        predicted list (`lookahead_lists`, on the host)."""
+        if self.layer + 1 >= self.ctx.num_layers:
+            return None
+        nxt = self.ctx.experts[self.layer + 1]
+        logits = nxt.tap.router(self.tap.input)[0]  # (the router itself: the tap keeps its own state)
+        return nxt.scores(logits.reshape(-1, logits.shape[-1]))
+
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Candidate scores [N, E] whose order is the router's preference."""
         if self.fam.score == "sigmoid_bias":
@@ -204,49 +202,50 @@ class PolicyExperts(nn.Module):
         ctx = self.ctx
         if ctx.cache is None and ctx.recorder is None:
             return self.compute(hidden_states, top_k_index, top_k_weights, None)
-        logits = self.tap.logits.reshape(top_k_index.shape[0], -1)
-        score = self.scores(logits)  # [N, E]
-        sel = torch.gather(score, 1, top_k_index)  # [N, k]
-        # rank order: descending score, ties lower id (stable sort over ids sorted ascending)
-        ids_sorted_by_id, perm_id = torch.sort(top_k_index, dim=1)
-        order = torch.sort(-torch.gather(sel, 1, perm_id), dim=1, stable=True).indices
-        perm = torch.gather(perm_id, 1, order)
-        ids = torch.gather(top_k_index, 1, perm)  # [N, k]
-        w = torch.gather(top_k_weights, 1, perm)  # [N, k]
-        N, k = ids.shape
+        N, k = top_k_index.shape
+        logits = self.tap.logits.reshape(N, -1)
+        score = self.scores(logits)  # [N, E] float32
         E = self.num_experts = score.shape[1]
-        if ctx.recorder is not None:
-            # a trace stores the candidate ranking itself: the selection, then the others by descending
-            # score (stable: lower id first), to the recorder's depth (E under a cache)
-            depth = ctx.recorder.depth if ctx.cache is None else E
-            rest = score.scatter(1, ids, float("-inf"))
-            others = torch.sort(-rest, dim=1, stable=True).indices[:, : max(depth - k, 0)]
-            cand = torch.cat([ids, others], dim=1).double()  # [N, M]
-        else:
-            # the kernel orders the candidates itself from the scores (PolicyCache.step `scores`): the
-            # same decisions as that full ranking without sorting E candidates per token
-            cand = score.double()  # [N, E]
-        # ONE device -> host read per layer (the kernel runs on the host): ids, weights, the ranking or
-        # the scores and a finiteness flag per token, packed as float64 (exact for these ids and
-        # float32/bf16 weights and scores)
-        # a row's sum is finite only if every entry is (inf, -inf and nan all propagate); a non-finite
-        # sum of finite entries (overflow) is told apart below, on the rare rows concerned
-        rowsum = logits.float().sum(dim=1, keepdim=True)  # [N, 1]
-        packed = torch.cat([ids.double(), w.detach().double(), cand, rowsum.double()], 1).cpu().numpy()
-        if not np.isfinite(packed[:, -1]).all():
-            rows = np.flatnonzero(~np.isfinite(packed[:, -1]))
+        pol = ctx.cache.policy if ctx.cache is not None else None
+        P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
+        P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
+        P = max(P_rec, P_pol)
+        nxt = self.next_layer_scores() if P else None  # [N, E'] or None
+        # ONE device -> host read per layer (the kernel runs on the host), in float32 (no float64 on the
+        # device; exact for these ids, for fp32 / bf16 / fp16 weights and for the float32 scores): the
+        # model's top-k ids and weights, the router scores, a finiteness flag per token (a row's sum is
+        # finite only if every entry is: inf, -inf and nan all propagate; a non-finite sum of finite
+        # entries, an overflow, is told apart below on the rare rows concerned) and, with lookahead, the
+        # next layer's router scores. The rank order, the trace's ranking and the lookahead lists are
+        # formed on the host from it.
+        parts = [top_k_index.float(), top_k_weights.detach().float(), score, logits.float().sum(dim=1, keepdim=True)]
+        packed = torch.cat(parts if nxt is None else [*parts, nxt], 1).cpu().numpy()  # [N, 2k + E + 1 (+ E')]
+        fin = packed[:, 2 * k + E]
+        if not np.isfinite(fin).all():
+            rows = np.flatnonzero(~np.isfinite(fin))
             bad = rows[~torch.isfinite(logits[torch.from_numpy(rows).to(logits.device)]).all(dim=1).cpu().numpy()]
             if len(bad):
                 raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token {int(bad[0])} "
                                  f"of this batch")
-        ids_np = packed[:, :k].astype(np.int32)
-        w_np = packed[:, k : 2 * k].astype(np.float32)
-        tail = packed[:, 2 * k : -1]
-        rank_np, score_np = (tail.astype(np.int32), None) if ctx.recorder is not None else (None, tail)  # [N, M] / [N, E]
-        pol = ctx.cache.policy if ctx.cache is not None else None
-        P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
-        P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
-        look = self.next_layer_lookahead(max(P_rec, P_pol)) if max(P_rec, P_pol) else None  # [N, P]
+        score_np = packed[:, 2 * k : 2 * k + E]  # [N, E] float32
+        r = np.arange(N)[:, None]  # [N, 1] row index
+        ids0 = packed[:, :k].astype(np.int64)  # [N, k] the model's order
+        perm = rank_order(ids0, score_np)  # [N, k]: model order -> rank order
+        ids_np = ids0[r, perm].astype(np.int32)  # [N, k]
+        w_np = packed[:, k : 2 * k][r, perm]  # [N, k] float32
+        look = None
+        if P:  # [N, P]: the next layer's top P by score, ties lower id (-1 for the last layer)
+            look = (np.full((N, P), -1, np.int32) if nxt is None
+                    else np.argsort(-packed[:, 2 * k + E + 1 :], axis=1, kind="stable")[:, :P].astype(np.int32))
+        rank_np = None
+        if ctx.recorder is not None:
+            # a trace stores the candidate ranking itself: the selection, then the others by descending
+            # score (stable: lower id first), to the recorder's depth (E under a cache)
+            depth = ctx.recorder.depth if ctx.cache is None else E
+            rest = score_np.copy()
+            rest[r, ids_np] = -np.inf
+            others = np.argsort(-rest, axis=1, kind="stable")[:, : max(depth - k, 0)]
+            rank_np = np.concatenate([ids_np, others.astype(np.int32)], 1)  # [N, M]
         if ctx.recorder is not None:
             r = ctx.recorder
             r.ids[self.layer].append(ids_np)
@@ -266,19 +265,26 @@ class PolicyExperts(nn.Module):
             pend = q.popleft() if q else None
             predicted = pend if pend is not None and pend.shape[0] == N else None
             if self.layer + 1 < ctx.num_layers:
-                ctx.pending[self.layer + 1].append(look[:, :P_pol])
-        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted, scores=score_np)
+                ctx.pending[self.layer + 1].append(np.ascontiguousarray(look[:, :P_pol]))
+        res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted,
+                             scores=score_np.astype(np.float64))
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:
             ctx.decisions[self.layer].append((res.kind, res.served, res.slot))
-        if pol.drop_renorm:  # a dropped miss's weight shared out over the computed experts (outputs only)
-            scale = drop_renorm_scale(res.kind, w_np)  # [N] or None (no drop)
-            if scale is not None:
-                w = w * torch.from_numpy(scale).to(device=w.device, dtype=w.dtype)[:, None]
+        scale = drop_renorm_scale(res.kind, w_np) if pol.drop_renorm else None  # [N] or None (no drop)
         if ctx.executor is not None and ctx.substitute_weight == "missed":
-            # the engine applies the plan itself (DROP computes nothing, LOWBIT from its copies): no
-            # decision tensors on the device, no further host-device synchronisation
-            return ctx.executor(self.layer, hidden_states, ids, w, res)
+            # the engine applies the plan itself (DROP computes nothing, LOWBIT from its copies) with the
+            # gate weights formed here on the host in the model's dtype (the same values and roundings as
+            # on the device): no decision tensors on the device, no further device -> host read
+            w = torch.from_numpy(w_np).to(top_k_weights.dtype)  # [N, k] rank order, host
+            if scale is not None:  # a dropped miss's weight shared out over the computed experts
+                w = w * torch.from_numpy(scale).to(dtype=w.dtype)[:, None]
+            return ctx.executor(self.layer, hidden_states, torch.from_numpy(ids_np), w, res)
+        perm_d = torch.from_numpy(perm).to(top_k_index.device)
+        ids = torch.gather(top_k_index, 1, perm_d)  # [N, k] rank order
+        w = torch.gather(top_k_weights, 1, perm_d)  # [N, k]
+        if scale is not None:  # a dropped miss's weight shared out over the computed experts (outputs only)
+            w = w * torch.from_numpy(scale).to(device=w.device, dtype=w.dtype)[:, None]
         kind = torch.from_numpy(res.kind.astype(np.int64)).to(ids.device)
         served = torch.from_numpy(res.served.astype(np.int64)).to(ids.device)
         new_w = w.clone()
@@ -305,6 +311,15 @@ class PolicyExperts(nn.Module):
         if self.ctx.executor is not None:
             return self.ctx.executor(self.layer, hidden_states, ids, weights, decisions)
         return self.experts(hidden_states, ids, weights)
+
+
+def rank_order(ids: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """[N, k] permutation of the model's top-k `ids` [N, k] into rank order: descending score (`score` [N, E]),
+    ties lower id (a stable sort over the ids sorted ascending)."""
+    r = np.arange(len(ids))[:, None]  # [N, 1] (fancy indexing: take_along_axis costs ~10x more per call)
+    perm_id = np.argsort(ids, axis=1, kind="stable")  # [N, k]
+    sel = score[r, ids[r, perm_id]]  # [N, k] scores, ids ascending
+    return perm_id[r, np.argsort(-sel, axis=1, kind="stable")]
 
 
 def attach(model: nn.Module) -> Context:

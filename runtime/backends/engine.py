@@ -4,8 +4,8 @@
 - the host store (runtime/backends/hoststore.py): every MoE layer's expert weights on the host, one flat
   buffer per layer holding `gate_up [E, 2I, H]` and `down [E, H, I]` (CUDA: pinned in place), or the
   checkpoint's memory-mapped safetensors (pageable: copies block);
-- the slot pool (runtime/backends/slots.py): per MoE layer `C_l` device slots, slot `s` of layer `l`
-  holding the expert the kernel's own table says (`cache.slot_expert[l, s]`: the engine keeps no copy
+- the slot pool (runtime/backends/slots.py): per MoE layer `C_l` device slots, one tensor pair
+  `[C_l, 2I, H]` / `[C_l, H, I]` (a slot is a row), slot `s` of layer `l` holding the expert the kernel's own table says (`cache.slot_expert[l, s]`: the engine keeps no copy
   of the kernel's slot table or admission queue), a shared pool of staging buffers, the device ledger;
 - the copies (runtime/backends/copies.py): the CUDA copy streams (CPU device mode: a link thread), waits
   and stalls, the admission and prefetch copies in flight;
@@ -284,7 +284,7 @@ class Engine:
                 decode_s += self.clock() - t0
                 lg = torch.stack(rows).float()  # [W, V]
                 lp = torch.log_softmax(lg[:-1], dim=-1)
-                nll[a] = (-torch.gather(lp, 1, xd[0, 1:, None])[:, 0]).double().cpu().numpy()
+                nll[a] = (-torch.gather(lp, 1, xd[0, 1:, None])[:, 0]).cpu().numpy()  # float32 -> float64: exact
                 if keep_logits:
                     self.logits.append(lg.cpu())
         finally:

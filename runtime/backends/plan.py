@@ -10,8 +10,10 @@ order (docs/engine.md, "Per token and layer"):
       copies the kernel popped without admitting are released;
   (2) prefetch loads `prefetched (t, e, s)`, (3) FETCH (host -> slot `slot[t, j]`, synchronous);
   (3b) lookahead: the next layer's predicted experts start copying;
-  (4) device compute by kind, HIT / FETCH / SUB from slot `slot[t, j]`, LOWBIT from the expert's packed
-      low-bit copy; (5) HOST on the host CPU overlapping the device; DROP nothing;
+  (4) device compute: every HIT / FETCH / SUB of the token in ONE grouped call from the layer's slot
+      tensors (`grouped_experts`: gather rows `slot[t, j]` + batched matmul, summed over the ranks in rank
+      order), then LOWBIT from the expert's packed low-bit copy; (5) HOST on the host CPU overlapping the
+      device; DROP nothing;
   (6) the admissions `queued (t, e)` start copying into staging buffers in the background.
 
 With no plan (prefill, the exact reference) `stream_layer` computes the exact experts' output, streaming
@@ -43,6 +45,18 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, a
     """One expert on tokens x [n, H]: gate_up [2I, H], down [H, I] -> [n, H] (the HF fused layout's math)."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
     return F.linear(act(gate) * up, down)
+
+
+def grouped_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
+                    act) -> torch.Tensor:
+    """M expert calls in one: slot tensors gate_up [C, 2I, H] and down [C, H, I], inputs x [M, H], the slot of
+    each call rows [M] (int64, on the device) and its gate weight w [M] -> weighted outputs [M, H]. Gather
+    by slot index and batched matmul (the Hugging Face `batched_mm` experts' math): the same number of
+    operators whatever M is, and the same shapes for a given M (what a CUDA graph needs)."""
+    h = torch.bmm(gate_up.index_select(0, rows), x.unsqueeze(-1)).squeeze(-1)  # [M, 2I]
+    gate, up = h.chunk(2, dim=-1)  # [M, I] each
+    y = torch.bmm(down.index_select(0, rows), (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [M, H]
+    return y * w.to(y.dtype).unsqueeze(-1)
 
 
 class PlanRunner:
@@ -80,8 +94,10 @@ class PlanRunner:
         N, k = kind.shape
         cache = self.pool.cache
         t0 = int(cache.next_t[layer]) - N
-        out = torch.zeros_like(x)  # [N, H]
-        act = self.act[layer]
+        if w.device != self.device and self.cuda:  # host weights (the adapters' re-rank): pinned, async
+            w = w.pin_memory().to(self.device, non_blocking=True)
+        wd = w.to(self.device).reshape(-1)  # [N * k] gate weights on the device, rank order
+        outs: list[torch.Tensor | None] = []  # [N] of [1, H]
         pol = cache.policy
         adm, queued, d = plan.admitted, plan.queued, pol.admission_delay  # [n, 3] (t, e, s), [n, 2] (t, e)
         pref = getattr(plan, "prefetched", None)
@@ -90,10 +106,11 @@ class PlanRunner:
         ai = qi = pi = 0
         for i in range(N):
             t = t0 + i
-            hosts = [j for j in range(k) if kind[i, j] == HOST] if not self.null_compute else []
+            ki = kind[i]  # [k] this token's decisions
+            hosts = np.flatnonzero(ki == HOST) if not self.null_compute else np.zeros(0, np.int64)  # host ranks
             # (0) the activation of a host-computed token goes to the host first: nothing but this layer's
             # dense part (already finished: its routing was read) is queued ahead of it on the stream
-            xh = x[i : i + 1].to("cpu") if hosts else None
+            xh = x[i : i + 1].to("cpu") if len(hosts) else None
             # (1) admissions the kernel applied before token t, then the copies it popped and skipped
             while ai < len(adm) and adm[ai, 0] == t:
                 self._admit(layer, int(adm[ai, 1]), int(adm[ai, 2]))
@@ -104,32 +121,30 @@ class PlanRunner:
                 self._load_prefetched(layer, int(pref[pi, 1]), int(pref[pi, 2]))
                 pi += 1
             self._release_prefetch(layer)
-            for j in range(k):
-                if kind[i, j] == FETCH:
-                    self.fetch(layer, int(served[i, j]), int(slot[i, j]))
+            for j in np.flatnonzero(ki == FETCH):  # (host-side: one copy per missed expert)
+                self.fetch(layer, int(served[i, j]), int(slot[i, j]))
             # (3b) the next layer's lookahead copies start behind this layer's fetches
             if lookahead:
                 self._issue_prefetch(layer, t)
-            # (4) device compute, queued without waiting, in ascending expert id (the HF accumulation order):
-            # full precision from a slot, LOWBIT from the expert's packed low-bit copy
-            xi = x[i : i + 1]  # [1, H]
+            # (4) device compute, queued without waiting: every HIT / FETCH / SUB of the token in ONE grouped call
+            # from the layer's slot tensors (gather by slot index + batched matmul, summed over the k ranks
+            # in rank order: the Hugging Face batched_mm / grouped_mm order); LOWBIT from the expert's packed
+            # low-bit copy, added after it
+            xi = x if N == 1 else x[i : i + 1]  # [1, H]
+            oi = None
             if not self.null_compute:
-                for j in np.argsort(served[i], kind="stable"):
-                    kd = kind[i, j]
-                    if kd == DROP or kd == HOST:
-                        continue
-                    if kd == LOWBIT:
-                        out[i] += (self.lowbit_expert(layer, int(served[i, j]), xi) * w[i, j])[0]
-                        self.stats["lowbit_computes"] += 1
-                        continue
-                    buf = self.pool.slots[layer][slot[i, j]]
-                    out[i] += (expert_forward(xi, buf.gate_up, buf.down, act) * w[i, j])[0]
-                    self.stats["device_computes"] += 1
+                wi = wd if N == 1 else wd[i * k : (i + 1) * k]  # [k]
+                oi = self.device_compute(layer, xi, ki, slot[i], wi)  # [1, H]
+                low = np.flatnonzero(ki == LOWBIT)
+                for j in low[np.argsort(served[i, low], kind="stable")]:  # ascending expert id
+                    oi[0] += (self.lowbit_expert(layer, int(served[i, j]), xi) * wd[i * k + j])[0]
+                    self.stats["lowbit_computes"] += 1
             # (5) host compute runs on the CPU while the device works through (4); results go back async
-            for j in sorted(hosts, key=lambda j: served[i, j]):
+            for j in hosts[np.argsort(served[i, hosts], kind="stable")]:  # ascending expert id
                 y = self.host_expert(layer, int(served[i, j]), xh)
-                out[i] += (self.result_to_device(y) * w[i, j])[0]
+                oi[0] += (self.result_to_device(y) * wd[i * k + j])[0]
                 self.stats["host_computes"] += 1
+            outs.append(oi)
             # (6) the admissions queued at this token start copying in the background
             while qi < len(queued) and queued[qi, 0] == t:
                 e = int(queued[qi, 1])
@@ -142,7 +157,35 @@ class PlanRunner:
         self.events[layer].append(plan.events)
         if self.debug:
             self.pool.check(layer)
-        return out
+        if self.null_compute:
+            return torch.zeros_like(x)
+        return outs[0] if N == 1 else torch.cat(outs)  # [N, H]
+
+    def device_compute(self, layer: int, x: torch.Tensor, kind: np.ndarray, slot: np.ndarray,
+                       w: torch.Tensor) -> torch.Tensor:
+        """One token's device-computed experts (kind HIT / FETCH / SUB) in one grouped call: x [1, H], the
+        token's plan row kind / slot [k] (host), its gate weights w [k] on the device in rank order ->
+        [1, H], the weighted outputs summed over the k ranks in rank order (other kinds count 0)."""
+        k = len(kind)
+        pos = np.flatnonzero((kind != DROP) & (kind != HOST) & (kind != LOWBIT))  # [M] ranks computed here
+        M = len(pos)
+        self.stats["device_computes"] += M
+        if M == 0:
+            return torch.zeros_like(x)
+        idx = self.to_device(slot[pos] if M == k else np.concatenate([slot[pos], pos]))  # [M] or [2M]
+        rows, wm = (idx, w) if M == k else (idx[:M], w.index_select(0, idx[M:]))  # [M], [M]
+        y = grouped_experts(self.pool.gate_up[layer], self.pool.down[layer], x.expand(M, -1), rows, wm,
+                            self.act[layer])  # [M, H]
+        if M < k:  # the ranks not computed here count 0 (exact: adding 0 changes no sum)
+            y = y.new_zeros(k, y.shape[1]).index_copy_(0, idx[M:], y)
+        return y.sum(dim=0, keepdim=True)  # [1, H]
+
+    def to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Host int indices -> an int64 tensor on the device (CUDA: from pinned memory, without blocking)."""
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def fetch(self, layer: int, e: int, s: int, prefetch_load: bool = False) -> None:
         """Copy host -> slot s on the copy stream; the compute waits for it (CPU device mode: a plain copy)."""

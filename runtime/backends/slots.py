@@ -1,12 +1,15 @@
 """The device's expert memory: per MoE layer a pool of slots, a shared pool of staging buffers, and the
 ledger of the device bytes the engine holds.
 
-- Slot `s` of MoE layer `l` (`slots[l][s]`, an `ExpertBuf`) holds the expert the kernel's own table says
-  (`cache.slot_expert[l, s]`): the pool reads the bound `PolicyCache` and keeps no copy of its slot table.
+- The slots of MoE layer `l` are ONE tensor pair, `gate_up[l]` [C_l, 2I, H] and `down[l]` [C_l, H, I], so
+  that a layer's experts are computed in one grouped call (runtime/backends/plan.py, `grouped_experts`:
+  gather by slot index + batched matmul). Slot `s` (`slots[l][s]`, an `ExpertBuf` of views of row `s`)
+  holds the expert the kernel's own table says (`cache.slot_expert[l, s]`): the pool reads the bound
+  `PolicyCache` and keeps no copy of its slot table. Fetches copy host -> row.
 - Staging buffers, shared by all layers and allocated on demand (never returned to the allocator), take
   background admissions, lookahead prefetches and the exact path's streamed experts. A buffer whose copy
-  the kernel admits becomes the slot (`install`) and the slot's old buffer joins the staging pool: a
-  swap, not a second copy.
+  the kernel admits or loads is copied into the slot's row on the compute stream (`install`: a device ->
+  device copy, ordered after the row's last reader) and goes back to the staging pool.
 - CUDA: every buffer carries its own events (`ready` after its last copy, `done_reading` after its last
   queued reader; `freed` is the one the next writer's stream waits on), re-recorded, never new per copy.
 
@@ -35,8 +38,8 @@ class ExpertBuf:
     which the buffer's last reader (or writer) is done, that the next writer's stream waits on. The two
     events are the buffer's own, re-recorded (no new CUDA event per copy)."""
 
-    gate_up: torch.Tensor  # [2I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor  # [2I, H] (a slot: a view of row s of the layer's [C_l, 2I, H])
+    down: torch.Tensor  # [H, I] (a slot: a view of row s of the layer's [C_l, H, I])
     ready: object = None
     done_reading: object = None
     freed: object = None
@@ -54,7 +57,9 @@ class SlotPool:
         self.store, self.device, self.cuda = store, device, device.type == "cuda"
         self.dtype, self.H, self.I, self.expert_bytes = store.dtype, H, I, expert_bytes
         self.cache: PolicyCache | None = None
-        self.slots: list[list[ExpertBuf]] | None = None  # [L][C_l]
+        self.slots: list[list[ExpertBuf]] | None = None  # [L][C_l]: views of the rows below
+        self.gate_up: list[torch.Tensor] = []  # [L] of [C_l, 2I, H]
+        self.down: list[torch.Tensor] = []  # [L] of [C_l, H, I]
         self.free: list[ExpertBuf] = []  # staging buffers not in use
         self.n_staging = 0
         self.dev_bytes = self.peak_bytes = base_bytes
@@ -76,10 +81,14 @@ class SlotPool:
 
     # ------------------------------------------------------------------ buffers
 
-    def new_buf(self) -> ExpertBuf:
-        with torch.inference_mode(False):  # normal tensors: the link thread (not in inference mode) writes them
-            buf = ExpertBuf(torch.empty(2 * self.I, self.H, dtype=self.dtype, device=self.device),
-                            torch.empty(self.H, self.I, dtype=self.dtype, device=self.device))
+    def new_buf(self, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> ExpertBuf:
+        """A staging buffer (new tensors) or, given `gate_up` / `down` (views of a slot row), a slot's buffer;
+        both charged to the ledger and given their CUDA events."""
+        if gate_up is None:
+            with torch.inference_mode(False):  # normal tensors: the link thread (not in inference mode) writes them
+                gate_up = torch.empty(2 * self.I, self.H, dtype=self.dtype, device=self.device)
+                down = torch.empty(self.H, self.I, dtype=self.dtype, device=self.device)
+        buf = ExpertBuf(gate_up, down)
         if self.cuda:
             buf.ready, buf.done_reading = torch.cuda.Event(), torch.cuda.Event()
             # the caching allocator may hand out memory that the compute stream freed a moment ago and
@@ -123,8 +132,12 @@ class SlotPool:
         if self.slots is None or [len(s) for s in self.slots] != caps:
             if self.slots is not None:
                 self.refund(self.slot_bytes())
-            self.slots = None  # the old buffers go before the new ones are allocated
-            self.slots = [[self.new_buf() for _ in range(c)] for c in caps]
+            self.slots, self.gate_up, self.down = None, [], []  # the old rows go before the new ones are allocated
+            with torch.inference_mode(False):  # normal tensors and views (written outside inference mode too)
+                self.gate_up = [torch.empty(c, 2 * self.I, self.H, dtype=self.dtype, device=self.device) for c in caps]
+                self.down = [torch.empty(c, self.H, self.I, dtype=self.dtype, device=self.device) for c in caps]
+                self.slots = [[self.new_buf(gu[s], dn[s]) for s in range(len(gu))]
+                              for gu, dn in zip(self.gate_up, self.down, strict=True)]
         self.cache = cache
         for l_, row in enumerate(self.slots):
             for s in range(len(row)):
@@ -133,10 +146,13 @@ class SlotPool:
                     self.store.copy_into(l_, e, row[s])
 
     def install(self, layer: int, s: int, buf: ExpertBuf) -> None:
-        """`buf` (a landed copy) becomes slot s of `layer`; the slot's old buffer joins the staging pool."""
-        old = self.slots[layer][s]
-        self.slots[layer][s] = buf
-        self.give_staging(old)
+        """`buf` (a landed staging copy: the caller made the compute stream wait for it) is copied into slot s
+        of `layer` on the current stream, after the row's last reader queued there; `buf` goes back to the
+        staging pool once that copy has read it."""
+        row = self.slots[layer][s]
+        row.gate_up.copy_(buf.gate_up)
+        row.down.copy_(buf.down)
+        self.give_staging(buf)
 
     def resident_slot(self, layer: int, e: int) -> int:
         """The kernel's slot of expert e (its own table), -1 when not resident or nothing is bound."""

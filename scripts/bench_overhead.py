@@ -1,0 +1,183 @@
+"""The engine's per-layer overhead against the plain Hugging Face decode: aten ops and host time per token.
+
+    python scripts/bench_overhead.py [--k 2,8] [--experts 16] [--layers 4] [--hidden 64] [--threads 1]
+                                     [--clock thread|wall] [--device cpu] [--workdir DIR] [--out FILE.json]
+
+Per top-k (`--k`), a random Qwen3-MoE checkpoint (runtime/tools/tinyhf.py's config and tokenizer, hidden
+`--hidden`, `--experts` experts, `--layers` decoder layers, every one MoE, fp32) is decoded token by token
+with a KV cache, batch 1, from a fresh cache each run:
+- `plain`: the checkpoint through transformers itself (AutoModelForCausalLM, its default experts
+  implementation), no wrapper;
+- `engine`: runtime.backends.engine with fetch-every-miss and E - 1 of E experts resident (the first
+  E - 1 ids in every layer), the experts offloaded.
+Counted: the aten ops dispatched (a TorchDispatchMode counting every call) and the host time (best of
+`--repeats`; `--clock thread`, the default, is the main thread's CPU time, time.thread_time: with one
+intra-op thread all of both decodes runs on it, and it leaves out the turns other processes take on a
+shared host; `--clock wall`: perf_counter), each as the difference between a `--long`-token and a `--short`-token run divided by
+the token difference (so loading, the first token and set-up cancel), then per decoder layer (divided by
+`--layers`; embedding and LM head are shared out). Targets (issue 32): engine ops per token per layer at most
+1.2x the plain decode's, and the same at every k (no per-expert work); time per token at most the plain
+decode's. Prints one line per (k, mode) and writes the JSON to `--out`.
+The time is a host measurement beside whatever else runs on the machine: compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("bench_overhead")
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(d: Path, k: int, experts: int, layers: int, hidden: int, positions: int) -> Path:
+    """A random fp32 Qwen3-MoE checkpoint with tinyhf's tokenizer (built once per shape under `d`)."""
+    spec = {"k": k, "experts": experts, "layers": layers, "hidden": hidden, "positions": positions}
+    tag = d / "bench.json"
+    if tag.is_file() and json.loads(tag.read_text()) == spec:
+        return d
+    from transformers import AutoModelForCausalLM
+
+    from runtime.tools.tinyhf import build_tiny, tiny_config
+
+    build_tiny("qwen3_moe", d, num_experts=experts, top_k=k)  # the tokenizer; the model is replaced below
+    cfg = tiny_config("qwen3_moe", experts, k)
+    cfg.hidden_size, cfg.num_hidden_layers, cfg.max_position_embeddings = hidden, layers, positions
+    cfg.moe_intermediate_size, cfg.intermediate_size = hidden // 2, hidden * 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and p.shape[0] == experts:
+                p.normal_(0, 1.0)  # varied routing: misses happen
+    model.save_pretrained(d)
+    tag.write_text(json.dumps(spec))
+    return d
+
+
+def decode(model, tokens: torch.Tensor, forward_cached) -> None:
+    """Greedy-free decode: feed `tokens` [n] one by one with a KV cache (batch 1)."""
+    past = None
+    with torch.inference_mode():
+        for t in range(len(tokens)):
+            _, past = forward_cached(model, tokens[None, t : t + 1], past)
+
+
+def measure(run, short: int, long: int, repeats: int, clock=time.thread_time) -> dict:
+    """ops and seconds per token: (long run - short run) / (long - short); `run(n)` decodes n tokens afresh."""
+    ops = {}
+    for n in (short, long):
+        with CountOps() as c:
+            run(n)
+        ops[n] = c.n
+    secs = {}
+    for n in (short, long):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = clock()
+            run(n)
+            best = min(best, clock() - t0)
+        secs[n] = best
+    d = long - short
+    return {"ops_per_token": (ops[long] - ops[short]) / d, "s_per_token": (secs[long] - secs[short]) / d,
+            "ops": ops, "seconds": secs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--k", default="2,8", help="top-k values, comma-separated")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--short", type=int, default=64)
+    p.add_argument("--long", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", default="thread", choices=["thread", "wall"],
+                   help="thread: the main thread's CPU time (default); wall: perf_counter")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--workdir", default="/tmp/expertsweep-bench-overhead")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(a.threads)
+    from transformers import AutoModelForCausalLM
+
+    from runtime.backends.engine import forward_cached, load_engine
+    from runtime.core.kernel import PolicyCache
+    from runtime.core.policy import PRESETS
+
+    rng = np.random.default_rng(0)
+    tokens = torch.from_numpy(rng.integers(1, 90, size=a.long).astype(np.int64)).to(a.device)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = {"command": " ".join(["scripts/bench_overhead.py", *(argv if argv is not None else sys.argv[1:])]),
+           "commit": commit, "runtime": str(Path(__import__("runtime").__file__).parent), "torch": torch.__version__,
+           "threads": a.threads, "device": a.device, "clock": a.clock, "rows": []}
+    clock = time.thread_time if a.clock == "thread" else time.perf_counter
+    for k in [int(x) for x in a.k.split(",")]:
+        d = build(Path(a.workdir) / f"k{k}", k, a.experts, a.layers, a.hidden, a.long + 8)
+        plain = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(a.device).eval()
+        def run_plain(n: int, model=plain) -> None:
+            decode(model, tokens[:n], forward_cached)
+
+        eng = load_engine(d, device=a.device, dtype="fp32")
+        E, L = eng.E, eng.L
+        caps = np.full(L, E - 1)
+
+        def run_engine(n: int, eng=eng, caps=caps, E=E, L=L, k=k) -> None:
+            cache = PolicyCache(PRESETS["fetch-every-miss"], E, k, caps, [np.arange(E - 1)] * L)
+            eng.bind(cache)
+            eng.m.ctx.cache = cache
+            try:
+                decode(eng.m.model, tokens[:n], forward_cached)
+            finally:
+                eng.m.ctx.cache = None
+
+        run_plain(4)
+        run_engine(4)  # compiled / warmed before anything is counted
+        res = {"plain": measure(run_plain, a.short, a.long, a.repeats, clock),
+               "engine": measure(run_engine, a.short, a.long, a.repeats, clock)}
+        fetches = int(eng.stats["fetch_copies"])
+        eng.close()
+        for mode, r in res.items():
+            row = {"k": k, "mode": mode, "ops_per_token_per_layer": r["ops_per_token"] / a.layers,
+                   "us_per_token": r["s_per_token"] * 1e6, "us_per_token_per_layer": r["s_per_token"] * 1e6 / a.layers,
+                   "raw": r}
+            if mode == "engine":
+                row["fetches_last_run"] = fetches
+            out["rows"].append(row)
+            print(f"k={k} {mode:6s} ops/token/layer {row['ops_per_token_per_layer']:7.1f}  "
+                  f"host {row['us_per_token']:8.0f} us/token", flush=True)
+        pl, en = res["plain"], res["engine"]
+        print(f"k={k} engine/plain: ops {en['ops_per_token'] / pl['ops_per_token']:.2f}x, "
+              f"time {en['s_per_token'] / pl['s_per_token']:.2f}x", flush=True)
+    if a.out:
+        from runtime.core.errors import atomic_write
+
+        atomic_write(a.out, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=1)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
