@@ -75,6 +75,32 @@ REQUIRED_FILES = (
 _LATER_FIELDS = {"architecture": "qwen3_moe", "shared_expert_intermediate_size": 0}
 
 
+# 128 experts, top-8 (a 25% cache holds 32 = 4 x top-k), on code + English prose + verse;
+# ~12M parameters. Sized so that the build stays within ~30 minutes on a busy 2-core machine
+# (docs/tiny_models.md has the measured times).
+_MIX = TinySpec(
+    name="mix",
+    num_layers=4,
+    hidden_size=128,
+    intermediate_size=512,
+    moe_intermediate_size=64,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=8192,
+    seq_len=256,
+    batch_size=8,
+    steps=300,
+    warmup_steps=30,
+    lr=3e-3,
+    seed=0,
+    corpus="mix",
+    train_bytes=2_000_000,  # per domain
+    heldout_bytes=50_000,  # per domain and held-out split
+)
+
 SPECS: dict[str, TinySpec] = {
     # ~7M parameters (4 x 64 experts of 3 x 128 x 64), top-8: trained far enough (1,200 steps of 4 x 256 tokens) that its experts
     # differ, so every lossy policy costs perplexity, within a fresh `make pareto`'s 10 minutes; a weak load-balancing
@@ -119,57 +145,13 @@ SPECS: dict[str, TinySpec] = {
         lr=3e-3,
         seed=0,
     ),
-    # 128 experts, top-8 (a 25% cache holds 32 = 4 x top-k), on code + English prose + verse;
-    # ~12M parameters. Sized so that the build stays within ~30 minutes on a busy 2-core machine
-    # (docs/tiny_models.md has the measured times).
-    "mix": TinySpec(
-        name="mix",
-        num_layers=4,
-        hidden_size=128,
-        intermediate_size=512,
-        moe_intermediate_size=64,
-        num_experts=128,
-        num_experts_per_tok=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=8192,
-        seq_len=256,
-        batch_size=8,
-        steps=300,
-        warmup_steps=30,
-        lr=3e-3,
-        seed=0,
-        corpus="mix",
-        train_bytes=2_000_000,  # per domain
-        heldout_bytes=50_000,  # per domain and held-out split
-    ),
+    "mix": _MIX,
     # The findings' reference model in the paper's cache regime: 128 experts, top-4, so a 25% cache holds
     # 32 = 8 x top-k (Qwen3-Next-80B-A3B: 128 slots for top-10, 12.8 x top-k; E/k 32 against its 51.2), on the
     # mix corpus with the demo's weak load-balancing loss (0.001) so that the router specialises, trained about
     # one epoch (docs/tiny_models.md has what it costs and its regime beside the paper's).
-    "ref": TinySpec(
-        name="ref",
-        num_layers=4,
-        hidden_size=128,
-        intermediate_size=512,
-        moe_intermediate_size=64,
-        num_experts=128,
-        num_experts_per_tok=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=8192,
-        seq_len=256,
-        batch_size=8,
-        steps=800,
-        warmup_steps=50,
-        lr=3e-3,
-        seed=0,
-        router_aux_loss_coef=0.001,
-        corpus="mix",
-        train_bytes=2_000_000,  # per domain
-        heldout_bytes=50_000,  # per domain and held-out split
+    "ref": dataclasses.replace(
+        _MIX, name="ref", num_experts_per_tok=4, steps=800, warmup_steps=50, router_aux_loss_coef=0.001
     ),
     # Qwen3-Next's routing shape (48 MoE layers, 512 experts, top-10, a shared expert) at a tiny
     # hidden size, with random weights: for rehearsing every stage's cost at that shape, not for
