@@ -118,7 +118,8 @@ def checkpoint_digest(model_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _sha_file(path: Path) -> str:
+def sha_file(path: Path | str) -> str:
+    """SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -129,7 +130,7 @@ def _sha_file(path: Path) -> str:
 def trace_key(digest: str, text: Path, max_tokens: int | None, lookahead: int, dtype: str) -> str:
     """The cache key of a recorded trace: the checkpoint, the text's bytes and the recording parameters
     (max_memory_GiB is not one: a streamed recording equals the in-memory one, runtime/backends/stream.py)."""
-    parts = [str(RECORDER_VERSION), digest, _sha_file(text), str(max_tokens), str(lookahead), dtype]
+    parts = [str(RECORDER_VERSION), digest, sha_file(text), str(max_tokens), str(lookahead), dtype]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

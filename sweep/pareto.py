@@ -326,7 +326,9 @@ def _run(argv: list[str] | None) -> dict[str, Any]:
         profiles = hosts.resolve_profiles(cfg.hosts, inputs.model_dir, cfg.dtype, cfg.max_memory_GiB)
         fingerprint = _fingerprint(inputs, cfg, profiles)
         if args.resume:
-            _check_resume(out, state, fingerprint)
+            from sweep.remeasure import check_resume
+
+            check_resume(out, state, fingerprint)
         else:  # every check passed: only now does a new sweep replace an earlier one's state in --out
             _clear(out, STATE_FILES)
         _clear(out, REPORT_FILES)  # an answer is written only by a run that finishes
@@ -360,49 +362,16 @@ def _clear(out: Path, names: tuple[str, ...]) -> None:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
 
-def _sha(path: str | None) -> str | None:
-    import hashlib
-
-    if path is None:
-        return None
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
-
-
 def _fingerprint(inputs: data.Inputs, cfg: sweep_config.SweepConfig, profiles: dict[str, dict]) -> dict[str, Any]:
     """What every measurement of this sweep depends on beyond its own row's key: the trace and its
     calibration (content), the checkpoint digest, the texts, the warm start, the token budget and the
     simulated hosts' profiles (calibrated ones are measured again on a resume)."""
     simulated = {h.name for h in cfg.hosts if hosts.simulated(h)}
-    return {"trace_sha256": _sha(inputs.trace), "calib_trace_sha256": _sha(inputs.calib_trace),
+    sha = lambda p: None if p is None else data.sha_file(p)[:16]  # noqa: E731
+    return {"trace_sha256": sha(inputs.trace), "calib_trace_sha256": sha(inputs.calib_trace),
             "model_digest": inputs.digest, "text": inputs.text, "calib_text": inputs.calib_text,
             "warm_start": inputs.warm_start, "max_tokens": cfg.max_tokens,
             "profiles": {h: p for h, p in sorted(profiles.items()) if h in simulated}}
-
-
-def _check_resume(out: Path, state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
-    """A resume continues only what was measured under the same key: the sweep's fingerprint and every
-    emulation/engine row's own key (sweep/remeasure.py `check_rows`); else one line, nothing changed."""
-    from sweep.ledger import Ledger
-    from sweep.remeasure import check_rows
-
-    saved = state.get("fingerprint")
-    if saved is None:
-        raise InputError(f"--resume: {out / 'state.json'} has no fingerprint of its inputs (written by an earlier "
-                         f"version): start the sweep over without --resume, or in another --out")
-    for k, v in fingerprint.items():
-        if json.loads(json.dumps(saved.get(k), default=str)) != json.loads(json.dumps(v, default=str)):
-            shown = "changed" if k == "profiles" else f"{saved.get(k)!r} -> {v!r}"
-            raise InputError(f"--resume: {out / 'trials.jsonl'} was measured under another {k} ({shown}); start "
-                             f"the sweep over without --resume, or in another --out")
-    ledger = Ledger(out / "trials.jsonl")
-    try:
-        check_rows(ledger.rows, fingerprint.get("model_digest"), str(out / "trials.jsonl"))
-    finally:
-        ledger.close()
 
 
 def _check_inputs(cfg: sweep_config.SweepConfig, inputs: data.Inputs) -> sweep_config.SweepConfig:
@@ -541,23 +510,8 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
                                       placement=placement)
         ladder_stats["seconds"] = time.time() - t_ladder
         ladder_stats["screening"] = {"trials": session.new_rows, "seconds": sweep_s}
-        meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
-                "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
-                "gpus": gpus, "notes": notes + list(cfg.budget_notes), "warm_start": inputs.warm_start, "ladder": ladder_stats,
-                "budgets": cfg.ppl_budgets_pct}
-        rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
-        _log_report(tracker, rep, ledger.rows, host_names, gpus)
-        stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
-        stats["fit_window"] = fit_window
-        stats["ladder"] = ladder_stats
-        atomic_write(out / "stats.json", lambda tmp: Path(tmp).write_text(json.dumps(stats, indent=2)))
-        files = [p for p in rep["paths"].values() if Path(p).is_file()]
-        files += [out / f"pareto_{h}.parquet" for h in host_names]
-        tracker.log_artifacts([f for f in files if f.is_file()] + [out / "stats.json"])
-        hyp = rep["hypothesis"]
-        tracker.log_parent_metrics({**{f"front_size_{h}": len(rep["fronts"].get(h, [])) for h in host_names},
-                                    "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],
-                                    **({"mass_ppl_pearson_r": hyp["r"]} if hyp["r"] == hyp["r"] else {})})
+        rep, stats = _answer(cfg, inputs, out, uri, parent, gpus, notes, ladder_stats, session, ledger, tracker,
+                             (sweep_s, driver_cpu, fit_window))
         status = "FINISHED"
         _print(rep, host_names, gpus, out, stats, tracking.where_runs_are(uri, tracker.experiment_id))
         return {"out": out, "stats": stats, "report": rep, "parent_run_id": parent, "trace": inputs.trace}
@@ -571,20 +525,43 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
         ray.kill(files_actor)
 
 
-def _log_report(tracker: tracking.Tracker, rep: dict[str, Any], rows: list[dict], host_names: list[str],
-                gpus: dict[str, str]) -> None:
-    """The report into MLflow: a child run per front policy, the tables, the answer's parent metrics."""
-    tracker.log_children(report.policy_records(rows, rep["fronts"], host_names), gpus)
+def _answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str], notes: list[str],  # noqa: ANN001
+            ladder_stats: dict[str, Any], session, ledger, tracker: tracking.Tracker,  # noqa: ANN001
+            timing: tuple[float, float, list[float]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A finished sweep's report and stats.json written, and logged into MLflow (a child run per front policy,
+    the tables, the answer's parent metrics); (report, stats). timing: screening seconds, driver CPU seconds,
+    the fit window."""
+    import ray
+
+    sweep_s, driver_cpu, fit_window = timing
+    host_names = list(gpus)
+    meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
+            "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
+            "gpus": gpus, "notes": notes + list(cfg.budget_notes), "warm_start": inputs.warm_start, "ladder": ladder_stats,
+            "budgets": cfg.ppl_budgets_pct}
+    rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
+    tracker.log_children(report.policy_records(ledger.rows, rep["fronts"], host_names), gpus)
     tracker.log_table(rep["trials"], "tables/trials.json")
     for h, fr in rep["fronts"].items():
         tracker.log_table(fr, f"tables/front_{h}.json")
-    ans = rep["answer"]
     if not rep["policy_by_host"].empty:
         tracker.log_table(rep["policy_by_host"], "tables/policy_by_host.json")
-    if not ans.empty:
-        tracker.log_table(ans, "tables/answer.json")
-        tracker.log_parent_metrics(_answer_metrics(ans))
+    if not rep["answer"].empty:
+        tracker.log_table(rep["answer"], "tables/answer.json")
+        tracker.log_parent_metrics(_answer_metrics(rep["answer"]))
     tracker.flush()
+    stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
+    stats["fit_window"] = fit_window
+    stats["ladder"] = ladder_stats
+    atomic_write(out / "stats.json", lambda tmp: Path(tmp).write_text(json.dumps(stats, indent=2)))
+    files = [p for p in rep["paths"].values() if Path(p).is_file()]
+    files += [out / f"pareto_{h}.parquet" for h in host_names]
+    tracker.log_artifacts([f for f in files if f.is_file()] + [out / "stats.json"])
+    hyp = rep["hypothesis"]
+    tracker.log_parent_metrics({**{f"front_size_{h}": len(rep["fronts"].get(h, [])) for h in host_names},
+                                "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],
+                                **({"mass_ppl_pearson_r": hyp["r"]} if hyp["r"] == hyp["r"] else {})})
+    return rep, stats
 
 
 def _ladder(cfg, inputs, session, ledger, enabled: bool,  # noqa: ANN001

@@ -16,8 +16,10 @@ calibrated host (`host:NAME` resource, one GPU where its nodes have one): rows w
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from runtime.backends import COUNTER_NAMES
@@ -145,6 +147,27 @@ def check_rows(rows: list[dict[str, Any]], model_digest: str | None, where: str)
             raise InputError(f"--resume: {where}: row {r['key']} was measured on checkpoint digest "
                              f"{r.get('model_digest')}, this sweep's is {model_digest} (the model changed); "
                              f"start the sweep over without --resume, or in another --out")
+
+
+def check_resume(out: Path, state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    """A resume continues only what was measured under the same key: the sweep's fingerprint and every
+    emulation/engine row's own key (sweep/remeasure.py `check_rows`); else one line, nothing changed."""
+    from sweep.ledger import Ledger
+
+    saved = state.get("fingerprint")
+    if saved is None:
+        raise InputError(f"--resume: {out / 'state.json'} has no fingerprint of its inputs (written by an earlier "
+                         f"version): start the sweep over without --resume, or in another --out")
+    for k, v in fingerprint.items():
+        if json.loads(json.dumps(saved.get(k), default=str)) != json.loads(json.dumps(v, default=str)):
+            shown = "changed" if k == "profiles" else f"{saved.get(k)!r} -> {v!r}"
+            raise InputError(f"--resume: {out / 'trials.jsonl'} was measured under another {k} ({shown}); start "
+                             f"the sweep over without --resume, or in another --out")
+    ledger = Ledger(out / "trials.jsonl")
+    try:
+        check_rows(ledger.rows, fingerprint.get("model_digest"), str(out / "trials.jsonl"))
+    finally:
+        ledger.close()
 
 
 def _bar(total: int, desc: str):  # noqa: ANN202 - a tqdm bar

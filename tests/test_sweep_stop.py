@@ -153,17 +153,17 @@ def test_a_resume_refuses_rows_measured_under_another_key(tmp_path):
 
 def test_a_resume_refuses_a_sweep_whose_inputs_changed(tmp_path):
     from runtime.core.errors import InputError
-    from sweep import pareto
+    from sweep import remeasure
 
     fp = {"trace_sha256": "a", "model_digest": None, "max_tokens": 2048, "profiles": {"rtx3090": {"x": 1}}}
     (tmp_path / "trials.jsonl").write_text("")
-    pareto._check_resume(tmp_path, {"fingerprint": fp}, fp)
+    remeasure.check_resume(tmp_path, {"fingerprint": fp}, fp)
     for k, v, expect in (("trace_sha256", "b", "another trace_sha256 ('a' -> 'b')"),
                          ("profiles", {"rtx3090": {"x": 2}}, "another profiles (changed)")):
         with pytest.raises(InputError, match=expect.replace("(", r"\(").replace(")", r"\)")):
-            pareto._check_resume(tmp_path, {"fingerprint": fp}, {**fp, k: v})
+            remeasure.check_resume(tmp_path, {"fingerprint": fp}, {**fp, k: v})
     with pytest.raises(InputError, match="no fingerprint"):
-        pareto._check_resume(tmp_path, {}, fp)
+        remeasure.check_resume(tmp_path, {}, fp)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ vectorised minimum over the slots; under lfu with gamma 1 a hit moves its slot k
 Input contract (checked by runtime/formats/trace for files, true by construction in the adapters): a
 ranking row starts with the token's selection and holds distinct expert ids. Instead of a full ranking the
 adapters pass the router scores it sorts (descending, ties lower id); the substitute search then scans the
-resident slots for the best ones (`_best_resident`): the same decisions.
+resident slots for the best ones (search.py `best_resident`): the same decisions.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from runtime.core.kernel.plan import (
     Outputs,
     Tokens,
 )
+from runtime.core.kernel.search import best_resident, free_slot, victim, victim_int
 from runtime.core.kernel.state import Q_AGE, Q_HEAD, Q_LEN, Q_RES, Q_STAMP, layer_state
 from runtime.core.policy import FALLBACKS, RULES
 
@@ -123,69 +124,6 @@ def _prefetch(typingctx, arr, i, j):
     return types.void(arr, i, j), codegen
 
 
-@njit(cache=True)
-def _victim(slot_expert, p0, cap, key, pin, stamp):
-    """Slot of the resident with the smallest key (ties: lower id) whose pin != stamp among slots p0..cap-1
-    (slots 0..p0-1 hold the pinned hot set); -1 if none."""
-    best = -1
-    bk = 0.0
-    be = 0
-    for s in range(p0, cap):
-        if pin[s] == stamp:
-            continue
-        e = slot_expert[s]
-        kk = key[e]
-        if best < 0 or kk < bk or (kk == bk and e < be):
-            best = s
-            bk = kk
-            be = e
-    return best
-
-
-@njit(cache=True)
-def _victim_int(skey, p0, cap, sb):
-    """Integer keys: slot of the smallest slot key among slots p0..cap-1 (slots protected for the token hold
-    IMAX): one pass, as a slot key carries its slot in its low `sb` bits (evict.slot_key)."""
-    m = IMAX
-    if p0 == 0:
-        for s in range(cap):
-            v = skey[s]
-            m = v if v < m else m
-    else:
-        for s in range(p0, cap):
-            v = skey[s]
-            m = v if v < m else m
-    if m == IMAX:
-        return -1
-    return m & ((np.int64(1) << sb) - 1)
-
-
-@njit(cache=True, inline="always")
-def _best_resident(score_row, sel_mark, i, slot_expert, cap, nneed, subs):
-    """The first `nneed` entries of the full ranking's tail (every expert outside token i's selection,
-    those with `sel_mark[e] == i`, by descending score, ties lower id) that are resident, found without
-    sorting: one pass over the resident slots keeping the best `nneed` by (score desc, id asc).
-    Returns how many were found."""
-    nfound = 0
-    for s in range(cap):
-        e = slot_expert[s]
-        if e < 0 or sel_mark[e] == i:
-            continue
-        v = score_row[e]
-        pos = nfound  # insertion point in subs[:nfound], kept in rank order
-        while pos > 0 and (score_row[subs[pos - 1]] < v or (score_row[subs[pos - 1]] == v and subs[pos - 1] > e)):
-            pos -= 1
-        if pos >= nneed:
-            continue
-        last = min(nfound, nneed - 1)
-        for q in range(last, pos, -1):
-            subs[q] = subs[q - 1]
-        subs[pos] = e
-        if nfound < nneed:
-            nfound += 1
-    return nfound
-
-
 @njit(cache=True, inline="always")
 def _log(lg, n_logs, j, t, e, s):
     """Append (t, e[, s]) to the event log `lg` (log j of n_logs): counted even when the log is full."""
@@ -196,14 +134,6 @@ def _log(lg, n_logs, j, t, e, s):
         if lg.shape[1] > 2:
             lg[n, 2] = s
     n_logs[j] = n + 1
-
-
-@njit(cache=True)
-def _free_slot(slot_expert, cap):
-    for s in range(cap):
-        if slot_expert[s] < 0:
-            return s
-    return -1
 
 
 @njit(cache=True, inline="always")
@@ -290,15 +220,15 @@ def _build_run_layer(lean: bool):
             else -1. A closure, so numba inlines it at each call with the state arrays as they are."""
             v = -1
             if qstate[Q_RES] < cap:
-                s = _free_slot(slot_expert, cap)
+                s = free_slot(slot_expert, cap)
                 qstate[Q_RES] += 1
             else:
                 if fast:  # "int", or "int-gamma1" with gamma 1
-                    s = _victim_int(skey, p0, cap, sb)
+                    s = victim_int(skey, p0, cap, sb)
                 elif keys == KY_QUEUE:
                     s = ek.s3_victim(slot_expert, p0, cap, key, pin, stamp_, s3q, age_count, qstate)
                 elif keys == KY_FLOAT or keys == KY_INT_GAMMA1:  # (lfu with gamma < 1: float keys)
-                    s = _victim(slot_expert, p0, cap, key, pin, stamp_)
+                    s = victim(slot_expert, p0, cap, key, pin, stamp_)
                 else:  # unreachable: the import check gives every KEYS entry its branch
                     raise ValueError("run_layer: an eviction key storage without its victim search in claim")
                 if s >= 0:
@@ -539,7 +469,7 @@ def _build_run_layer(lean: bool):
             if smode:
                 for j in range(k):
                     sel_mark[ids[i, j]] = i
-                nfound = _best_resident(score[i], sel_mark, i, slot_expert, cap, nneed, subs)
+                nfound = best_resident(score[i], sel_mark, i, slot_expert, cap, nneed, subs)
             else:
                 m = k
                 while nfound < nneed and m < M:
