@@ -465,7 +465,12 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
     exp_dir = out / "tune"
     t0, cpu0 = time.time(), time.process_time()
     fit_window = [t0]
-    if args.resume and tune.Tuner.can_restore(str(exp_dir)):
+    # Tune's run state is restored only when Tune saved it (its experiment_state-*.json): a sweep stopped before
+    # that leaves tuner.pkl and a searcher state without the trials it had started, and Tune "restarts" with
+    # that searcher, which holds the baselines it suggested as done; the fresh start below takes the
+    # baselines and each host's spent budget from the ledger and the journals instead
+    if (args.resume and tune.Tuner.can_restore(str(exp_dir))
+            and any(exp_dir.glob("experiment_state-*.json"))):
         log.warning("resuming the sweep in %s", out)
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False, storage_filesystem=fs)
@@ -502,6 +507,11 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
         if STOP.signal is not None:
             session.refresh()
             raise Stopped(STOP.signal)
+        lost = sorted(f"{h}:baseline:{n}" for h in host_names for n in cfg.baseline_policies
+                      if f"{h}:baseline:{n}" not in ledger.keys)
+        if lost:  # never an answer without its baselines
+            raise InputError(f"{out / 'trials.jsonl'}: the sweep ended without baseline rows {lost}; run it again "
+                             f"with --resume")
         sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
         session.close_bars()
         session.refresh()
