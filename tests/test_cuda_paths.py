@@ -261,7 +261,7 @@ class TwoExperts(torch.nn.Module):
 
 
 def fake_runtime(monkeypatch, refuse: bool) -> FakeCudart:
-    from runtime.backends import hoststore
+    from runtime.backends.engine import store as hoststore
 
     rt = FakeCudart(refuse)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
@@ -272,13 +272,13 @@ def fake_runtime(monkeypatch, refuse: bool) -> FakeCudart:
 def test_a_refused_pin_falls_back_to_pageable_without_poisoning_the_next_launch(monkeypatch, caplog):
     """hoststore cleared the refusal with cudaGetLastError, which torch's binding does not export (the
     AttributeError was suppressed): the error stayed, and the next kernel launch failed with it."""
-    from runtime.backends import hoststore
+    from runtime.backends.engine import store as hoststore
 
     rt = fake_runtime(monkeypatch, refuse=True)
     torch.manual_seed(0)
     mods = [TwoExperts(), TwoExperts()]
     want = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for m in mods]
-    with caplog.at_level("WARNING", logger="runtime.backends.hoststore"):
+    with caplog.at_level("WARNING", logger="runtime.backends.engine.store"):
         store = hoststore.HostStore.from_experts(mods, torch.float32, pin=True)
     rt.launch()  # the program's next kernel launch: no error left over
     assert not store.pinned and rt.registered == []
@@ -290,7 +290,7 @@ def test_a_refused_pin_falls_back_to_pageable_without_poisoning_the_next_launch(
 
 
 def test_a_device_fault_during_the_fallback_is_not_hidden(monkeypatch):
-    from runtime.backends import hoststore
+    from runtime.backends.engine import store as hoststore
 
     rt = fake_runtime(monkeypatch, refuse=True)
 
@@ -308,7 +308,7 @@ def test_an_accepted_pin_registers_whole_pages_and_unregisters_them(monkeypatch)
     import gc
     import mmap
 
-    from runtime.backends import hoststore
+    from runtime.backends.engine import store as hoststore
 
     rt = fake_runtime(monkeypatch, refuse=False)
     store = hoststore.HostStore.from_experts([TwoExperts(), TwoExperts()], torch.float32, pin=True)

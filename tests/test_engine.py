@@ -18,7 +18,7 @@ import torch
 from runtime import cli
 from runtime.backends import emulate, get_backend
 from runtime.backends.engine import Engine, device_errors, engine_cli
-from runtime.backends.prefill import prefill
+from runtime.backends.engine.prefill import prefill
 from runtime.core.errors import InputError
 from runtime.core.kernel import FLOAT_COUNTERS, INT_COUNTERS, PolicyCache, warm_residency
 from runtime.core.policy import PRESETS, PolicyConfig
@@ -392,7 +392,7 @@ def test_pinned_store_buffers_own_their_pages():
     page-rounded registered range lies inside its own allocation."""
     import mmap
 
-    from runtime.backends.hoststore import page_aligned_empty
+    from runtime.backends.engine.store import page_aligned_empty
 
     for n, dt in ((1000, torch.float32), (12345, torch.bfloat16), (1, torch.float16)):
         t, nbytes = page_aligned_empty(n, dt)
@@ -419,7 +419,7 @@ def test_grouped_experts_equal_the_per_expert_loop_and_count_no_experts():
     """The grouped call equals the per-expert computation, and dispatches the same aten ops for 2 or 8 calls."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from runtime.backends.plan import expert_forward, grouped_experts
+    from runtime.backends.engine.plan import expert_forward, grouped_experts
 
     class Count(TorchDispatchMode):
         n = 0

@@ -178,8 +178,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                            "a model through it"),
     "runtime.backends.engine": ((SWEEP, TOOLS), "load_engine, Engine, cpu_threads, engine_cli: calibrate and "
                                                 "generate drive an engine; the sweep calibrates a host with one"),
-    "runtime.backends.plan": ((TOOLS,), "expert_forward: calibrate times one expert call"),
-    "runtime.backends.prefill": ((TOOLS,), "prefill: generate fills the cache from a prompt"),
+    "runtime.backends.engine.plan": ((TOOLS,), "expert_forward: calibrate times one expert call"),
+    "runtime.backends.engine.prefill": ((TOOLS,), "prefill: generate fills the cache from a prompt"),
     "runtime.backends.emulate": ((TOOLS,), "exact_pass, evaluate_group: the findings evaluate policies on text"),
     "runtime.backends.simulate": ((TOOLS,), "replay: the findings replay traces under many policies"),
     "runtime.backends.resolve": ((TOOLS,), "resolve, IdsSource: the findings size and warm their replays' caches as "

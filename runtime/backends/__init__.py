@@ -7,7 +7,7 @@ registry. Every backend drives the same policy kernel (runtime/core/kernel/) thr
 
 - `simulator` (runtime/backends/simulate.py): replays a router trace; time from the host cost model.
 - `emulation` (runtime/backends/emulate.py): exact teacher-forced perplexity of a checkpoint.
-- `engine` (runtime/backends/engine.py): the same evaluation decoded token by token by the offloading
+- `engine` (runtime/backends/engine/core.py): the same evaluation decoded token by token by the offloading
   engine (CPU device mode without a GPU); time measured.
 
 A backend honours the RunSpec fields whose row in the run-field table (runtime/core/spec.py) names it

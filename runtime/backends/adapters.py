@@ -125,7 +125,7 @@ class Context:
         self.last: list[dict | None] = [None] * num_layers  # last step's decisions per layer (tests)
         # per layer, the (kind, served, slot) [N, k] of every step in stream order, when recording
         self.decisions: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None
-        # engine hook (runtime/backends/plan.py, PlanRunner.run_experts): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
+        # engine hook (runtime/backends/engine/plan.py, PlanRunner.run_experts): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
         # decisions: StepResult | None) computes the experts instead of the Hugging Face module
         self.executor = None
         self.experts: list[PolicyExperts] = []  # the wrappers, in layer order

@@ -6,7 +6,7 @@
 with its cache, recorder and decision log), one lane after the other in memory and layer-major
 when streamed (each layer read once per pass); `run_stream` does it for whatever is attached;
 `record` records the router (ids, weights, ranking); `calibration_ids` gives the warm start.
-The emulation (runtime/backends/emulate.py), the engine (runtime/backends/engine.py), trace recording and
+The emulation (runtime/backends/emulate.py), the engine (runtime/backends/engine/core.py), trace recording and
 generation all build on this module; it imports none of them.
 """
 

@@ -13,7 +13,7 @@ checks it for every width). Codes are bit-packed by HQQ (8 bits: 1 per byte, 4: 
 Quantization always runs on the host in float32, whatever device the weights or the copy live on: HQQ's
 optimizer works in float16 when it is handed a CUDA device, which would give the engine on a GPU other
 codes than the emulation on the host. `quantize` returns the copy on the input's device; the engine
-quantizes each expert once per (bits, group) and keeps the host copies (runtime/backends/plan.py).
+quantizes each expert once per (bits, group) and keeps the host copies (runtime/backends/engine/plan.py).
 
 Why HQQ: it has every width the spec names (8, 4, 3, 2 bits, any group size) and a pure-torch path
 that runs the same on CPU and CUDA, and it installs beside torch 2.13.0 CPU without replacing it

@@ -2,7 +2,7 @@
 
 `python -m runtime.tools.calibrate --model DIR --out host.yaml [--device cpu|cuda] [--dtype auto|bf16|fp32] [--max-memory GIB]`
 
-Measured with the engine itself (runtime/backends/engine.py), at the model's shape and dtype, means of
+Measured with the engine itself (runtime/backends/engine/core.py), at the model's shape and dtype, means of
 `--repeats` runs (means, like the engine's time per token, so both see a shared host's average load):
 - link bandwidth host -> device for a large buffer, from pinned and from pageable host memory
   (CPU device mode: host -> host tensor copies; there is no pinned memory, both figures are plain
@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from runtime.backends.engine import Engine, cpu_threads, engine_cli, load_engine
+from runtime.backends.engine.plan import expert_forward
 from runtime.backends.hfmodel import add_model_flags
-from runtime.backends.plan import expert_forward
 from runtime.core.errors import ArgumentParser, InputError
 from runtime.core.kernel import PolicyCache
 from runtime.core.policy import PRESETS

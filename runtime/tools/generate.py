@@ -3,7 +3,7 @@
 `python -m runtime.tools.generate --model DIR --prompt TEXT|--prompts FILE --policy PRESET
  (--capacity-fraction F | --capacity C | --vram-budget GiB) --max-new-tokens N [--device cpu|cuda] [--json]`
 
-Each prompt is prefilled exactly (runtime/backends/prefill.py) and then N tokens are generated greedily,
+Each prompt is prefilled exactly (runtime/backends/engine/prefill.py) and then N tokens are generated greedily,
 once by the exact model (every selected expert streamed, no cache decisions) and once by the
 engine under the policy (batch 1, KV cache). Reported per prompt: the token agreement rate (the
 fraction of the N positions where both chose the same token), the first divergence position (0-based
@@ -28,7 +28,7 @@ import torch
 
 from runtime.backends import hfmodel
 from runtime.backends.engine import Engine, cpu_threads, engine_cli, load_engine
-from runtime.backends.prefill import prefill
+from runtime.backends.engine.prefill import prefill
 from runtime.core.errors import ArgumentParser, InputError, atomic_write
 from runtime.core.kernel import PolicyCache, warm_residency
 from runtime.core.policy import PRESETS, preset, resolve_capacities

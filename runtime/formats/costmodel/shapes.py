@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 #   q4_k_m : llama.cpp's Q4_K_M mix. Q4_K = 144-byte super-blocks of 256 weights (4.5 bpw),
 #            Q6_K = 210 bytes / 256 (6.5625 bpw); Q4_K_M stores ffn_down as Q6_K in half of
 #            the layers, gate/up as Q4_K: (2*4.5 + 0.5*6.5625 + 0.5*4.5) / 3 = 4.84 -> 4.85.
-#   fp16 / fp32: the engine's own dtypes (a shape derived from a loaded model, runtime/backends/engine.py).
+#   fp16 / fp32: the engine's own dtypes (a shape derived from a loaded model, runtime/backends/engine/core.py).
 BITS_PER_WEIGHT: dict[str, float] = {"bf16": 16.0, "q8_0": 8.5, "q4_k_m": 4.85, "fp16": 16.0, "fp32": 32.0}
 DTYPE_FORMATS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
                  "float16": "fp16"}

@@ -1,15 +1,15 @@
 """The offloading engine: the policy kernel's plan drives real expert copies and computes.
 
 `Engine` binds the parts, one module each (docs/engine.md):
-- the host store (runtime/backends/hoststore.py): every MoE layer's expert weights on the host, one flat
+- the host store (runtime/backends/engine/store.py): every MoE layer's expert weights on the host, one flat
   buffer per layer holding `gate_up [E, 2I, H]` and `down [E, H, I]` (CUDA: pinned in place), or the
   checkpoint's memory-mapped safetensors (pageable: copies block);
-- the slot pool (runtime/backends/slots.py): per MoE layer `C_l` device slots, one tensor pair
+- the slot pool (runtime/backends/engine/slots.py): per MoE layer `C_l` device slots, one tensor pair
   `[C_l, 2I, H]` / `[C_l, H, I]` (a slot is a row), slot `s` of layer `l` holding the expert the kernel's own table says (`cache.slot_expert[l, s]`: the engine keeps no copy
   of the kernel's slot table or admission queue), a shared pool of staging buffers, the device ledger;
-- the copies (runtime/backends/copies.py): the CUDA copy streams (CPU device mode: a link thread), waits
+- the copies (runtime/backends/engine/copies.py): the CUDA copy streams (CPU device mode: a link thread), waits
   and stalls, the admission and prefetch copies in flight;
-- applying the kernel's plan (runtime/backends/plan.py): per token in the kernel's order, admissions,
+- applying the kernel's plan (runtime/backends/engine/plan.py): per token in the kernel's order, admissions,
   prefetch loads, fetches, the compute by kind (device, host, low-bit), then the queued admissions'
   copies; with no plan, the exact streamed path `stream_layer` (prefill, the exact reference).
 The non-expert weights live on the device (`cuda`, or `cpu` in CPU device mode).
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.backends import adapters, hfmodel
-from runtime.backends.copies import Copies
-from runtime.backends.hoststore import build_host_store, page_aligned_empty
-from runtime.backends.plan import PlanRunner, expert_forward, stream_layer
-from runtime.backends.slots import SlotPool
+from runtime.backends.engine.copies import Copies
+from runtime.backends.engine.plan import PlanRunner, expert_forward, stream_layer
+from runtime.backends.engine.slots import SlotPool
+from runtime.backends.engine.store import build_host_store, page_aligned_empty
 from runtime.core.errors import InputError, cli_main
 from runtime.core.kernel import PolicyCache, warmup
 from runtime.core.policy import PolicyConfig

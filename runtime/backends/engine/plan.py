@@ -29,14 +29,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.backends.copies import Pending
+from runtime.backends.engine.copies import Pending
 from runtime.core.kernel import DROP, FETCH, HOST, LOWBIT, StepResult
 from runtime.core.policy import PolicyConfig
 
 if TYPE_CHECKING:
-    from runtime.backends.copies import Copies
-    from runtime.backends.hoststore import HostStore
-    from runtime.backends.slots import SlotPool
+    from runtime.backends.engine.copies import Copies
+    from runtime.backends.engine.slots import SlotPool
+    from runtime.backends.engine.store import HostStore
 
 log = logging.getLogger(__name__)
 

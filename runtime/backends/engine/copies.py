@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from runtime.backends.hoststore import HostStore
-    from runtime.backends.slots import ExpertBuf, SlotPool
+    from runtime.backends.engine.slots import ExpertBuf, SlotPool
+    from runtime.backends.engine.store import HostStore
 
 STALL_MIN_S = 5e-6  # CUDA: a shorter wait between two timing events is their own spacing, not a stall
 

@@ -2,7 +2,7 @@
 ledger of the device bytes the engine holds.
 
 - The slots of MoE layer `l` are ONE tensor pair, `gate_up[l]` [C_l, 2I, H] and `down[l]` [C_l, H, I], so
-  that a layer's experts are computed in one grouped call (runtime/backends/plan.py, `grouped_experts`:
+  that a layer's experts are computed in one grouped call (runtime/backends/engine/plan.py, `grouped_experts`:
   gather by slot index + batched matmul). Slot `s` (`slots[l][s]`, an `ExpertBuf` of views of row `s`)
   holds the expert the kernel's own table says (`cache.slot_expert[l, s]`): the pool reads the bound
   `PolicyCache` and keeps no copy of its slot table. Fetches copy host -> row.
@@ -13,8 +13,8 @@ ledger of the device bytes the engine holds.
 - CUDA: every buffer carries its own events (`ready` after its last copy, `done_reading` after its last
   queued reader; `freed` is the one the next writer's stream waits on), re-recorded, never new per copy.
 
-The copies into these buffers are runtime/backends/copies.py's; what goes where is the kernel's plan
-(runtime/backends/plan.py).
+The copies into these buffers are runtime/backends/engine/copies.py's; what goes where is the kernel's plan
+(runtime/backends/engine/plan.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from runtime.backends.hoststore import HostStore
+    from runtime.backends.engine.store import HostStore
     from runtime.core.kernel import PolicyCache
 
 

@@ -1,7 +1,7 @@
 """Prefill: run a prompt exactly through the engine in chunks, before decoding under a policy.
 
 With no policy cache attached, every MoE layer goes through the engine's exact streaming path
-(`runtime.backends.plan.stream_layer`: resident experts read their slots, the others stream host ->
+(`runtime.backends.engine.plan.stream_layer`: resident experts read their slots, the others stream host ->
 device through two staging buffers, the next copy overlapping the current compute), so the
 result equals the model's. The policy cache is not consulted or changed: after `prefill`
 decoding starts from the cache's (warm) state.

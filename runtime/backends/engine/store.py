@@ -8,7 +8,7 @@ Two layouts (docs/engine.md, "Host store"):
   per expert; pageable: CUDA copies from it block the host thread).
 
 `build_host_store` makes either from the loaded model's expert modules and empties those modules (the
-store holds the only copy); `HostStore.copy_into` fills a device buffer (runtime/backends/slots.py),
+store holds the only copy); `HostStore.copy_into` fills a device buffer (runtime/backends/engine/slots.py),
 `HostStore.weights` gives an expert's host tensors for host compute.
 """
 
@@ -162,7 +162,7 @@ class HostStore:
         return store
 
     def copy_into(self, layer: int, e: int, buf, non_blocking: bool = False) -> None:
-        """Expert e of `layer` into a device buffer `buf` (runtime/backends/slots.py's ExpertBuf: gate_up [2I, H],
+        """Expert e of `layer` into a device buffer `buf` (runtime/backends/engine/slots.py's ExpertBuf: gate_up [2I, H],
         down [H, I]) on the current stream."""
         if self.fused is not None:
             gu, d = self.fused[layer]
