@@ -52,12 +52,16 @@
 #   7 lowbit     the bench's 4-bit (hqq) row is there; else the line "low-bit step did not run" (a failure)
 #   8 generate   runtime.tools.generate: greedy agreement of quality-first with the exact model at the bench's
 #                budget (sized with the context this process measures, as the bench sized it)
+#   8b graphs    scripts/gpu_graphs_check.py on the bench's model: fetch-every-miss, quality-first, speed-first at
+#                25%, the decode step's segments replayed from CUDA graphs vs run eagerly (--no-cuda-graphs): NLL
+#                bit-identical, counters equal, the path really `cuda_graphs`; time per token of both (CPU
+#                mode: the eager segments vs the Hugging Face forward path, same decisions, logits 1e-4)
 #   9 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
 #  10 calibrate  runtime.tools.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
 #  11 engine-cpu (--cpu only: CPU-only work never spends device time) the engine in CPU device mode on every
 #                family (tests/test_engine.py::test_other_families...)
 #  12 bench-pageable  the bench, one round, host store in pageable memory (copies block the host): what is left
-# Steps 4, 6 and 7 write their JSON to $WORK (stream.json, fetch_exact.json, lowbit.txt); summary.md
+# Steps 4, 6, 7 and 8b write their JSON to $WORK (stream.json, fetch_exact.json, lowbit.txt, graphs.json); summary.md
 # carries their figures, so the 8 files above stay 8. stream and fetch-exact print one line per stage
 # (`[check +SECONDS] ...`: model written or loaded, each run started and finished with its seconds, each
 # comparison), so a cut says where.
@@ -67,8 +71,7 @@
 # $WORK, RESULTS_DIR): select it with them, or they fail saying what is missing.
 # A step past its limit gets SIGINT (pytest and Python flush what they have), then SIGKILL 10 s later.
 # The plan (the `step` lines at the end; docs/performance.md "GPU check plan"): on CUDA the limits of the
-# planned steps (kernel .. generate) add up to at most $GPU_CHECKS_BUDGET = 420 s less GRAPHS_RESERVE (40 s,
-# for the CUDA-graphs check added after the engine's rewrite) and 2 s a step of overhead, the most valuable
+# planned steps (kernel .. graphs) add up to at most $GPU_CHECKS_BUDGET = 420 s with 2 s a step of overhead, the most valuable
 # unverified checks first (stream and fetch-exact); exactness (verified on CUDA in the first run),
 # calibrate and bench-pageable run in what is left. The limits come from a --cpu rehearsal with an empty
 # NUMBA_CACHE_DIR, scaled for the device host's slower CPU, and the two CUDA runs' step times, with a
@@ -85,7 +88,7 @@ TINY=0
 RES=""
 RUN_STEP=""
 STEPS=""
-ALL_STEPS="kernel versions oom stream bench-pinned fetch-exact lowbit generate exactness calibrate engine-cpu bench-pageable"
+ALL_STEPS="kernel versions oom stream bench-pinned fetch-exact lowbit generate graphs exactness calibrate engine-cpu bench-pageable"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) MODE=cpu ;;
@@ -162,6 +165,7 @@ if [ "$MODE" = cpu ]; then
   ROUNDS=${GPU_CHECKS_ROUNDS:-1}
   STREAM=(--device cpu --hidden 64 --experts 8 --moe-intermediate 32 --top-k 2 --tokens 256)
   FE_TOKENS=64
+  GRAPH_TOKENS=16
 else
   BUDGET=${GPU_CHECKS_BUDGET:-420}
   SCALE=1
@@ -178,6 +182,7 @@ else
   # 4 layers of 32 experts (3 x 512 x 256), top-4, hidden 512: 16 MiB a layer in fp32
   STREAM=(--device cuda --hidden 512 --experts 32 --moe-intermediate 256 --top-k 4 --tokens 512)
   FE_TOKENS=128
+  GRAPH_TOKENS=64
 fi
 EXACT_K="not other_families and not gpu_checks_script"
 CPU_K="test_other_families_equal_emulation"
@@ -192,8 +197,6 @@ CPU_K=${GPU_CHECKS_CPU_K:-$CPU_K}
 START=$SECONDS
 status=0
 KERNEL_DONE=0
-GRAPHS_RESERVE=40  # seconds of the CUDA budget kept for issue 32's CUDA-graphs check (not written yet: until then
-                   # the steps that run in what is left get it)
 summary() { timeout 30 "$PY" scripts/gpu_summary.py "$RES" "$WORK" >>"$LOG" 2>&1 || true; }
 step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of this script under `timeout`
   local name=$1 limit=$(($2 * SCALE)) left t0 rc st
@@ -385,6 +388,12 @@ fetch_exact() {
 stream_check() {
   "$PY" scripts/gpu_exact_check.py stream "${STREAM[@]}" --work "$WORK/stream" --out "$WORK/stream.json"
 }
+graphs_check() {  # the captured segments against the eager ones on the bench's model (CPU mode: against hf_forward)
+  local cpu=()
+  [ "$MODE" = cpu ] && cpu=(--cpu)
+  "$PY" scripts/gpu_graphs_check.py --model "$WORK/bench/model" --device "$DEV" --dtype "${BENCH[3]}" ${cpu[@]+"${cpu[@]}"} \
+    --tokens "$GRAPH_TOKENS" --out "$WORK/graphs.json"
+}
 bench_pageable() {
   "$PY" scripts/bench_engine.py "${BENCH[@]}" --rounds 1 --pageable --out "$RES/bench_pageable.json"
 }
@@ -403,12 +412,12 @@ echo "$MODE" >"$WORK/mode"
 echo "engine checks, $MODE mode, budget ${BUDGET}s, results in $RES, scratch in $WORK${STEPS:+, steps:$STEPS}" | tee -a "$LOG"
 summary
 # The plan (docs/performance.md "GPU check plan"). CUDA: the limits of the planned steps (seconds; x SCALE in
-# CPU mode), GRAPHS_RESERVE and 2 s a step add up to at most the 420 s budget (tests/test_gpu_checks.py),
+# CPU mode) and 2 s a step add up to at most the 420 s budget (tests/test_gpu_checks.py),
 # the most valuable unverified checks first: the compiled kernel every step needs, the environment (the
 # carried wheels first), the streamed emulation and the race checks without debug syncs (neither had ever
 # completed on CUDA), with the bench before fetch-exact as it writes the model fetch-exact reads, then
-# lowbit and generate, which read the bench's results. The CUDA-graphs check (~40 s, GRAPHS_RESERVE; issue 32,
-# not written yet) goes after generate. What was verified on CUDA already (exactness: run 1) and the least valuable steps run
+# lowbit and generate, which read the bench's results, then the CUDA-graphs check (graphs on vs off on the
+# bench's model: the captured path's first verification). What was verified on CUDA already (exactness: run 1) and the least valuable steps run
 # only in what is left. engine-cpu is CPU-only work: it runs in the --cpu dry run here, never on the device.
 step kernel 55 kernel
 [ "$MODE" = cuda ] && { nvidia-smi >>"$LOG" 2>&1 || true; }
@@ -421,6 +430,7 @@ step bench-pinned 80 bench_pinned  # its figures are the run's purpose; it write
 step fetch-exact 45 fetch_exact
 step lowbit 4 lowbit_check
 step generate 30 generate
+step graphs 40 graphs_check  # CUDA graphs on vs off: NLL and counters identical; time per token of both
 # in what is left (the plan ends above):
 step exactness 40 exactness
 step calibrate 20 calibrate_step

@@ -7,7 +7,7 @@ WORK_DIR/steps.tsv (step, status, seconds, limit), RESULTS_DIR/versions.json (sc
 WORK_DIR/junit_*.xml (pytest), RESULTS_DIR/bench_pinned.json and bench_pageable.json
 (scripts/bench_engine.py), calibrate.json (runtime.tools.calibrate --json) and generate.json
 (runtime.tools.generate), and from WORK_DIR lowbit.txt, fetch_exact.json and stream.json
-(scripts/gpu_exact_check.py). Only the standard library: it must run whatever else is broken.
+(scripts/gpu_exact_check.py) and graphs.json (scripts/gpu_graphs_check.py). Only the standard library: it must run whatever else is broken.
 """
 
 from __future__ import annotations
@@ -166,6 +166,14 @@ def exact_checks(work: Path) -> list[str]:
                        f"of {rv['rows']} rows x layers x k (limit 99.9%)")
             out.append(f"- seconds per command: {st['seconds']}")
         out.append(f"- ok: {st.get('ok')}")
+    gr = load(work / "graphs.json")
+    if gr:
+        out.append(f"\n## CUDA graphs on vs off ({gr.get('device')}, {gr.get('tokens')} tokens, slots {gr.get('capacity')})\n")
+        for name, r in gr.get("policies", {}).items():
+            out.append(f"- {name}: {r['decode_path_on']} {r['time_per_token_us_on']:.1f} us/token vs "
+                       f"{r['decode_path_off']} {r['time_per_token_us_off']:.1f} ({r['speedup']:.2f}x); "
+                       + ("identical NLL and counters" if not r["problems"] else "DIFFERS: " + "; ".join(r["problems"])))
+        out.append(f"- ok: {gr.get('ok')}")
     return out
 
 

@@ -25,13 +25,19 @@ from runtime.formats.trace import save_trace, synthetic_pair
 
 # a command-line value per field kind, and what the parser must turn it into
 SAMPLE = {"str": ("x.y", "x.y"), "int": ("7", 7), "float": ("0.5", 0.5), "capacity": ("3,4", (3, 4)),
-          "memory": ("8", "8"), "host": ("x.y", "x.y")}
+          "memory": ("8", "8"), "host": ("x.y", "x.y"), "bool": (None, True)}  # bool: a switch, no value
+
+
+def given(flag: str, kind: str) -> list[str]:
+    """The flag with its sample value (a switch alone)."""
+    text = SAMPLE[kind][0]
+    return [flag] if text is None else [flag, text]
 # a RunSpec value per field that a backend may be asked for (valid for RunSpec, so only the backend objects)
 SPEC_VALUE = {"capacity": 4, "trace": "t.parquet", "model": "M", "text": "T", "max_tokens": 64, "window": 16,
               "batch_windows": 2, "initial_residency": "cold", "calib_text": "c.txt", "calib_max_tokens": 100,
               "host": "rtx3090", "model_shape": "s.yaml", "weight_format": "q8_0", "device": "cpu", "dtype": "bf16",
               "max_memory_GiB": 8.0, "host_store": "mmap", "substitute_weight": "own", "nll_out": "n.parquet",
-              "trace_out": "t2.parquet", "residency_out": "r.npy", "record_decisions": True}
+              "trace_out": "t2.parquet", "residency_out": "r.npy", "record_decisions": True, "no_cuda_graphs": True}
 # each CLI: its parser, the backends whose fields it takes, the arguments it needs besides the one tested
 CLIS = {"simulate": (simulate.build_parser, ("simulator",), ["--trace", "t.parquet", "--policy", "rule-0.15"]),
         "emulate": (cli.build_emulate_parser, ("emulation", "engine"),
@@ -65,13 +71,13 @@ def test_every_cli_accepts_every_flag_its_backend_honours(name):
             i = base.index(f.flag)
             argv = base[:i] + base[i + 2:]
         extra = [] if f.name in SIZE_FIELDS or name != "simulate" else ["--capacity", "4"]
-        a = p.parse_args(argv + extra + [f.flag, text])
+        a = p.parse_args(argv + extra + given(f.flag, f.kind))
         assert getattr(a, f.dest) == value, (name, f.flag)
     # and nothing it does not honour: a flag of another backend's field is a usage error
     for f in RUN_FIELDS:
         if f.flag and f.name not in honoured:
             with pytest.raises(InputError, match="unrecognized arguments"):
-                p.parse_args(base + ["--capacity", "4", f.flag, SAMPLE[f.kind][0]])
+                p.parse_args(base + ["--capacity", "4", *given(f.flag, f.kind)])
 
 
 @pytest.mark.parametrize("name", list(CLIS))

@@ -154,6 +154,8 @@ REFUSED = [
     ("emulation", dict(trace="t.parquet"), "--trace"),
     ("emulation", dict(model="M", text="T", host_store="mmap"), "--host-store"),
     ("emulation", dict(model="M", text="T", host="rtx3090"), "--host"),
+    ("emulation", dict(model="M", text="T", no_cuda_graphs=True), "--no-cuda-graphs"),
+    ("simulator", dict(trace="t.parquet", no_cuda_graphs=True), "--no-cuda-graphs"),
     ("engine", dict(model="M", text="T", trace_out="t.parquet"), "--trace-out"),
     ("engine", dict(model="M", text="T", weight_format="q8_0"), "--weight-format"),
 ]

@@ -447,13 +447,18 @@ def test_grouped_experts_equal_the_per_expert_loop_and_count_no_experts():
 
 def test_one_device_read_per_layer_and_no_float64_on_the_device(pair, monkeypatch):
     """Decoding under lookahead prefetch (whose lists once took a second read): per token and MoE layer one
-    `.cpu()` (the adapters' packed read), plus one per window (its NLL); no aten op makes a float64 tensor."""
+    read (the segmented step's `StepProgram.read` of the packed routing; the Hugging Face forward path: the
+    adapters' `.cpu()`), plus one `.cpu()` per window (its NLL); no aten op makes a float64 tensor."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from runtime.backends.engine import graphs
+
     me, eng = pair["e8"]
+    assert eng.no_segments_why is None  # qwen3_moe decodes as segments
     reads, f64 = [], []
-    cpu = torch.Tensor.cpu
+    cpu, read = torch.Tensor.cpu, graphs.StepProgram.read
     monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **kw: reads.append(t.shape) or cpu(t, *a, **kw))
+    monkeypatch.setattr(graphs.StepProgram, "read", lambda self, layer: reads.append(layer) or read(self, layer))
 
     class Dtypes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

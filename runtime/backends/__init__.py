@@ -27,7 +27,7 @@ from collections.abc import Callable
 from runtime.backends import simulate
 from runtime.core.errors import InputError
 from runtime.core.kernel import COUNTER_NAMES  # noqa: F401 - re-exported: the counters every Result reports
-from runtime.core.spec import FLAGS, GROUP_FIELDS, Result, RunSpec, honoured_by
+from runtime.core.spec import FLAGS, GROUP_FIELDS, Result, RunSpec, backend_options, honoured_by
 
 
 class Backend:
@@ -118,7 +118,7 @@ class EngineBackend(Backend):
         dev = engine.resolve_device(first.device)
         with engine.device_errors(), engine.cpu_threads(dev, 1):
             m = hfmodel.load(first.model, first.dtype, first.max_memory_GiB)
-            eng = engine.Engine(m, dev, host_store=first.host_store)
+            eng = engine.Engine(m, dev, **backend_options(first, self.name))  # host_store, no_cuda_graphs: the table's rows
             try:
                 res = emulate.evaluate_group(m, specs, runner=eng.teacher_forced, backend=self.name, progress=progress)
             finally:

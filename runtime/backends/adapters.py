@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from runtime.core.errors import InputError
-from runtime.core.kernel import DROP, LOWBIT, SUB, PolicyCache, drop_renorm_scale
+from runtime.core.kernel import DROP, LOWBIT, SUB, PolicyCache, StepResult, drop_renorm_scale
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,9 @@ class Context:
         # engine hook (runtime/backends/engine/plan.py, PlanRunner.run_experts): executor(layer, hidden [N, H], ids [N, k], weights [N, k],
         # decisions: StepResult | None) computes the experts instead of the Hugging Face module
         self.executor = None
+        # the engine's segmented decode step (runtime/backends/engine/graphs.py, StepProgram): when set, a MoE
+        # layer hands its packed routing to it and returns; the decision comes between two segments
+        self.step = None
         self.experts: list[PolicyExperts] = []  # the wrappers, in layer order
         # lookahead lists waiting for each layer's next steps, oldest first
         self.pending: list[deque[np.ndarray]] = [deque() for _ in range(num_layers)]
@@ -176,6 +179,19 @@ class RouterTap(nn.Module):
         return out
 
 
+@dataclass
+class Decision:
+    """One layer's host-side step (`PolicyExperts.decide`): the selection in rank order, its gate weights in
+    the model's dtype (drop_renorm applied), the kernel's plan, the model-order -> rank-order permutation
+    and the drop_renorm scale (None: no drop)."""
+
+    ids: np.ndarray  # [N, k] int32, rank order
+    weights: torch.Tensor  # [N, k] on the host, the model's dtype
+    res: StepResult
+    perm: np.ndarray  # [N, k]
+    scale: np.ndarray | None  # [N]
+
+
 class PolicyExperts(nn.Module):
     def __init__(self, experts: nn.Module, tap: RouterTap, layer: int, ctx: Context, fam: Family) -> None:
         super().__init__()
@@ -198,35 +214,62 @@ class PolicyExperts(nn.Module):
             return logits.float().sigmoid() + self.tap.router.e_score_correction_bias
         return logits.float()
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        ctx = self.ctx
-        if ctx.cache is None and ctx.recorder is None:
-            return self.compute(hidden_states, top_k_index, top_k_weights, None)
-        N, k = top_k_index.shape
+    def pack(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """What the host needs of this layer's routing, as ONE float32 device tensor [N, 2k + E + 1 (+ E')]:
+        the model's top-k ids and weights, the router scores, a finiteness flag per token (1: every logit
+        finite) and, with lookahead, the next layer's router scores. Exact in float32 for these ids, for
+        fp32 / bf16 / fp16 weights and for the float32 scores; no float64 on the device."""
+        N = top_k_index.shape[0]
         logits = self.tap.logits.reshape(N, -1)
         score = self.scores(logits)  # [N, E] float32
-        E = self.num_experts = score.shape[1]
+        self.num_experts = score.shape[1]
+        nxt = self.next_layer_scores() if self.lookahead_width() else None  # [N, E'] or None
+        parts = [top_k_index.float(), top_k_weights.detach().float(), score,
+                 torch.isfinite(logits).all(dim=1, keepdim=True).float()]
+        return torch.cat(parts if nxt is None else [*parts, nxt], 1)
+
+    def lookahead_width(self) -> int:
+        """P: how many of the next layer's experts the recorder or the policy's lookahead wants (0: none)."""
+        ctx = self.ctx
+        P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
+        pol = ctx.cache.policy if ctx.cache is not None else None
+        return max(P_rec, ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        ctx = self.ctx
+        if ctx.step is not None:
+            # the engine's segmented decode step (runtime/backends/engine/graphs.py): this segment ends here;
+            # the read, the decision and the experts come after it, the experts' output joins in the next
+            return ctx.step.routed(self.layer, hidden_states, self.pack(top_k_index, top_k_weights))
+        if ctx.cache is None and ctx.recorder is None:
+            return self.compute(hidden_states, top_k_index, top_k_weights, None)
+        # ONE device -> host read per layer (the kernel runs on the host)
+        k = top_k_index.shape[1]
+        d = self.decide(self.pack(top_k_index, top_k_weights).cpu().numpy(), k, top_k_weights.dtype)
+        if d is None:  # recording only
+            return self.compute(hidden_states, top_k_index, top_k_weights, None)
+        if ctx.executor is not None and ctx.substitute_weight == "missed":
+            # the engine applies the plan itself (DROP computes nothing, LOWBIT from its copies) with the
+            # gate weights formed on the host in the model's dtype (the same values and roundings as on
+            # the device): no decision tensors on the device, no further device -> host read
+            return ctx.executor(self.layer, hidden_states, torch.from_numpy(d.ids), d.weights, d.res)
+        return self.apply_on_device(hidden_states, top_k_index, top_k_weights, d)
+
+    def decide(self, packed: np.ndarray, k: int, dtype: torch.dtype) -> Decision | None:
+        """The host side of one layer's step from its packed routing [N, 2k + E + 1 (+ E')] (`pack`, k the top-k): the rank
+        order, the trace's ranking and the lookahead lists, the recording, the kernel's step. None when
+        only recording (no cache)."""
+        ctx = self.ctx
+        N = packed.shape[0]
+        E = self.num_experts
+        fin = packed[:, 2 * k + E]
+        if not (fin == 1).all():
+            raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token "
+                             f"{int(np.flatnonzero(fin != 1)[0])} of this batch")
         pol = ctx.cache.policy if ctx.cache is not None else None
         P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
         P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
         P = max(P_rec, P_pol)
-        nxt = self.next_layer_scores() if P else None  # [N, E'] or None
-        # ONE device -> host read per layer (the kernel runs on the host), in float32 (no float64 on the
-        # device; exact for these ids, for fp32 / bf16 / fp16 weights and for the float32 scores): the
-        # model's top-k ids and weights, the router scores, a finiteness flag per token (a row's sum is
-        # finite only if every entry is: inf, -inf and nan all propagate; a non-finite sum of finite
-        # entries, an overflow, is told apart below on the rare rows concerned) and, with lookahead, the
-        # next layer's router scores. The rank order, the trace's ranking and the lookahead lists are
-        # formed on the host from it.
-        parts = [top_k_index.float(), top_k_weights.detach().float(), score, logits.float().sum(dim=1, keepdim=True)]
-        packed = torch.cat(parts if nxt is None else [*parts, nxt], 1).cpu().numpy()  # [N, 2k + E + 1 (+ E')]
-        fin = packed[:, 2 * k + E]
-        if not np.isfinite(fin).all():
-            rows = np.flatnonzero(~np.isfinite(fin))
-            bad = rows[~torch.isfinite(logits[torch.from_numpy(rows).to(logits.device)]).all(dim=1).cpu().numpy()]
-            if len(bad):
-                raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token {int(bad[0])} "
-                                 f"of this batch")
         score_np = packed[:, 2 * k : 2 * k + E]  # [N, E] float32
         r = np.arange(N)[:, None]  # [N, 1] row index
         ids0 = packed[:, :k].astype(np.int64)  # [N, k] the model's order
@@ -235,7 +278,7 @@ class PolicyExperts(nn.Module):
         w_np = packed[:, k : 2 * k][r, perm]  # [N, k] float32
         look = None
         if P:  # [N, P]: the next layer's top P by score, ties lower id (-1 for the last layer)
-            look = (np.full((N, P), -1, np.int32) if nxt is None
+            look = (np.full((N, P), -1, np.int32) if self.layer + 1 >= ctx.num_layers
                     else np.argsort(-packed[:, 2 * k + E + 1 :], axis=1, kind="stable")[:, :P].astype(np.int32))
         rank_np = None
         if ctx.recorder is not None:
@@ -246,15 +289,14 @@ class PolicyExperts(nn.Module):
             rest[r, ids_np] = -np.inf
             others = np.argsort(-rest, axis=1, kind="stable")[:, : max(depth - k, 0)]
             rank_np = np.concatenate([ids_np, others.astype(np.int32)], 1)  # [N, M]
-        if ctx.recorder is not None:
-            r = ctx.recorder
-            r.ids[self.layer].append(ids_np)
-            r.weights[self.layer].append(w_np.astype(np.float32))
-            r.ranking[self.layer].append(rank_np[:, : r.depth])
+            rec = ctx.recorder
+            rec.ids[self.layer].append(ids_np)
+            rec.weights[self.layer].append(w_np.astype(np.float32))
+            rec.ranking[self.layer].append(rank_np[:, : rec.depth])
             if P_rec:
-                r.lookahead[self.layer].append(look[:, :P_rec])
+                rec.lookahead[self.layer].append(look[:, :P_rec])
         if ctx.cache is None:
-            return self.compute(hidden_states, top_k_index, top_k_weights, None)
+            return None
         predicted = None
         if pol.prefetch == "oracle" and self.layer > 0:
             predicted = ids_np  # this layer's own selection (the kernel keeps its first min(prefetch_n, k))
@@ -272,14 +314,18 @@ class PolicyExperts(nn.Module):
         if ctx.decisions is not None:
             ctx.decisions[self.layer].append((res.kind, res.served, res.slot))
         scale = drop_renorm_scale(res.kind, w_np) if pol.drop_renorm else None  # [N] or None (no drop)
-        if ctx.executor is not None and ctx.substitute_weight == "missed":
-            # the engine applies the plan itself (DROP computes nothing, LOWBIT from its copies) with the
-            # gate weights formed here on the host in the model's dtype (the same values and roundings as
-            # on the device): no decision tensors on the device, no further device -> host read
-            w = torch.from_numpy(w_np).to(top_k_weights.dtype)  # [N, k] rank order, host
-            if scale is not None:  # a dropped miss's weight shared out over the computed experts
-                w = w * torch.from_numpy(scale).to(dtype=w.dtype)[:, None]
-            return ctx.executor(self.layer, hidden_states, torch.from_numpy(ids_np), w, res)
+        w = torch.from_numpy(w_np).to(dtype)  # [N, k] rank order, host, in the model's dtype
+        if scale is not None:  # a dropped miss's weight shared out over the computed experts
+            w = w * torch.from_numpy(scale).to(dtype=w.dtype)[:, None]
+        return Decision(ids_np, w, res, perm, scale)
+
+    def apply_on_device(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        d: Decision) -> torch.Tensor:
+        """The emulation's experts under a decision: the Hugging Face module with the served experts and
+        weights (the low-bit copies for LOWBIT, the substitute's own weight with `substitute_weight` own)."""
+        ctx, res, perm, scale = self.ctx, d.res, d.perm, d.scale
+        pol = ctx.cache.policy
+        logits = self.tap.logits.reshape(top_k_index.shape[0], -1)
         perm_d = torch.from_numpy(perm).to(top_k_index.device)
         ids = torch.gather(top_k_index, 1, perm_d)  # [N, k] rank order
         w = torch.gather(top_k_weights, 1, perm_d)  # [N, k]

@@ -51,7 +51,7 @@ HELD_OUT = "held-out"
 HELD_OUT_FRACTION = 0.2  # the last 20% of the tokens calibrate a held-out warm start
 # the fields every spec of one evaluation group shares (one exact pass, one warm-start source)
 GROUP_FIELDS = ("model", "text", "max_tokens", "window", "batch_windows", "initial_residency", "calib_text",
-                "calib_max_tokens", "dtype", "max_memory_GiB", "device", "host_store", "nll_out")
+                "calib_max_tokens", "dtype", "max_memory_GiB", "device", "host_store", "no_cuda_graphs", "nll_out")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 SUBSTITUTE_WEIGHTS = ("missed", "own")
 HOST_STORES = ("ram", "mmap")
@@ -203,6 +203,9 @@ class RunSpec:
         kind="memory", metavar="GIB")
     host_store: str = _r("ram", "--host-store", "ram | mmap: where the engine's host expert store lives", ("engine",),
                          choices=HOST_STORES)
+    no_cuda_graphs: bool = _r(False, "--no-cuda-graphs", "engine: decode each step eagerly instead of replaying its "
+                              "captured CUDA graphs (debugging; the same segments and results; CPU device mode never "
+                              "captures)", ("engine",), kind="bool")
     substitute_weight: str = _r("missed", "--substitute-weight", "missed | own: apply a substitute with the missed expert's "
                                 "gate weight, or its own", ("emulation",), choices=SUBSTITUTE_WEIGHTS)
     nll_out: str | None = _r(None, "--nll-out", "write the per-token NLLs (Parquet)", _TEXT, output=True)
@@ -285,6 +288,12 @@ def honoured_by(backend: str) -> frozenset[str]:
     return frozenset(f.name for f in RUN_FIELDS if backend in f.backends)
 
 
+def backend_options(spec: RunSpec, backend: str) -> dict[str, Any]:
+    """The fields only `backend` honours, by name: its options (the engine's `host_store`, `no_cuda_graphs`),
+    passed to it as keyword arguments, so a new option is one row of the table and its use."""
+    return {f.name: getattr(spec, f.name) for f in RUN_FIELDS if f.backends == {backend}}
+
+
 def parse_capacity(text: str) -> int | tuple[int, ...]:
     """`--capacity`: one int for all layers (`C`) or a comma list, one per MoE layer (`C0,C1,...`)."""
     try:
@@ -328,9 +337,12 @@ def add_run_flags(p: argparse.ArgumentParser, backends: tuple[str, ...], *, only
         which = "" if f.backends >= set(backends) else f" [{', '.join(b for b in backends if b in f.backends)} only]"
         default = "" if f.default is None else f"; default {f.default}"
         note = f": {notes[f.name]}" if notes and f.name in notes else ""
-        (size if f.name in SIZE_FIELDS else run).add_argument(
-            f.flag, dest=f.dest, type=_conv(f), default=f.default, metavar=f.metavar,
-            help=(f.help + note + default + which).replace("%", "%%"))
+        grp = size if f.name in SIZE_FIELDS else run
+        text = (f.help + note + ("" if f.kind == "bool" else default) + which).replace("%", "%%")
+        if f.kind == "bool":  # a switch: given means True
+            grp.add_argument(f.flag, dest=f.dest, action="store_true", help=text)
+        else:
+            grp.add_argument(f.flag, dest=f.dest, type=_conv(f), default=f.default, metavar=f.metavar, help=text)
         names.append(f.name)
     return tuple(names)
 

@@ -22,8 +22,6 @@ runs one policy on given windows (capacities, warm residency) and can return the
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 import os
 import time
@@ -34,7 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.backends import adapters, hfmodel
+from runtime.backends.engine import graphs
 from runtime.backends.engine.copies import Copies
+from runtime.backends.engine.graphs import kv_cache_kwarg
 from runtime.backends.engine.plan import PlanRunner, expert_forward, stream_layer
 from runtime.backends.engine.slots import SlotPool
 from runtime.backends.engine.store import build_host_store, page_aligned_empty
@@ -78,11 +78,16 @@ class Engine:
     executor hook); `stats`, the run's copy / compute / stall counters, is shared by them."""
 
     def __init__(self, m: hfmodel.Loaded, device: str | torch.device | None = None, host_store: str = "ram",
-                 pinned: bool = True, debug: bool = False) -> None:
+                 pinned: bool = True, debug: bool = False, no_cuda_graphs: bool = False) -> None:
         self.m = m
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.cuda = self.device.type == "cuda"
         self.debug = debug
+        self.no_cuda_graphs = no_cuda_graphs
+        # None: teacher-forced decoding runs as segments around each MoE layer's decision (graphs.py), captured
+        # as CUDA graphs on CUDA unless no_cuda_graphs; else why the Hugging Face forward decodes instead
+        self.no_segments_why = graphs.capture_plan(m.model)
+        self.decode_path = ""  # what the last teacher-forced run used (the report's `decode_path`)
         experts = [mod.experts for mod in m.model.modules() if isinstance(mod, adapters.PolicyExperts)]
         for ex in experts:
             gu, d = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
@@ -270,16 +275,25 @@ class Engine:
         decode_s = 0.0
         m.ctx.cache = cache
         self.logits_to_host = False  # logits stay on the device until the window ends: no per-token sync
+        prog = None
         try:
+            if self.no_segments_why is None:  # built (and on CUDA captured) once per run: it reads this binding's slots
+                prog = graphs.StepProgram(m.model, m.ctx, self.runner, W, capture=self.cuda and not self.no_cuda_graphs)
+            self.decode_path = self._path_name(prog)
             for a in range(n):
                 x = torch.from_numpy(windows[a : a + 1])
                 xd = x.to(self.device)
                 rows, past = [], None
+                if prog is not None:
+                    prog.begin()
                 self.sync()
                 t0 = self.clock()
                 for t in range(W):
-                    out, past = forward_cached(m.model, xd[:, t : t + 1], past)
-                    rows.append(out.logits[0, -1])
+                    if prog is not None:
+                        rows.append(prog.step(xd[:, t : t + 1], t)[0].clone())
+                    else:
+                        out, past = forward_cached(m.model, xd[:, t : t + 1], past)
+                        rows.append(out.logits[0, -1])
                 self.sync()
                 decode_s += self.clock() - t0
                 lg = torch.stack(rows).float()  # [W, V]
@@ -289,9 +303,16 @@ class Engine:
                     self.logits.append(lg.cpu())
         finally:
             self.logits_to_host = True
-            m.ctx.cache = None
+            m.ctx.cache = m.ctx.step = None
             self.drain()
         return nll, self.run_report(decode_s, n * W)
+
+    def _path_name(self, prog: graphs.StepProgram | None) -> str:
+        """How teacher-forced decoding ran: `cuda_graphs` (segments captured), `segments` (the same segments
+        eagerly: CPU device mode, or no_cuda_graphs), or `hf_forward: why` (no capture plan)."""
+        if prog is None:
+            return f"hf_forward: {self.no_segments_why}"
+        return "cuda_graphs" if prog.graphs else "segments"
 
     def evaluate(self, windows: np.ndarray, policy, capacities=None, initial_residency=None, *,
                  record_decisions: bool = False, substitute_weight: str = "missed") -> dict:
@@ -330,7 +351,8 @@ class Engine:
 
     def report(self) -> dict:
         """Where things live and what the run since bind copied, computed and waited for."""
-        rep = {"device": str(self.device), "host_store": self.store.kind, "pinned": self.store.pinned,
+        rep = {"device": str(self.device), "decode_path": self.decode_path, "host_store": self.store.kind,
+               "pinned": self.store.pinned,
                "copies_block_host": self.copies_block_host, "host_store_bytes": int(self.store.nbytes()),
                "nonexpert_bytes": int(self.nonexpert_bytes), "expert_bytes": int(self.expert_bytes),
                "slot_bytes": int(self.pool.slot_bytes()), "staging_buffers": self.pool.n_staging, **self.stats}
@@ -358,13 +380,6 @@ def cuda_context_bytes(device: torch.device, warm=None) -> int:
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     return int(total - free - torch.cuda.memory_reserved(device))
-
-
-@functools.cache
-def kv_cache_kwarg(cls: type) -> str:
-    """The name a model class's forward gives its KV cache argument (and its output's field):
-    transformers >= 5.2x `cache`, earlier 5.x `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def forward_cached(model: nn.Module, input_ids: torch.Tensor, past=None):

@@ -23,6 +23,7 @@ the non-resident ones through two staging buffers.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,6 +60,36 @@ def grouped_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, 
     return y * w.to(y.dtype).unsqueeze(-1)
 
 
+@dataclass
+class Staged:
+    """One MoE layer's plan for the next segment: `plan` [3, k] float32 on the host (pinned on CUDA), written
+    by PlanRunner.apply; `extra` [1, H] on the device, the host and low-bit experts' output (`used`: written
+    this step, else zero)."""
+
+    plan: torch.Tensor
+    extra: torch.Tensor
+    used: bool = False
+
+    def begin(self) -> None:
+        if self.used:
+            self.extra.zero_()
+            self.used = False
+
+    def stage(self, kind_row: np.ndarray, slot_row: np.ndarray, w_row: torch.Tensor, computed: np.ndarray) -> int:
+        """Write one token's plan row: slots and gate weights of the ranks computed on the device (`computed`
+        [k] bool), slot 0 and weight 0 elsewhere; returns how many ranks are computed here."""
+        p = self.plan.numpy()  # [3, k] view
+        p[0] = np.where(computed, slot_row, 0)
+        p[1] = np.where(computed, w_row.float().numpy(), 0.0)
+        p[2] = computed
+        return int(computed.sum())
+
+
+def on_device(kind: np.ndarray) -> np.ndarray:
+    """Which decisions are computed from a device slot (HIT, FETCH, SUB): bool, `kind`'s shape."""
+    return (kind != DROP) & (kind != HOST) & (kind != LOWBIT)
+
+
 class PlanRunner:
     """The experts' part of one engine: the kernel's plan applied to `pool`'s slots with `copies`, host
     compute from `store`, the low-bit copies. `act[l]`: MoE layer l's activation; `ctx`: the adapters'
@@ -88,15 +119,22 @@ class PlanRunner:
 
     # ------------------------------------------------------------------ the plan
 
-    def apply(self, layer: int, x: torch.Tensor, w: torch.Tensor, plan: StepResult) -> torch.Tensor:
-        """The kernel's plan for N tokens of `layer`: x [N, H], gate weights w [N, k] -> [N, H]."""
+    def apply(self, layer: int, x: torch.Tensor, w: torch.Tensor, plan: StepResult,
+              staged: Staged | None = None) -> torch.Tensor | None:
+        """The kernel's plan for N tokens of `layer`: x [N, H], gate weights w [N, k] -> [N, H]. With `staged`
+        (the segmented decode step, runtime/backends/engine/graphs.py; N = 1) step (4)'s grouped call is
+        left to the next segment: the token's plan row goes into `staged.plan`, the host and low-bit
+        experts' output into `staged.extra`, and nothing is returned."""
         kind, served, slot = plan.kind, plan.served, plan.slot  # [N, k]
         N, k = kind.shape
         cache = self.pool.cache
         t0 = int(cache.next_t[layer]) - N
-        if w.device != self.device and self.cuda:  # host weights (the adapters' re-rank): pinned, async
-            w = w.pin_memory().to(self.device, non_blocking=True)
-        wd = w.to(self.device).reshape(-1)  # [N * k] gate weights on the device, rank order
+        w_host = w
+        fallback = bool(((kind == HOST) | (kind == LOWBIT)).any())
+        if staged is None or fallback:
+            if w.device != self.device and self.cuda:  # host weights (the adapters' re-rank): pinned, async
+                w = w.pin_memory().to(self.device, non_blocking=True)
+            wd = w.to(self.device).reshape(-1)  # [N * k] gate weights on the device, rank order
         outs: list[torch.Tensor | None] = []  # [N] of [1, H]
         pol = cache.policy
         adm, queued, d = plan.admitted, plan.queued, pol.admission_delay  # [n, 3] (t, e, s), [n, 2] (t, e)
@@ -132,9 +170,14 @@ class PlanRunner:
             # low-bit copy, added after it
             xi = x if N == 1 else x[i : i + 1]  # [1, H]
             oi = None
-            if not self.null_compute:
+            if staged is not None:  # the grouped call runs in the next segment, from this plan row
+                self.stats["device_computes"] += staged.stage(ki, slot[i], w_host[i], on_device(ki))
+                oi = staged.extra
+                staged.used = fallback
+            if not self.null_compute and staged is None:
                 wi = wd if N == 1 else wd[i * k : (i + 1) * k]  # [k]
                 oi = self.device_compute(layer, xi, ki, slot[i], wi)  # [1, H]
+            if not self.null_compute:
                 low = np.flatnonzero(ki == LOWBIT)
                 for j in low[np.argsort(served[i, low], kind="stable")]:  # ascending expert id
                     oi[0] += (self.lowbit_expert(layer, int(served[i, j]), xi) * wd[i * k + j])[0]
@@ -157,6 +200,8 @@ class PlanRunner:
         self.events[layer].append(plan.events)
         if self.debug:
             self.pool.check(layer)
+        if staged is not None:
+            return None
         if self.null_compute:
             return torch.zeros_like(x)
         return outs[0] if N == 1 else torch.cat(outs)  # [N, H]
@@ -167,7 +212,7 @@ class PlanRunner:
         token's plan row kind / slot [k] (host), its gate weights w [k] on the device in rank order ->
         [1, H], the weighted outputs summed over the k ranks in rank order (other kinds count 0)."""
         k = len(kind)
-        pos = np.flatnonzero((kind != DROP) & (kind != HOST) & (kind != LOWBIT))  # [M] ranks computed here
+        pos = np.flatnonzero(on_device(kind))  # [M] ranks computed here
         M = len(pos)
         self.stats["device_computes"] += M
         if M == 0:

@@ -1,0 +1,259 @@
+"""The decode step as segments around each MoE layer's host decision; on CUDA each segment one CUDA graph.
+
+One decode step of batch 1 (teacher-forced evaluation, the engine's measured path) runs as S + 1
+segments for S MoE layers, cut where the policy kernel decides on the host:
+
+  segment 0:  embed, rotary, decoder layers up to MoE layer 0's router -> packed routing of layer 0
+  host:       read layer 0's routing (one float32 read), the kernel's step, the copies it issues
+  segment l:  MoE layer l-1's experts (ONE grouped call from the slot tensors, `grouped_masked`) and
+              residual, the decoder layers up to MoE layer l's router -> packed routing of layer l
+  ...
+  segment S:  MoE layer S-1's experts and residual, the rest, final norm, lm_head -> logits
+
+Each segment reads and writes only static tensors: the token and position, the attention mask, a
+static KV cache (transformers' `StaticCache`, reset per window), the hidden state between segments,
+per MoE layer its input, its packed routing and its plan row `[3, k]` float32 (slot, gate weight,
+computed-on-device flag per rank: the host writes it, one host -> device copy) and the host or
+low-bit experts' output (`extra`, zero unless the plan computed some). So on CUDA each segment is
+captured once per binding (`torch.cuda.CUDAGraph`, one memory pool) and replayed; eagerly it is the
+same code, which is what CPU device mode and `no_cuda_graphs` run. Inside a decoder layer the MoE
+block's routed experts return zeros (the adapters hand the routing to `StepProgram.routed`); their
+output joins the residual in the next segment: `h + (experts + extra)`, which for a block without
+shared experts is the model's own sum, bit for bit (adding 0 changes nothing).
+
+A family has a capture plan when every decoder layer's attention is full or sliding-window causal
+(`capture_plan`): qwen3_next's linear-attention layers keep their own recurrent cache, so that
+family decodes through the Hugging Face forward (`Engine.teacher_forced` says which path ran).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.backends.engine.plan import Staged, grouped_experts
+
+log = logging.getLogger(__name__)
+
+MASK_KINDS = ("full_attention", "sliding_attention")
+
+
+@functools.cache
+def kv_cache_kwarg(cls: type) -> str:
+    """The name a model class's forward gives its KV cache argument (and its output's field):
+    transformers >= 5.2x `cache`, earlier 5.x `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def grouped_masked(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, plan: torch.Tensor, act,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """A token's device-computed experts in one grouped call of fixed shape: x [1, H], plan [3, k] float32 on
+    the device (slot, gate weight in `dtype`'s values, 1 where the rank is computed here) -> [1, H], the
+    weighted outputs summed over the k ranks in rank order, the other ranks counting 0 (`torch.where`: a
+    rank not computed here may read an empty slot; its value never enters the sum). Equal, bit for bit,
+    to PlanRunner.device_compute's sum of the computed ranks."""
+    k = plan.shape[1]
+    y = grouped_experts(gate_up, down, x.expand(k, -1), plan[0].long(), plan[1].to(dtype), act)  # [k, H]
+    return torch.where(plan[2, :, None] > 0, y, 0).sum(dim=0, keepdim=True)  # [1, H]
+
+
+def mask_kind(config, i: int) -> str:
+    """The attention mask decoder layer i takes: the config's `layer_types[i]`, else sliding-window causal when
+    the config sets `sliding_window` (the Qwen3-MoE / Mixtral models' own rule), else full causal."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return types[i]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def capture_plan(model: nn.Module) -> str | None:
+    """None when `model` (a causal LM with `.model.layers`) decodes as segments; else why not (one line)."""
+    base = getattr(model, "model", None)
+    need = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, a) for a in need) or not hasattr(model, "lm_head"):
+        return f"model_type {model.config.model_type!r}: no embed / layers / norm / rotary / lm_head to run as segments"
+    kinds = {mask_kind(model.config, i) for i in range(len(base.layers))}
+    if not kinds <= set(MASK_KINDS):
+        return (f"model_type {model.config.model_type!r}: layer types {sorted(kinds - set(MASK_KINDS))} have no static "
+                "KV cache (linear attention keeps a recurrent state)")
+    return None
+
+
+class StepProgram:
+    """The segmented decode step of one engine binding (see the module doc). `runner`: the engine's
+    PlanRunner (its pool's slot tensors are read by the segments, so a new binding builds a new program);
+    `W`: the longest window (the static cache's length); `capture`: record each segment as a CUDA graph."""
+
+    def __init__(self, model: nn.Module, ctx, runner, W: int, capture: bool) -> None:
+        from transformers import StaticCache
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        self.model, self.base, self.ctx, self.runner, self.W = model, model.model, ctx, runner, int(W)
+        self.device, self.cuda, self.dtype = runner.device, runner.cuda, runner.dtype
+        cfg = model.config
+        self.layers = list(self.base.layers)
+        self.S = len(ctx.experts)
+        self.k = int(cfg.num_experts_per_tok)
+        H = int(cfg.hidden_size)
+        # the decoder layer holding each MoE layer's experts, and the segments' decoder-layer ranges
+        owner = []
+        for pe in ctx.experts:
+            owner.append(next(i for i, lay in enumerate(self.layers) if any(m is pe for m in lay.modules())))
+        bounds = [0, *[o + 1 for o in owner], len(self.layers)]
+        self.ranges = [(bounds[j], bounds[j + 1]) for j in range(self.S + 1)]  # segment j: decoder layers [a, b)
+        self.kinds = [mask_kind(cfg, i) for i in range(len(self.layers))]
+        self.cache_kw = kv_cache_kwarg(type(self.layers[0]))
+        dev = self.device
+        self.cache = StaticCache(config=cfg, max_cache_len=self.W)
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.h = torch.zeros(1, 1, H, dtype=self.dtype, device=dev)  # the hidden state between segments
+        self.x = [torch.zeros(1, H, dtype=self.dtype, device=dev) for _ in range(self.S)]  # MoE inputs
+        self.packed: list[torch.Tensor | None] = [None] * self.S  # [1, P_l] float32, sized by the first call
+        self.packed_host: list[torch.Tensor | None] = [None] * self.S
+        host_plans = torch.zeros(self.S, 3, self.k, dtype=torch.float32, pin_memory=self.cuda)
+        self.staged = [Staged(host_plans[l_], torch.zeros(1, H, dtype=self.dtype, device=dev)) for l_ in range(self.S)]
+        self.plan_dev = [p.plan.to(dev) if self.cuda else p.plan for p in self.staged]  # [3, k] each
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of this position
+        self.logits: torch.Tensor | None = None  # [1, V]
+        self.events = [torch.cuda.Event() for _ in range(self.S)] if self.cuda else []
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.masks: dict[str, torch.Tensor | None] = {}
+        self.mask_table: dict[str, torch.Tensor | None] = {}
+        # one eager pass (no decisions: every rank's flag is 0) sizes the buffers and initialises the cache
+        ctx.step = self  # the adapters hand each MoE layer's routing to `routed` (the engine unsets it after the run)
+        self.begin()
+        self._run_segments()
+        self._build_masks(create_causal_mask, create_sliding_window_causal_mask, H)
+        if capture:
+            self._capture()
+        self.begin()
+
+    def _build_masks(self, full, sliding, H: int) -> None:
+        """The attention mask of every position 0..W-1 and mask kind, from the model's own mask functions:
+        they read how many tokens the cache holds, so the cache is filled one position at a time (zeros,
+        through `Cache.update`) and emptied after."""
+        fns = {"full_attention": full, "sliding_attention": sliding}
+        cfg, dev = self.model.config, self.device
+        emb = torch.zeros(1, 1, H, dtype=self.dtype, device=dev)
+        kv = [(torch.zeros_like(lay.keys[:, :, :1]), torch.zeros_like(lay.values[:, :, :1])) for lay in self.cache.layers]
+        rows: dict[str, list] = {kind: [] for kind in set(self.kinds)}
+        self.begin()
+        for t in range(self.W):
+            for kind in rows:
+                rows[kind].append(fns[kind](config=cfg, inputs_embeds=emb, attention_mask=None, cache=self.cache,
+                                            position_ids=torch.tensor([[t]], device=dev)))
+            for i, (k_, v_) in enumerate(kv):
+                self.cache.update(k_, v_, i)
+        for kind, r in rows.items():
+            self.mask_table[kind] = None if r[0] is None else torch.stack(r)  # [W, ...]
+            self.masks[kind] = None if r[0] is None else r[0].clone()
+        self.begin()
+
+    # ------------------------------------------------------------------ the parts
+
+    def routed(self, layer: int, hidden: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """The adapters' hook inside a segment: keep MoE layer `layer`'s input [1, H] and packed routing; its
+        routed experts contribute 0 here (they join in the next segment)."""
+        self.x[layer].copy_(hidden)
+        if self.packed[layer] is None:
+            self.packed[layer] = torch.empty_like(packed)
+            self.packed_host[layer] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=self.cuda)
+        self.packed[layer].copy_(packed)
+        return torch.zeros_like(hidden)
+
+    def _segment(self, j: int) -> None:
+        base = self.base
+        if j == 0:
+            h = base.embed_tokens(self.tok)  # [1, 1, H]
+            cos, sin = base.rotary_emb(h, self.pos)
+            if self.rope is None:
+                self.rope = (torch.empty_like(cos), torch.empty_like(sin))
+            self.rope[0].copy_(cos)
+            self.rope[1].copy_(sin)
+        else:
+            l_ = j - 1
+            pool = self.runner.pool
+            y = grouped_masked(pool.gate_up[l_], pool.down[l_], self.x[l_], self.plan_dev[l_], self.runner.act[l_],
+                               self.dtype)  # [1, H]
+            h = self.h + (y + self.staged[l_].extra).view_as(self.h)
+        a, b = self.ranges[j]
+        for i in range(a, b):
+            h = self.layers[i](h, attention_mask=self.masks.get(self.kinds[i]), position_ids=self.pos,
+                               use_cache=True, position_embeddings=self.rope, **{self.cache_kw: self.cache})
+        if j < self.S:
+            self.h.copy_(h)
+            return
+        logits = self.model.lm_head(base.norm(h))[:, -1]  # [1, V]
+        if self.logits is None:
+            self.logits = torch.empty_like(logits)
+        self.logits.copy_(logits)
+
+    def _capture(self) -> None:
+        """Each segment as one CUDA graph (after the eager pass above: lazy initialisations done), one pool."""
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs asks
+            self.begin()
+            self._run_segments()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        self.begin()
+        pool = torch.cuda.graph_pool_handle()
+        for j in range(self.S + 1):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._segment(j)
+            self.graphs.append(g)
+        log.info("CUDA graphs: %d segments captured (%d MoE layers)", len(self.graphs), self.S)
+
+    def _run_segments(self) -> None:
+        for j in range(self.S + 1):
+            self._segment(j)
+
+    # ------------------------------------------------------------------ a step
+
+    def begin(self) -> None:
+        """A new window: the static KV cache emptied in place (its addresses stay: the graphs read them)."""
+        self.cache.reset()
+
+    def step(self, token: torch.Tensor, t: int) -> torch.Tensor:
+        """Token [1, 1] on the device at position t of the window -> logits [1, V] (a static buffer: copy it
+        before the next step)."""
+        self.tok.copy_(token)
+        self.pos.fill_(t)
+        for kind, m in self.masks.items():
+            if m is not None:
+                m.copy_(self.mask_table[kind][t])
+        for j in range(self.S + 1):
+            if self.graphs:
+                self.graphs[j].replay()
+            else:
+                self._segment(j)
+            if j < self.S:
+                self._decide(j)
+        return self.logits
+
+    def read(self, layer: int) -> np.ndarray:
+        """MoE layer `layer`'s packed routing on the host, [1, 2k + E + 1 (+ E')] float32: the step's ONE device ->
+        host read of the layer (CUDA: into a pinned buffer, waited for on an event; CPU device mode: as is)."""
+        if not self.cuda:
+            return self.packed[layer].numpy()
+        self.packed_host[layer].copy_(self.packed[layer], non_blocking=True)
+        self.events[layer].record()
+        self.events[layer].synchronize()
+        return self.packed_host[layer].numpy()
+
+    def _decide(self, layer: int) -> None:
+        """Between segments: MoE layer `layer`'s routing read (one float32 copy), the kernel's step, the plan
+        applied (copies, host and low-bit experts into `extra`), the plan row to the device."""
+        d = self.ctx.experts[layer].decide(self.read(layer), self.k, self.dtype)
+        st = self.staged[layer]
+        st.begin()
+        self.runner.apply(layer, self.x[layer], d.weights, d.res, staged=st)
+        if self.cuda:
+            self.plan_dev[layer].copy_(st.plan, non_blocking=True)

@@ -1,0 +1,176 @@
+"""The engine's segmented decode step (runtime/backends/engine/graphs.py) on CPU, as far as CPU goes: the same
+decisions and logits as the Hugging Face forward path on every family with a capture plan, the grouped call of
+fixed shape equal to the per-token one bit for bit (empty slots never enter the sum), the capture plan's
+segments and static buffers, `no_cuda_graphs` through the run-field table; the capture itself on CUDA only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.backends import emulate, get_backend
+from runtime.backends.engine import Engine, graphs
+from runtime.backends.engine.plan import grouped_experts
+from runtime.core.kernel import (
+    DROP,
+    FETCH,
+    FLOAT_COUNTERS,
+    HIT,
+    HOST,
+    LOWBIT,
+    SUB,
+    PolicyCache,
+    warm_residency,
+)
+from runtime.core.policy import PRESETS, PolicyConfig
+from runtime.core.spec import RunSpec, backend_options
+from runtime.tools.tinyhf import build_tiny
+
+SEGMENTED = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    return {f: build_tiny(f, root / f) for f in [*SEGMENTED, "qwen3_next"]}
+
+
+def runs(eng: Engine, pol: PolicyConfig, W: int = 12, cap: int = 3) -> dict:
+    """The same teacher-forced run as segments and through the Hugging Face forward: {path: (logits, counters)}."""
+    windows = np.random.default_rng(0).integers(0, 90, size=(1, W)).astype(np.int64)
+    caps = np.full(eng.L, cap)
+    init = warm_residency(emulate.record(eng.m, windows, eng.k)[0], None, eng.E, caps)
+    out, why = {}, eng.no_segments_why
+    for path in ("segments", "hf"):
+        eng.no_segments_why = why if path == "segments" else "forced by the test"
+        try:
+            cache = PolicyCache(pol, eng.E, eng.k, caps, init)
+            eng.teacher_forced(eng.m, windows, cache, keep_logits=True)
+        finally:
+            eng.no_segments_why = why
+        out[path] = (torch.stack(eng.logits), cache.counter_totals(), eng.report()["decode_path"])
+    return out
+
+
+def assert_same(out: dict) -> None:
+    (a, ca, pa), (b, cb, pb) = out["segments"], out["hf"]
+    assert pa == "segments" and pb.startswith("hf_forward")
+    assert (a - b).abs().max().item() <= 1e-5
+    for key in FLOAT_COUNTERS:  # masses: float sums of the same weights in another rounding
+        assert ca.pop(key) == pytest.approx(cb.pop(key), rel=1e-5, abs=1e-6)
+    assert ca == cb
+
+
+@pytest.mark.parametrize("family", SEGMENTED)
+def test_segments_equal_the_hf_forward_path(ckpts, family):
+    """Every family with a capture plan: identical decisions (counters), logits within 1e-5 (the static cache's
+    masked keys and, with shared experts, one more rounding of the residual sum)."""
+    eng = Engine(emulate.load(ckpts[family]), "cpu", debug=True)
+    try:
+        assert eng.no_segments_why is None
+        out = runs(eng, PolicyConfig(rule="first_choice", beta=0.05))  # fetches, substitutes and admits
+        c = out["segments"][1]
+        assert c["fetches"] > 0 and c["substitutions"] > 0 and c["admissions"] > 0
+        assert_same(out)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("pol", [PolicyConfig(rule="threshold", tau=0.15, fallback="host"),
+                                 PolicyConfig(rule="threshold", tau=0.15, fallback="drop", drop_renorm=True),
+                                 PolicyConfig(rule="threshold", tau=0.15, prefetch="lookahead", prefetch_n=2, beta=0.05)],
+                         ids=["host", "drop-renorm", "lookahead-admission"])
+def test_segments_carry_host_compute_drops_and_prefetch(ckpts, pol):
+    """The host experts' output joins through `extra`, a drop's weight is shared out, lookahead copies start
+    between segments: the same decisions and logits as the forward path."""
+    eng = Engine(emulate.load(ckpts["qwen3_moe"]), "cpu", debug=True)
+    try:
+        out = runs(eng, pol)
+        c = out["segments"][1]
+        assert c["host_computes"] + c["drops"] + c["prefetches"] > 0
+        assert_same(out)
+    finally:
+        eng.close()
+
+
+def test_grouped_call_of_fixed_shape_is_the_per_token_sum_and_skips_empty_slots():
+    """`grouped_masked` over all k ranks with a flag per rank equals the sum of the computed ranks alone, bit for
+    bit, even when a rank not computed here points at a slot full of NaN (an empty slot)."""
+    g = torch.Generator().manual_seed(0)
+    C, H, inter, k = 4, 16, 8, 4
+    gate_up, down = torch.randn(C, 2 * inter, H, generator=g), torch.randn(C, H, inter, generator=g)
+    gate_up[3] = float("nan")  # an empty slot
+    x, w = torch.randn(1, H, generator=g), torch.rand(k, generator=g)
+    kind = np.array([HIT, SUB, DROP, FETCH])
+    slot = np.array([1, 0, 3, 2])
+    on = (kind == HIT) | (kind == SUB) | (kind == FETCH)
+    plan = torch.from_numpy(np.stack([np.where(on, slot, 3), np.where(on, w.numpy(), 0), on]).astype(np.float32))
+    got = graphs.grouped_masked(gate_up, down, x, plan, torch.nn.functional.silu, torch.float32)
+    pos = torch.from_numpy(np.flatnonzero(on))
+    y = grouped_experts(gate_up, down, x.expand(len(pos), -1), torch.from_numpy(slot)[pos], w[pos],
+                        torch.nn.functional.silu)
+    ref = y.new_zeros(k, H).index_copy_(0, pos, y).sum(dim=0, keepdim=True)
+    assert torch.isfinite(got).all() and torch.equal(got, ref)
+
+
+def test_capture_plan_segments_and_static_buffers(ckpts):
+    """S MoE layers: S + 1 segments over the decoder layers in order; per MoE layer a [1, H] input, a packed
+    routing of 2k + E + 1 floats, a [3, k] plan row; a family with linear attention has no plan and says why."""
+    eng = Engine(emulate.load(ckpts["qwen3_moe"]), "cpu")
+    try:
+        cache = PolicyCache(PRESETS["quality-first"], eng.E, eng.k, np.full(eng.L, 3), None)
+        eng.bind(cache)
+        eng.m.ctx.cache = cache
+        prog = graphs.StepProgram(eng.m.model, eng.m.ctx, eng.runner, 8, capture=False)
+        n_dec = len(eng.m.model.model.layers)
+        assert len(prog.ranges) == eng.L + 1 and prog.ranges[0][0] == 0 and prog.ranges[-1][1] == n_dec
+        assert all(a[1] == b[0] for a, b in zip(prog.ranges, prog.ranges[1:], strict=False))
+        assert [tuple(x.shape) for x in prog.x] == [(1, eng.H)] * eng.L
+        assert [tuple(p.shape) for p in prog.packed] == [(1, 2 * eng.k + eng.E + 1)] * eng.L
+        assert [tuple(s.plan.shape) for s in prog.staged] == [(3, eng.k)] * eng.L
+        assert prog.graphs == [] and tuple(prog.logits.shape) == (1, eng.m.model.config.vocab_size)
+        assert prog.mask_table["full_attention"].shape[0] == 8
+    finally:
+        eng.m.ctx.cache = eng.m.ctx.step = None
+        eng.close()
+    why = graphs.capture_plan(emulate.load(ckpts["qwen3_next"]).model)
+    assert why is not None and "linear_attention" in why
+
+
+def test_no_cuda_graphs_is_an_engine_option_from_the_field_table(ckpts, tmp_path):
+    """The engine's options are the fields only it honours; `--no-cuda-graphs` reaches the Engine; the other
+    backends refuse it (tests/test_contract.py's REFUSED)."""
+    text = tmp_path / "t.txt"
+    text.write_text("the policy kernel decides per token and layer " * 20)
+    spec = RunSpec(policy=PRESETS["quality-first"], model=str(ckpts["qwen3_moe"]), text=str(text), capacity=3,
+                   max_tokens=24, window=12, device="cpu", no_cuda_graphs=True, initial_residency="cold")
+    assert backend_options(spec, "engine") == {"host_store": "ram", "no_cuda_graphs": True}
+    res = get_backend("engine").evaluate(spec)
+    assert res.extra["engine"]["decode_path"] == "segments" and res.counters["fetches"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_captured_segments_equal_eager_ones_on_cuda(ckpts):
+    """On CUDA: the captured segments give the eager segments' NLL bit for bit and the same counters."""
+    eng = Engine(emulate.load(ckpts["qwen3_moe"]), "cuda")
+    try:
+        windows = np.random.default_rng(0).integers(0, 90, size=(1, 16)).astype(np.int64)
+        res = {}
+        for off in (False, True):
+            eng.no_cuda_graphs = off
+            cache = PolicyCache(PRESETS["quality-first"], eng.E, eng.k, np.full(eng.L, 3), None)
+            nll, rep = eng.teacher_forced(eng.m, windows, cache)
+            res[off] = (nll, cache.counter_totals(), rep["engine"]["decode_path"])
+        assert res[False][2] == "cuda_graphs" and res[True][2] == "segments"
+        assert np.array_equal(res[False][0], res[True][0]) and res[False][1] == res[True][1]
+    finally:
+        eng.close()
+
+
+def test_kinds_cover_the_plan_rows():
+    """The plan row's flag is exactly the device-computed kinds (HIT, FETCH, SUB); HOST, LOWBIT, DROP are not."""
+    from runtime.backends.engine.plan import on_device
+
+    kinds = np.array([HIT, FETCH, SUB, HOST, LOWBIT, DROP])
+    assert on_device(kinds).tolist() == [True, True, True, False, False, False]
