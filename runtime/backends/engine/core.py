@@ -277,9 +277,12 @@ class Engine:
         self.logits_to_host = False  # logits stay on the device until the window ends: no per-token sync
         prog = None
         try:
-            if self.no_segments_why is None:  # built (and on CUDA captured) once per run: it reads this binding's slots
+            why = self.no_segments_why
+            if why is None and self.runner.null_compute:  # a captured segment cannot leave its expert math out
+                why = "expert math off (calibration's isolated dense part)"
+            if why is None:  # built (and on CUDA captured) once per run: it reads this binding's slots
                 prog = graphs.StepProgram(m.model, m.ctx, self.runner, W, capture=self.cuda and not self.no_cuda_graphs)
-            self.decode_path = self._path_name(prog)
+            self.decode_path = self._path_name(prog, why)
             for a in range(n):
                 x = torch.from_numpy(windows[a : a + 1])
                 xd = x.to(self.device)
@@ -307,11 +310,13 @@ class Engine:
             self.drain()
         return nll, self.run_report(decode_s, n * W)
 
-    def _path_name(self, prog: graphs.StepProgram | None) -> str:
+    @staticmethod
+    def _path_name(prog: graphs.StepProgram | None, why: str | None) -> str:
         """How teacher-forced decoding ran: `cuda_graphs` (segments captured), `segments` (the same segments
-        eagerly: CPU device mode, or no_cuda_graphs), or `hf_forward: why` (no capture plan)."""
+        eagerly: CPU device mode, or no_cuda_graphs), or `hf_forward: why` (no capture plan; calibration's
+        run with the expert math off)."""
         if prog is None:
-            return f"hf_forward: {self.no_segments_why}"
+            return f"hf_forward: {why}"
         return "cuda_graphs" if prog.graphs else "segments"
 
     def evaluate(self, windows: np.ndarray, policy, capacities=None, initial_residency=None, *,
