@@ -206,7 +206,7 @@ class StepProgram:
         pool = torch.cuda.graph_pool_handle()
         for j in range(self.S + 1):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):  # checks this thread
                 self._segment(j)
             self.graphs.append(g)
         log.info("CUDA graphs: %d segments captured (%d MoE layers)", len(self.graphs), self.S)
