@@ -150,6 +150,28 @@ def test_no_cuda_graphs_is_an_engine_option_from_the_field_table(ckpts, tmp_path
     assert res.extra["engine"]["decode_path"] == "segments" and res.counters["fetches"] > 0
 
 
+def test_a_failed_capture_decodes_the_same_segments_eagerly(ckpts, caplog):
+    """Capture raising (here: no CUDA at all) leaves a working program: no graphs, the error kept for the
+    report, a warning, and the same logits as a program built without capture."""
+    eng = Engine(emulate.load(ckpts["qwen3_moe"]), "cpu")
+    tok = torch.tensor([[5]])
+    try:
+        logits = {}
+        for capture in (False, True):
+            cache = PolicyCache(PRESETS["quality-first"], eng.E, eng.k, np.full(eng.L, 3), None)
+            eng.bind(cache)
+            eng.m.ctx.cache = cache
+            with caplog.at_level("WARNING", logger="runtime.backends.engine.graphs"):
+                prog = graphs.StepProgram(eng.m.model, eng.m.ctx, eng.runner, 4, capture=capture)
+            assert prog.graphs == [] and bool(prog.capture_error) == capture
+            logits[capture] = prog.step(tok, 0).clone()
+        assert "CUDA graph capture failed" in caplog.text and torch.equal(logits[False], logits[True])
+        assert eng._path_name(prog, None).startswith("segments: capture failed: ")
+    finally:
+        eng.m.ctx.cache = eng.m.ctx.step = None
+        eng.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_captured_segments_equal_eager_ones_on_cuda(ckpts):
     """On CUDA: the captured segments give the eager segments' NLL bit for bit and the same counters."""

@@ -317,6 +317,8 @@ class Engine:
         run with the expert math off)."""
         if prog is None:
             return f"hf_forward: {why}"
+        if prog.capture_error:
+            return f"segments: capture failed: {prog.capture_error}"
         return "cuda_graphs" if prog.graphs else "segments"
 
     def evaluate(self, windows: np.ndarray, policy, capacities=None, initial_residency=None, *,

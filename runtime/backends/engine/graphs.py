@@ -130,8 +130,16 @@ class StepProgram:
         self.begin()
         self._run_segments()
         self._build_masks(create_causal_mask, create_sliding_window_causal_mask, H)
+        self.capture_error = ""  # why capturing failed (the segments then run eagerly), or ""
         if capture:
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as exc:  # e.g. a host synchronisation inside a module: say so, decode eagerly
+                self.graphs = []
+                self.capture_error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                log.warning("CUDA graph capture failed (%s); decoding the same segments eagerly", self.capture_error)
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
         self.begin()
 
     def _build_masks(self, full, sliding, H: int) -> None:
