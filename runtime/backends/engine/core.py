@@ -280,6 +280,8 @@ class Engine:
             why = self.no_segments_why
             if why is None and self.runner.null_compute:  # a captured segment cannot leave its expert math out
                 why = "expert math off (calibration's isolated dense part)"
+            if why is None and m.ctx.substitute_weight != "missed":  # the adapters' own-weight path
+                why = f"substitute_weight {m.ctx.substitute_weight!r}"
             if why is None:  # built (and on CUDA captured) once per run: it reads this binding's slots
                 prog = graphs.StepProgram(m.model, m.ctx, self.runner, W, capture=self.cuda and not self.no_cuda_graphs)
             self.decode_path = self._path_name(prog, why)
