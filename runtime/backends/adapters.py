@@ -361,11 +361,9 @@ class PolicyExperts(nn.Module):
 
 def rank_order(ids: np.ndarray, score: np.ndarray) -> np.ndarray:
     """[N, k] permutation of the model's top-k `ids` [N, k] into rank order: descending score (`score` [N, E]),
-    ties lower id (a stable sort over the ids sorted ascending)."""
-    r = np.arange(len(ids))[:, None]  # [N, 1] (fancy indexing: take_along_axis costs ~10x more per call)
-    perm_id = np.argsort(ids, axis=1, kind="stable")  # [N, k]
-    sel = score[r, ids[r, perm_id]]  # [N, k] scores, ids ascending
-    return perm_id[r, np.argsort(-sel, axis=1, kind="stable")]
+    ties lower id. One `lexsort` per call (primary key: -score, then the id)."""
+    r = np.arange(len(ids))[:, None]  # [N, 1] row index (fancy indexing: take_along_axis costs ~10x more per call)
+    return np.lexsort((ids, -score[r, ids]), axis=-1)
 
 
 def attach(model: nn.Module) -> Context:

@@ -70,19 +70,31 @@ class Staged:
     extra: torch.Tensor
     used: bool = False
 
+    def __post_init__(self) -> None:
+        self.rows = self.plan.numpy()  # [3, k]: the plan row's host view (written in place)
+
     def begin(self) -> None:
         if self.used:
             self.extra.zero_()
             self.used = False
 
-    def stage(self, kind_row: np.ndarray, slot_row: np.ndarray, w_row: torch.Tensor, computed: np.ndarray) -> int:
-        """Write one token's plan row: slots and gate weights of the ranks computed on the device (`computed`
-        [k] bool), slot 0 and weight 0 elsewhere; returns how many ranks are computed here."""
-        p = self.plan.numpy()  # [3, k] view
-        p[0] = np.where(computed, slot_row, 0)
-        p[1] = np.where(computed, w_row.float().numpy(), 0.0)
-        p[2] = computed
-        return int(computed.sum())
+    def stage(self, kinds: list[int], slot_row: np.ndarray, w_row: torch.Tensor) -> int:
+        """Write one token's plan row from its decisions `kinds` [k]: slots and gate weights of the ranks
+        computed on the device (HIT, FETCH, SUB), slot 0 and weight 0 elsewhere; returns how many ranks are
+        computed here."""
+        p = self.rows
+        p[0] = slot_row
+        p[1] = w_row.float().numpy()
+        p[2] = [c != DROP and c != HOST and c != LOWBIT for c in kinds]
+        off = p[2] == 0
+        p[:2, off] = 0
+        return len(kinds) - int(off.sum())
+
+
+def ranks_of(kinds: list[int], code: int, served: np.ndarray) -> list[int]:
+    """The ranks j with decision `code` in one token's `kinds` [k], by ascending served expert (stable)."""
+    js = [j for j, c in enumerate(kinds) if c == code]
+    return sorted(js, key=lambda j: served[j]) if len(js) > 1 else js
 
 
 def on_device(kind: np.ndarray) -> np.ndarray:
@@ -130,7 +142,8 @@ class PlanRunner:
         cache = self.pool.cache
         t0 = int(cache.next_t[layer]) - N
         w_host = w
-        fallback = bool(((kind == HOST) | (kind == LOWBIT)).any())
+        kinds = kind.tolist()  # [N][k] Python ints: per-rank tests on k entries cost less than numpy calls
+        fallback = any(c == HOST or c == LOWBIT for row in kinds for c in row)
         if staged is None or fallback:
             if w.device != self.device and self.cuda:  # host weights (the adapters' re-rank): pinned, async
                 w = w.pin_memory().to(self.device, non_blocking=True)
@@ -144,23 +157,26 @@ class PlanRunner:
         ai = qi = pi = 0
         for i in range(N):
             t = t0 + i
-            ki = kind[i]  # [k] this token's decisions
-            hosts = np.flatnonzero(ki == HOST) if not self.null_compute else np.zeros(0, np.int64)  # host ranks
+            ki, kl, si = kind[i], kinds[i], served[i]  # [k] this token's decisions (array, list), served experts
+            hosts = [] if self.null_compute else ranks_of(kl, HOST, si)  # host ranks, ascending expert id
             # (0) the activation of a host-computed token goes to the host first: nothing but this layer's
             # dense part (already finished: its routing was read) is queued ahead of it on the stream
-            xh = x[i : i + 1].to("cpu") if len(hosts) else None
+            xh = x[i : i + 1].to("cpu") if hosts else None
             # (1) admissions the kernel applied before token t, then the copies it popped and skipped
             while ai < len(adm) and adm[ai, 0] == t:
                 self._admit(layer, int(adm[ai, 1]), int(adm[ai, 2]))
                 ai += 1
-            self._release_popped(layer, t)
+            if self.copies.pending[layer]:
+                self._release_popped(layer, t)
             # (2) prefetch loads the kernel made for this token, (3) synchronous fetches in rank order
             while pi < len(pref) and pref[pi, 0] == t:
                 self._load_prefetched(layer, int(pref[pi, 1]), int(pref[pi, 2]))
                 pi += 1
-            self._release_prefetch(layer)
-            for j in np.flatnonzero(ki == FETCH):  # (host-side: one copy per missed expert)
-                self.fetch(layer, int(served[i, j]), int(slot[i, j]))
+            if self.copies.prefetch[layer]:
+                self._release_prefetch(layer)
+            for j, c in enumerate(kl):  # (host-side: one copy per missed expert, in rank order)
+                if c == FETCH:
+                    self.fetch(layer, int(si[j]), int(slot[i, j]))
             # (3b) the next layer's lookahead copies start behind this layer's fetches
             if lookahead:
                 self._issue_prefetch(layer, t)
@@ -171,20 +187,19 @@ class PlanRunner:
             xi = x if N == 1 else x[i : i + 1]  # [1, H]
             oi = None
             if staged is not None:  # the grouped call runs in the next segment, from this plan row
-                self.stats["device_computes"] += staged.stage(ki, slot[i], w_host[i], on_device(ki))
+                self.stats["device_computes"] += staged.stage(kl, slot[i], w_host[i])
                 oi = staged.extra
                 staged.used = fallback
             if not self.null_compute and staged is None:
                 wi = wd if N == 1 else wd[i * k : (i + 1) * k]  # [k]
                 oi = self.device_compute(layer, xi, ki, slot[i], wi)  # [1, H]
             if not self.null_compute:
-                low = np.flatnonzero(ki == LOWBIT)
-                for j in low[np.argsort(served[i, low], kind="stable")]:  # ascending expert id
-                    oi[0] += (self.lowbit_expert(layer, int(served[i, j]), xi) * wd[i * k + j])[0]
+                for j in ranks_of(kl, LOWBIT, si):  # ascending expert id
+                    oi[0] += (self.lowbit_expert(layer, int(si[j]), xi) * wd[i * k + j])[0]
                     self.stats["lowbit_computes"] += 1
             # (5) host compute runs on the CPU while the device works through (4); results go back async
-            for j in hosts[np.argsort(served[i, hosts], kind="stable")]:  # ascending expert id
-                y = self.host_expert(layer, int(served[i, j]), xh)
+            for j in hosts:
+                y = self.host_expert(layer, int(si[j]), xh)
                 oi[0] += (self.result_to_device(y) * wd[i * k + j])[0]
                 self.stats["host_computes"] += 1
             outs.append(oi)
