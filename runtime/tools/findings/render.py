@@ -184,23 +184,28 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
            "Background admission (beta 0.5) against the same policy without it: Quality-First (QF) against the 0.15 "
            "rule, Speed-First (SF) against first-choice. Substituted mass per token from the simulator's replay of "
            "each routing at each C/k (slots per top-k), with its warm start; churn: admissions per token and layer "
-           f"as a share of the slots. The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
+           "as a share of the slots; regret: the share of admissions whose evicted expert the following tokens route "
+           "to before the admitted one; unused: the share whose admitted expert is evicted again before any token "
+           f"routes to it (`admission.regret`). The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
     sources = [x for x in (adm.get("model"), *adm.get("traces", [])) if x]
     for src in sources:
         pts = src["points"]
         out += [f"**{src['source']}** ({src['experts']} experts, top-{src['top_k']}, {src['layers']} layers, "
                 f"{src['tokens']} tokens; warm start: {src['warm_start']})", "",
                 "| C/k | slots | " + " | ".join(f"{_pair_tag(a)}: mass change | hit-rate change (points) | "
-                                                 "admissions per token-layer / slots" for a, _ in PAIRS) + " |",
-                "|---|---|" + "---|---|---|" * len(PAIRS)]
+                                                 "admissions per token-layer / slots | admissions: regret / unused"
+                                                 for a, _ in PAIRS) + " |",
+                "|---|---|" + "---|---|---|---|" * len(PAIRS)]
         for p in pts:
             cells = [f"{p['c_over_k']:.2f}", str(p["slots"])]
             for a, b in PAIRS:
                 mb = p[b]["mass_per_token"]
                 rel = f"{(p[a]['mass_per_token'] / mb - 1) * 100:+.1f}%" if mb > 0 else "n/a"
+                reg = p[a].get("regret")
                 cells += [f"{rel} ({mb:.3f} -> {p[a]['mass_per_token']:.3f})",
                           f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}",
-                          f"{p[a]['admissions_per_token_layer'] / p['slots']:.2%}"]
+                          f"{p[a]['admissions_per_token_layer'] / p['slots']:.2%}",
+                          f"{reg['regret_share']:.0%} / {reg['unused_share']:.0%}" if reg else "n/a"]
             out.append("| " + " | ".join(cells) + " |")
         helps = []
         for pair in PAIRS:
