@@ -535,6 +535,17 @@ def test_admission_regret_follows_the_kernels_admissions() -> None:
     assert X_ADM.regret(tr, "rule-0.15", caps, init)["admissions"] == 0
 
 
+def test_admission_command_checks_its_flags_first(tmp_path) -> None:  # noqa: ANN001
+    from runtime.core.errors import InputError
+
+    with pytest.raises(InputError, match="--max-tokens = 100 must be >= 512"):
+        X_ADM.main(["--model", "demo", "--max-tokens", "100"])
+    with pytest.raises(InputError, match="--ck"):
+        X_ADM.main(["--model", "demo", "--ck", "0"])
+    with pytest.raises(InputError, match=f"--model {tmp_path}: not a tiny model's name"):
+        X_ADM.main(["--model", str(tmp_path)])
+
+
 def test_admission_curve_on_a_real_trace(tmp_path) -> None:  # noqa: ANN001
     """Mixtral's real trace (skipped without ../shared): the curve's slots follow C/k, the four policies are
     replayed at each, and the plot is written."""

@@ -10,7 +10,9 @@ with a warm start from calibration ids (the recorded model's calibration routing
 the mass at every larger C/k tried; `plot` draws the curves and the model's perplexity effects (PNG).
 
 `python scripts/findings.py --admission-only` runs it on the real traces alone (docs/admission.md); a findings
-run adds the reference model's routing and perplexity to its page.
+run adds the reference model's routing and perplexity to its page. `python -m runtime.tools.findings.admission
+--model demo` (a tiny model's name or a checkpoint folder with eval.txt and calib.txt) prints the same table for
+that model's exact routing of its eval text (e.g. the demo model, where admission costs perplexity at C/k = 2).
 """
 
 from __future__ import annotations
@@ -198,3 +200,52 @@ def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]
     fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
 
+
+
+def model_curve(model: str | Path, max_tokens: int | None = 16384,
+                grid: tuple[float, ...] = CK_GRID) -> dict[str, Any]:
+    """`curve` of a checkpoint's exact routing of its eval.txt (warm start: its calibration routing), as a source of
+    the findings page's admission section."""
+    import tempfile
+
+    from runtime.backends import hfmodel
+    from runtime.tools.findings.experiments import Setup, exact_trace
+
+    model = Path(model)
+    with tempfile.TemporaryDirectory(prefix="admission-") as tmp:
+        s = Setup(model, model / "eval.txt", {}, 0.25, max_tokens, 320, 64, 1, 1, 0, Path(tmp), hfmodel.load(model))
+        trace, calib_ids, _ = exact_trace(s, s.eval_text)
+    return {"source": f"{model.name} (recorded exact routing of eval.txt)", "experts": trace.E, "top_k": trace.k,
+            "layers": trace.L, "tokens": trace.T, "warm_start": "calibration text",
+            "points": curve(trace, calib_ids, grid)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m runtime.tools.findings.admission --model NAME|DIR [--max-tokens N] [--ck X ...]`: the admission
+    table of one model's routing (Markdown, as on the findings page)."""
+    from runtime.core.errors import ArgumentParser, InputError
+    from runtime.core.threads import configure
+    from runtime.tools.findings.render import admission_lines
+    from runtime.tools.tinymodel import SPECS, ensure_model
+
+    configure()
+    p = ArgumentParser(prog="python -m runtime.tools.findings.admission", description=main.__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help=f"a tiny model's name ({', '.join(SPECS)}) or a checkpoint folder")
+    p.add_argument("--max-tokens", type=int, default=16384, help="evaluated tokens of eval.txt")
+    p.add_argument("--ck", type=float, action="append", default=None, help="slots per top-k (repeatable)")
+    a = p.parse_args(argv)
+    if a.max_tokens < 512:
+        raise InputError(f"--max-tokens = {a.max_tokens} must be >= 512")
+    if any(not x > 0 for x in a.ck or ()):
+        raise InputError(f"--ck = {a.ck}: each must be > 0")
+    folder = ensure_model(a.model, progress=False) if a.model in SPECS else Path(a.model)
+    if not (folder / "config.json").is_file() or not (folder / "eval.txt").is_file():
+        raise InputError(f"--model {a.model}: not a tiny model's name nor a folder with config.json and eval.txt")
+    src = model_curve(folder, a.max_tokens, tuple(a.ck) if a.ck else CK_GRID)
+    print("\n".join(admission_lines({"admission": {"model": src, "plot": "(none: this command draws no plot)"}})))
+
+
+if __name__ == "__main__":
+    from runtime.core.errors import cli_main
+
+    cli_main(main)
