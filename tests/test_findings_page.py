@@ -82,17 +82,21 @@ def _result() -> dict[str, Any]:
             "rows": [r.to_dict() for r in rows], "seconds": 60.0,
             "admission": {"model": {"source": "m (recorded)", "experts": 64, "top_k": 8, "layers": 2, "tokens": 4096,
                                     "warm_start": "calibration text", "points": [
-                                        _adm_point(2.0, 0.96, 0.65, 0.60, 0.62), _adm_point(8.0, 0.10, 0.12, 0.9, 0.88)]},
+                                        _adm_point(2.0, 0.96, 0.65, 0.60, 0.62, 0.7),
+                                        _adm_point(8.0, 0.10, 0.12, 0.9, 0.88, 0.4)]},
                           "model_ppl": [{"column": "C=16 (25.0%)", "c_over_k": 2.0,
                                          "qf_minus_rule": {"point": 2.57, "ci95": [1.9, 3.2]},
                                          "sf_minus_fc": {"point": 5.82, "ci95": [4.4, 7.1]}}]}}
 
 
-def _adm_point(ck: float, m_with: float, m_without: float, h_with: float, h_without: float) -> dict[str, Any]:
+def _adm_point(ck: float, m_with: float, m_without: float, h_with: float, h_without: float,
+               regret: float) -> dict[str, Any]:
     out: dict[str, Any] = {"c_over_k": ck, "slots": int(ck * 8)}
     for a, b in (("quality-first", "rule-0.15"), ("speed-first", "first-choice")):
         out[a] = {"mass_per_token": m_with, "hit_rate": h_with, "substituted_share": 0.2,
-                  "admissions_per_token_layer": 0.8}
+                  "admissions_per_token_layer": 0.8,
+                  "regret": {"admissions": 100, "regret_share": regret, "unused_share": regret / 2,
+                             "regret_per_token_layer": regret * 0.8}}
         out[b] = {"mass_per_token": m_without, "hit_rate": h_without, "substituted_share": 0.2,
                   "admissions_per_token_layer": 0.0}
     return out
@@ -158,8 +162,9 @@ def test_page_numbers_are_the_json_numbers() -> None:
     assert "calls its conclusions modest" in md
     # admission against C/k: the mass change, where it starts helping, why it hurts at C/k = 2, the perplexity
     assert "## Admission against the cache size" in md
-    assert "| 2.00 | 16 | +47.7% (0.650 -> 0.960) | -2.00 | 5.00% |" in md
-    assert "QF vs the rule: from C/k = 8.00 on" in md and "evicts one the next tokens still use" in md
+    assert "| 2.00 | 16 | +47.7% (0.650 -> 0.960) | -2.00 | 5.00% | 70% / 35% |" in md
+    assert "QF vs the rule: from C/k = 8.00 on" in md
+    assert "there 70%-70% of its admissions are regrets, against 40%-40% where it lowers the mass" in md
     assert "C/k = 2.0: QF - rule +2.57 [+1.90, +3.20], SF - first-choice +5.82 [+4.40, +7.10]" in md
     # the regime table and the block check
     col = res["columns"][0]

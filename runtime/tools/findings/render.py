@@ -215,19 +215,20 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
         out += ["", "Admission lowers the substituted mass " + "; ".join(helps) + "."]
         for a, b in PAIRS:
             hurt = [p for p in pts if p[a]["mass_per_token"] > p[b]["mass_per_token"]]
-            if hurt:
-                out.append(f"Where {_pair_tag(a)} raises the mass (C/k " + ", ".join(f"{p['c_over_k']:.2f}"
-                                                                                   for p in hurt) +
-                           "), the hit rate changes by " + ", ".join(
-                               f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}" for p in hurt) +
-                           " points while each token's admissions replace " + ", ".join(
-                               f"{p[a]['admissions_per_token_layer'] / p['slots']:.1%}" for p in hurt) +
-                           " of a layer's slots" + (
-                               ": with so few slots an admitted expert evicts one the next tokens still use, which "
-                               "then misses and is substituted." if all(p[a]["hit_rate"] < p[b]["hit_rate"]
-                                                                         for p in hurt)
-                               else "; the hit rate does not fall at all of them, so eviction of experts in use does "
-                                    "not explain it alone."))
+            if not hurt:
+                continue
+            line = (f"Where {_pair_tag(a)} raises the mass (C/k " + ", ".join(f"{p['c_over_k']:.2f}" for p in hurt)
+                    + "), the hit rate changes by " + ", ".join(
+                        f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}" for p in hurt)
+                    + " points while each token's admissions replace " + ", ".join(
+                        f"{p[a]['admissions_per_token_layer'] / p['slots']:.1%}" for p in hurt) + " of a layer's slots")
+            helped = [p for p in pts if p[a]["mass_per_token"] < p[b]["mass_per_token"] and p[a].get("regret")]
+            if all(p[a].get("regret") for p in hurt) and helped:
+                rh = [p[a]["regret"]["regret_share"] for p in hurt]
+                rl = [p[a]["regret"]["regret_share"] for p in helped]
+                line += (f"; there {min(rh):.0%}-{max(rh):.0%} of its admissions are regrets, against "
+                         f"{min(rl):.0%}-{max(rl):.0%} where it lowers the mass")
+            out.append(line + ".")
         out.append("")
     mp = adm.get("model_ppl") or []
     if mp:
