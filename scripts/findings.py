@@ -1,6 +1,7 @@
 """`make findings`: the paper's findings on the `ref` reference model, written whole to docs/findings.md (+ .json).
 
-    python scripts/findings.py [--model DIR | --second-seed N] [--max-tokens N] [runtime.tools.findings flags ...]
+    python scripts/findings.py [--model DIR | --second-seed N [--power-seed N]] [--max-tokens N]
+        [runtime.tools.findings flags ...]
 
 Builds the `ref` model if it is not cached (runtime.tools.tinymodel), runs runtime.tools.findings (the package's
 cli) on it (at the capacities `make findings` names: C/k = 2, the small-cache contrast; 25%, C/k = 8; and the
@@ -9,9 +10,16 @@ the real traces of ../shared/data/traces when that folder exists (`findings.admi
 without it), and writes docs/findings.md (command line, commit, regimes, table, rules, the reading and the
 admission section, every number from the run), docs/findings.json and docs/img/admission_ck.png. Nothing of an
 older page is kept. `--admission-only` (alone) writes only docs/admission.md (+ .json, docs/img/
-admission_traces.png): admission against C/k on the real traces. `--second-seed N` builds `ref` again with build seed N, runs the same findings on it and
-marks every row whose verdict differs between the two builds `unstable` (`findings.stability`). Every flag other
-than --model and --second-seed is passed on to `python -m runtime.findings`.
+admission_traces.png): admission against C/k on the real traces. `--second-seed N` builds `ref` again with build
+seed N, runs the same findings on it and marks every row whose verdict differs between the two builds `unstable`
+(`findings.stability`). `--power-seed N` builds `ref` with seed N too and runs only row 1 on it
+(`python -m runtime.findings --power-only`): substitute-all's cost per column on every build is the page's "power
+across build seeds" table. Every flag other than --model, --second-seed and --power-seed is passed on to
+`python -m runtime.findings`.
+
+Each build's findings run as its own `python -m runtime.findings` process, as many at a time as there are CPUs
+(at most one per build), each with the CPUs divided among them as its threads (`--jobs N` to choose): on a
+2-core machine the two full runs side by side with one thread each (docs/findings.md gives the run's time).
 """
 
 from __future__ import annotations
@@ -19,16 +27,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from runtime.core import threads as threads_mod
 from runtime.core.errors import InputError, atomic_write, cli_main
 from runtime.tools import findings
 from runtime.tools.findings import admission
 
 ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger(__name__)
 
 TRACES = ROOT.parent / "shared" / "data" / "traces"
 INTRO = """# The paper's findings on a reference model
@@ -42,6 +55,9 @@ rule is written once in runtime/tools/findings/rules.py, with the paper's claim 
 comes from. Verdicts: `holds` (the interval lies on the paper's side of no effect, and inside the paper's
 range or around its figure where it gives one), `differs` (the interval excludes the paper's direction, range or
 figure), `inconclusive here` (the interval contains no effect, or overlaps the paper's range without lying in it).
+Admission on the demo model at C/k = 2 (issue 35 reported that it cost perplexity there; at this commit it does not,
+and admission regret, measured on every routing below, does not separate harm from help): docs/tiny_models.md,
+"Admission on the demo model" (`python -m runtime.tools.findings.admission --model demo`).
 """
 
 
@@ -83,6 +99,73 @@ def page(res: dict, command: str) -> str:
     return INTRO + "\n" + findings.to_markdown(res, command)
 
 
+def _pop_int(argv: list[str], flag: str, what: str) -> int | None:
+    """The integer value of `flag` in `argv` (removed from it), or None when absent."""
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    try:
+        value = int(argv[i + 1])
+    except (IndexError, ValueError):
+        raise InputError(f"{flag} = {argv[i + 1:i + 2]}: {what} is needed") from None
+    del argv[i:i + 2]
+    return value
+
+
+class Job:
+    """One `python -m runtime.findings` process: a build's findings (or its power check), its JSON and log.
+    (A plain class: the tests load this script without registering it as a module, which a dataclass needs.)"""
+
+    def __init__(self, name: str, model: Path, args: list[str], out: Path, log: Path, seed: int | None) -> None:
+        self.name, self.model, self.args, self.out, self.log, self.seed = name, model, args, out, log, seed
+        self.proc: subprocess.Popen | None = None
+        self.t0 = self.seconds = 0.0
+
+
+def run_jobs(jobs: list[Job], workers: int, threads: int) -> dict[str, dict]:
+    """Run the jobs, `workers` at a time, each with `threads` threads (EXPERTSWEEP_THREADS and the OpenMP/BLAS
+    counts); their results by name, each with `job_seconds`. A failed job stops the others (by their pids) and
+    raises with the last line of its log."""
+    env = {**os.environ, "EXPERTSWEEP_THREADS": str(threads),
+           **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
+    todo, running, out = list(jobs), [], {}
+    try:
+        while todo or running:
+            while todo and len(running) < workers:
+                j = todo.pop(0)
+                cmd = [sys.executable, "-m", "runtime.findings", "--model", str(j.model), *j.args,
+                       "--out-json", str(j.out)]
+                with open(j.log, "wb") as log_f:
+                    j.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log_f)
+                j.t0 = time.perf_counter()
+                log.info("%s: started (pid %d, %d thread(s))", j.name, j.proc.pid, threads)
+                running.append(j)
+            time.sleep(0.5)
+            for j in [j for j in running if j.proc.poll() is not None]:
+                running.remove(j)
+                j.seconds = round(time.perf_counter() - j.t0, 1)
+                if j.proc.returncode != 0:
+                    tail = j.log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or [""]
+                    raise RuntimeError(f"findings on {j.model.name} ({j.name}) failed with exit status "
+                                       f"{j.proc.returncode}: {tail[0]}")
+                res = json.loads(j.out.read_text(encoding="utf-8"))
+                res["job_seconds"] = j.seconds
+                out[j.name] = res
+                log.info("%s: done in %.0f s (peak RSS %.2f GiB)", j.name, j.seconds, res["peak_rss_kb"] / 2**20)
+    finally:
+        for j in running:
+            if j.proc is not None and j.proc.poll() is None:
+                j.proc.terminate()
+                j.proc.wait()
+    return out
+
+
+def power_by_build(results: list[tuple[int | None, dict]]) -> list[dict]:
+    """Substitute-all's cost per column on each build (`runtime.findings`' "power" of each result)."""
+    return [{"build_seed": seed, "model": r["setup"]["model"], "exact_perplexity": r["setup"]["exact_perplexity"],
+             "power_only": r.get("power_only", False), "columns": r["power"]} for seed, r in results]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
@@ -90,29 +173,46 @@ def main(argv: list[str] | None = None) -> None:
     if argv == ["--admission-only"]:
         admission_only(cmd)
         return
-    second_seed = None
-    if "--second-seed" in argv:  # the ref model built again with this seed: every verdict checked on it
-        i = argv.index("--second-seed")
-        try:
-            second_seed = int(argv[i + 1])
-        except (IndexError, ValueError):
-            raise InputError(f"--second-seed = {argv[i + 1:i + 2]}: an integer build seed is needed") from None
-        argv = argv[:i] + argv[i + 2:]
+    second_seed = _pop_int(argv, "--second-seed", "an integer build seed")
+    power_seed = _pop_int(argv, "--power-seed", "an integer build seed")
+    jobs_flag = _pop_int(argv, "--jobs", "a number of processes")
+    if jobs_flag is not None and jobs_flag < 1:
+        raise InputError(f"--jobs = {jobs_flag} must be >= 1")
     a = findings.checked_args(argv if "--model" in argv else ["--model", ".", *argv])
-    if second_seed is not None and "--model" in argv:
-        raise InputError("--second-seed: only with the ref model (no --model)")
-    if "--model" not in argv:
+    if (second_seed is not None or power_seed is not None) and "--model" in argv:
+        raise InputError("--second-seed / --power-seed: only with the ref model (no --model)")
+    passed = list(argv)
+    if "--model" in passed:
+        i = passed.index("--model")
+        del passed[i:i + 2]
+    builds: list[tuple[str, int | None, list[str]]] = [("first build", None, [])]
+    if second_seed is not None:
+        builds.append(("second build", second_seed, []))
+    if power_seed is not None:
+        builds.append(("power build", power_seed, ["--power-only"]))
+    if "--model" in argv:
+        models = [Path(a.model)]
+        seeds: list[int | None] = [None]
+    else:
         from runtime.tools.tinymodel import SPECS, ensure_model
 
-        a.model = str(ensure_model("ref"))
+        specs = [SPECS["ref"] if s is None else dataclasses.replace(SPECS["ref"], seed=s) for _, s, _ in builds]
+        models = [ensure_model(sp) for sp in specs]  # built one after the other, each with every CPU
+        seeds = [sp.seed for sp in specs]
     t0 = time.perf_counter()
-    res = findings.run(a.model, a.max_tokens, a.capacity_fraction, a.segment, a.early, a.prompts, a.new_tokens,
-                       a.seed, progress=sys.stderr.isatty())
+    workers = jobs_flag or max(min(len(builds), threads_mod.available_cpus()), 1)
+    threads = max(threads_mod.available_cpus() // workers, 1)
+    with tempfile.TemporaryDirectory(prefix="findings-script-") as tmp:
+        jobs = [Job(name, m, passed + extra, Path(tmp) / f"{i}.json", Path(tmp) / f"{i}.log", seed)
+                for i, ((name, _, extra), m, seed) in enumerate(zip(builds, models, seeds, strict=True))]
+        results = run_jobs(jobs, workers, threads)
+    res = results["first build"]
     if second_seed is not None:
-        m2 = ensure_model(dataclasses.replace(SPECS["ref"], seed=second_seed))
-        res2 = findings.run(m2, a.max_tokens, a.capacity_fraction, a.segment, a.early, a.prompts, a.new_tokens,
-                            a.seed, progress=sys.stderr.isatty())
-        findings.stability(res, res2)
+        findings.stability(res, results["second build"])
+    res["power_by_build"] = power_by_build([(j.seed, results[j.name]) for j in jobs])
+    res["processes"] = {"workers": workers, "threads_each": threads,
+                        "jobs": [{"name": j.name, "model": results[j.name]["setup"]["model"], "seconds": j.seconds,
+                                  "peak_rss_kb": results[j.name]["peak_rss_kb"]} for j in jobs]}
     add_traces(res)
     res["command"] = cmd
     res["wall_seconds"] = round(time.perf_counter() - t0, 1)

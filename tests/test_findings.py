@@ -515,6 +515,37 @@ def test_admission_starts_helping() -> None:
     assert e[0][f"{pair[0]} - {pair[1]}"]["mass_per_token"] == pytest.approx(0.3)
 
 
+def test_admission_regret_follows_the_kernels_admissions() -> None:
+    """`regret` replays the kernel layer by layer and follows every slot from the warm start through its logs: each
+    hit must find its expert where the logs put it (else it raises), the admissions counted are the simulator's,
+    and a policy without admission admits nothing."""
+    from runtime.backends.simulate import replay
+    from runtime.core.policy import PRESETS
+    from runtime.formats.trace.synthetic import synthetic_trace
+
+    tr = synthetic_trace(3000, 2, 32, 4, seed=5)
+    caps = np.full(tr.L, 8)
+    init = [np.arange(8) for _ in range(tr.L)]
+    for pol in ("quality-first", "speed-first"):
+        r = X_ADM.regret(tr, pol, caps, init)
+        sim = replay(tr, PRESETS[pol], caps, init).cache.counter_totals()["admissions"]
+        assert r["admissions"] == sim > 20
+        assert 0 < r["regret_share"] < 1 and 0 < r["unused_share"] < 1
+        assert r["regret_per_token_layer"] == pytest.approx(r["regret_share"] * sim / (tr.T * tr.L))
+    assert X_ADM.regret(tr, "rule-0.15", caps, init)["admissions"] == 0
+
+
+def test_admission_command_checks_its_flags_first(tmp_path) -> None:  # noqa: ANN001
+    from runtime.core.errors import InputError
+
+    with pytest.raises(InputError, match="--max-tokens = 100 must be >= 512"):
+        X_ADM.main(["--model", "demo", "--max-tokens", "100"])
+    with pytest.raises(InputError, match="--ck"):
+        X_ADM.main(["--model", "demo", "--ck", "0"])
+    with pytest.raises(InputError, match=f"--model {tmp_path}: not a tiny model's name"):
+        X_ADM.main(["--model", str(tmp_path)])
+
+
 def test_admission_curve_on_a_real_trace(tmp_path) -> None:  # noqa: ANN001
     """Mixtral's real trace (skipped without ../shared): the curve's slots follow C/k, the four policies are
     replayed at each, and the plot is written."""
@@ -528,6 +559,7 @@ def test_admission_curve_on_a_real_trace(tmp_path) -> None:  # noqa: ANN001
     for p in c["points"]:
         for a, b in X_ADM.PAIRS:
             assert p[b]["admissions_per_token_layer"] == 0 and p[a]["admissions_per_token_layer"] > 0
+            assert p[a]["regret"]["admissions"] == round(p[a]["admissions_per_token_layer"] * c["tokens"] * 32)
     mp = [{"c_over_k": 2.0, "qf_minus_rule": {"point": 0.1, "ci95": [0.0, 0.2]},
            "sf_minus_fc": {"point": 0.3, "ci95": [0.1, 0.5]}}]
     X_ADM.plot({"mixtral": c["points"]}, mp, tmp_path / "a.png")

@@ -68,7 +68,8 @@ def _result() -> dict[str, Any]:
     rows = [X.finding_heavy(s, main), *X.finding_mass(s, mp), *X.finding_admission(s, main)]
     for r in rows:
         r.column = "C=16 (25.0%)"
-    cols = [{"label": "C=16 (25.0%)", "slots": 16, "experts": 64, "slots_per_top_k": 2.0, "warm_set_miss_rate": 0.3127,
+    cols = [{"label": "C=16 (25.0%)", "slots": 16, "experts": 64, "slots_per_top_k": 2.0, "c_over_k": 2.0,
+             "warm_set_miss_rate": 0.3127,
              "substitute_all_share": 0.2861, "paper_regime": True, "blocks": s.blocks}]
     return {"setup": {"model": "m", "eval_text": "eval.txt", "num_layers": 2, "num_experts": 64, "top_k": 8,
                       "tokens": 4096, "exact_perplexity": 50.0, "initial_residency": "calib", "min_blocks": 10,
@@ -81,17 +82,21 @@ def _result() -> dict[str, Any]:
             "rows": [r.to_dict() for r in rows], "seconds": 60.0,
             "admission": {"model": {"source": "m (recorded)", "experts": 64, "top_k": 8, "layers": 2, "tokens": 4096,
                                     "warm_start": "calibration text", "points": [
-                                        _adm_point(2.0, 0.96, 0.65, 0.60, 0.62), _adm_point(8.0, 0.10, 0.12, 0.9, 0.88)]},
+                                        _adm_point(2.0, 0.96, 0.65, 0.60, 0.62, 0.7),
+                                        _adm_point(8.0, 0.10, 0.12, 0.9, 0.88, 0.4)]},
                           "model_ppl": [{"column": "C=16 (25.0%)", "c_over_k": 2.0,
                                          "qf_minus_rule": {"point": 2.57, "ci95": [1.9, 3.2]},
                                          "sf_minus_fc": {"point": 5.82, "ci95": [4.4, 7.1]}}]}}
 
 
-def _adm_point(ck: float, m_with: float, m_without: float, h_with: float, h_without: float) -> dict[str, Any]:
+def _adm_point(ck: float, m_with: float, m_without: float, h_with: float, h_without: float,
+               regret: float) -> dict[str, Any]:
     out: dict[str, Any] = {"c_over_k": ck, "slots": int(ck * 8)}
     for a, b in (("quality-first", "rule-0.15"), ("speed-first", "first-choice")):
         out[a] = {"mass_per_token": m_with, "hit_rate": h_with, "substituted_share": 0.2,
-                  "admissions_per_token_layer": 0.8}
+                  "admissions_per_token_layer": 0.8,
+                  "regret": {"admissions": 100, "regret_share": regret, "unused_share": regret / 2,
+                             "regret_per_token_layer": regret * 0.8}}
         out[b] = {"mass_per_token": m_without, "hit_rate": h_without, "substituted_share": 0.2,
                   "admissions_per_token_layer": 0.0}
     return out
@@ -157,8 +162,9 @@ def test_page_numbers_are_the_json_numbers() -> None:
     assert "calls its conclusions modest" in md
     # admission against C/k: the mass change, where it starts helping, why it hurts at C/k = 2, the perplexity
     assert "## Admission against the cache size" in md
-    assert "| 2.00 | 16 | +47.7% (0.650 -> 0.960) | -2.00 | 5.00% |" in md
-    assert "QF vs the rule: from C/k = 8.00 on" in md and "evicts one the next tokens still use" in md
+    assert "| 2.00 | 16 | +47.7% (0.650 -> 0.960) | -2.00 | 5.00% | 70% / 35% |" in md
+    assert "QF vs the rule: from C/k = 8.00 on" in md
+    assert "there 70%-70% of its admissions are regrets, against 40%-40% where it lowers the mass" in md
     assert "C/k = 2.0: QF - rule +2.57 [+1.90, +3.20], SF - first-choice +5.82 [+4.40, +7.10]" in md
     # the regime table and the block check
     col = res["columns"][0]
@@ -167,6 +173,65 @@ def test_page_numbers_are_the_json_numbers() -> None:
     line = next(x for x in md.splitlines() if x.strip().startswith("- rule-0.15: width by length"))
     shown = [float(v) for v in re.findall(r"\d+: (\d+\.\d+)", line)]
     assert shown == [round(w["width"], 3) for w in col["blocks"]["check"]["rule-0.15"]["widths"]]
+
+
+def _script() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_power_across_builds_is_row_1s_substitute_all_on_each_build() -> None:
+    """Each build's power entries are its row 1's substitute-all figures; the page counts the builds whose interval
+    lies above 0, per column (a build whose interval contains 0 is not counted)."""
+    res = _result()
+    res["columns"][0]["requested"] = 0.25
+    sa = next(r for r in res["rows"] if r["id"] == "1")["data"]["substitute-all"]
+    p = findings.power(res)
+    assert len(p) == 1 and p[0]["ppl_change_pct"] == sa["ppl_change_pct"] and p[0]["ci95"] == sa["ci95"]
+    assert p[0]["c_over_k"] == res["columns"][0]["c_over_k"] and p[0]["above_zero"] is (sa["ci95"][0] > 0)
+    assert sa["ci95"][0] > 0  # the fixture's substitute-all loses 5% per token: large by construction
+    weak = {**res, "power": [{**p[0], "ppl_change_pct": 0.4, "ci95": [-0.3, 1.1], "above_zero": False}],
+            "setup": {**res["setup"], "model": "ref-weak"}}
+    res["power"] = p
+    res["power_by_build"] = _script().power_by_build([(0, res), (2, {**weak, "power_only": True})])
+    md = render.to_markdown(json.loads(json.dumps(res)))
+    assert "### Power across build seeds" in md
+    assert (f"| seed 0 (`m`) | 50.00 | {sa['ppl_change_pct']:+.2f}% [{sa['ci95'][0]:+.2f}, {sa['ci95'][1]:+.2f}] "
+            f"(C/k 2.0, 28.6%) |") in md
+    assert "| seed 2 (`ref-weak`), power only | 50.00 | +0.40% [-0.30, +1.10] (C/k 2.0, 28.6%) |" in md
+    assert "25.00% of the experts: above 0 on 1 of 2 builds" in md
+    assert "### Power across build seeds" not in render.to_markdown(_result())
+
+
+def test_page_says_how_many_claims_and_that_none_is_corrected() -> None:
+    res = _result()
+    n = sum(1 for r in res["rows"] if r["verdict"] != UNTESTABLE and not r.get("own_check"))
+    md = render.to_markdown(res)
+    assert f"The table tests {n} (row, column) pairs of the paper's claims" in md
+    assert f"about {0.05 * n:.1f} of the {n} verdicts" in md and "no Holm or Bonferroni" in md
+
+
+def test_script_seed_flags_are_checked_before_any_work(tmp_path: Path) -> None:
+    script = _script()
+    with pytest.raises(InputError, match=re.escape("--power-seed = ['x']: an integer build seed is needed")):
+        script.main(["--power-seed", "x"])
+    with pytest.raises(InputError, match="only with the ref model"):
+        script.main(["--model", str(tmp_path), "--power-seed", "2"])
+    with pytest.raises(InputError, match="--jobs = 0 must be >= 1"):
+        script.main(["--jobs", "0"])
+
+
+def test_script_jobs_report_a_failed_build(tmp_path: Path) -> None:
+    """A build's findings process that fails stops the run with its own one-line error."""
+    script = _script()
+    job = script.Job("first build", tmp_path / "none", [], tmp_path / "o.json", tmp_path / "o.log", None)
+    with pytest.raises(RuntimeError, match=r"findings on none \(first build\) failed with exit status 2: "
+                                           r"expertsweep: error: --model"):
+        script.run_jobs([job], 1, 1)
 
 
 def test_bca_printed_only_where_used() -> None:
@@ -309,6 +374,29 @@ def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     md = out_md.read_text()
     assert "### Block length of the intervals" in md
     assert md.count("\n| ") >= len(res["rows"]) + 1
+
+
+def test_shared_runs_are_the_runs_they_stand_for(test_model: Path, tmp_path: Path) -> None:
+    """A mass policy served by its preset's run (the same PolicyConfig, mass recorded) and a copy left out (the same
+    decisions on the exact routing) have the figures their own emulations would have; --power-only keeps row 1."""
+    from runtime.backends import hfmodel
+    from runtime.tools.findings.cli import timer
+
+    s = X.Setup(test_model, test_model / "eval.txt", {}, 0.25, 2048, 320, 64, 1, 1, 0, tmp_path,
+                hfmodel.load(test_model))
+    X.exact_trace(s, s.eval_text)
+    main, mp, kept = X.emulate_column(s, timer("c", {}))
+    pols = X.mass_policies()
+    assert set(mp) == {n for n in pols if kept[n] == n} and len(kept) == len(pols)
+    shared = "threshold(0.15) + lfu + beta=0.5"  # quality-first
+    assert mp[shared] is main["quality-first"]
+    copy = next(n for n in pols if kept[n] != n)
+    solo = X.emulate_policies(s, {n: pols[n] for n in (shared, copy)}, s.eval_text, mass=True)
+    for n, run in ((shared, mp[shared]), (copy, mp[kept[copy]])):
+        assert np.array_equal(solo[n].dnll, run.dnll) and np.array_equal(solo[n].mass, run.mass), n
+    res = findings.run(test_model, 2048, [0.25], prompts_per_domain=1, new_tokens=1, power_only=True)
+    assert [r["id"] for r in res["rows"]] == ["1"] and res["power_only"] and res["admission"] is None
+    assert res["power"][0]["ci95"] == res["rows"][0]["data"]["substitute-all"]["ci95"]
 
 
 def test_topic_finding_on_two_domains(test_model: Path, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from runtime.tools.findings.cli import (
            git_commit,
            main,
            parse_capacity_fraction,
+           power,
            run,
            scrub,
            stability,
@@ -33,5 +34,5 @@ from runtime.tools.findings.render import to_markdown
 from runtime.tools.findings.rules import DIFFERS, HOLDS, INCONCLUSIVE, RULES, UNTESTABLE, VERDICTS
 
 __all__ = ["DIFFERS", "HOLDS", "INCONCLUSIVE", "RULES", "UNTESTABLE", "VERDICTS", "build_parser", "checked_args",
-           "git_commit", "main", "parse_capacity_fraction", "run", "scrub", "stability",
+           "git_commit", "main", "parse_capacity_fraction", "power", "run", "scrub", "stability",
            "to_markdown"]

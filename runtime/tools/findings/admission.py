@@ -5,11 +5,14 @@ Two pairs differ only in admission: Quality-First against the 0.15 rule, Speed-F
 (docs/policies.md). `curve` replays the four on one trace at each C/k of `CK_GRID` that the trace's experts allow,
 with a warm start from calibration ids (the recorded model's calibration routing, or a real trace's held-out last
 20%, as `held-out` means everywhere: runtime/backends/resolve.py); `trace_curve` does it for a trace file;
+`regret` follows each admission's evicted and admitted experts forward (is the evicted one wanted first?);
 `effects` reads the pairs' differences off a curve; `starts_helping` the smallest C/k from which admission lowers
 the mass at every larger C/k tried; `plot` draws the curves and the model's perplexity effects (PNG).
 
 `python scripts/findings.py --admission-only` runs it on the real traces alone (docs/admission.md); a findings
-run adds the reference model's routing and perplexity to its page.
+run adds the reference model's routing and perplexity to its page. `python -m runtime.tools.findings.admission
+--model demo` (a tiny model's name or a checkpoint folder with eval.txt and calib.txt) prints the same table for
+that model's exact routing of its eval text (e.g. the demo model, where admission costs perplexity at C/k = 2).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def curve(trace: Any, calib_ids: np.ndarray | None, grid: tuple[float, ...] = CK
           calib_valid: np.ndarray | None = None) -> list[dict[str, Any]]:
     """Per C/k of `grid` with k <= C < E (each C once): per policy of PAIRS, the substituted mass per token, the
     substituted share of calls, the hit rate and the admissions per token and layer, from the simulator's replay
-    warm-started from `calib_ids` [T_c, L, k] (valid cells `calib_valid` [T_c, L])."""
+    warm-started from `calib_ids` [T_c, L, k] (valid cells `calib_valid` [T_c, L]); for the policies with
+    admission also `regret` (which experts the admissions evict)."""
     from runtime.backends.simulate import replay
     from runtime.tools.findings.experiments import caps_and_warm
 
@@ -53,8 +57,65 @@ def curve(trace: Any, calib_ids: np.ndarray | None, grid: tuple[float, ...] = CK
                            "substituted_share": (t["substitutions"] + t["drops"]) / calls,
                            "hit_rate": t["hits"] / calls,
                            "admissions_per_token_layer": t["admissions"] / (trace.T * trace.L)}
+        for name, _ in PAIRS:  # the policies with admission: which experts their admissions evict
+            point[name]["regret"] = regret(trace, name, caps, init)
         out.append(point)
     return out
+
+
+def regret(trace: Any, policy: str, caps: np.ndarray, init: Any) -> dict[str, float]:
+    """How often admission evicts the wrong expert: `policy` (one with admission) replayed layer by layer on `trace`
+    (capacities `caps`, warm start `init`), each applied admission's evicted expert and the admitted one followed
+    forward. An admission is a *regret* when the tokens route to the evicted expert before they route to the
+    admitted one (from the admitting token on: admissions apply before the token's own calls); *unused* when the
+    admitted expert is not routed to before it is evicted itself. {"admissions", "regret_share", "unused_share",
+    "regret_per_token_layer"}. The slots' contents are followed from the warm start through the kernel's own logs
+    (admissions, then each call's fetch), and every hit is checked against them."""
+    from runtime.core.kernel import FETCH, HIT
+    from runtime.core.kernel.cache import PolicyCache
+
+    cache = PolicyCache(PRESETS[policy], trace.E, trace.k, caps, init)
+    n_adm = n_regret = n_unused = 0
+    for l_ in range(trace.L):
+        occ = cache.slot_expert[l_].copy()  # [C_max] expert per slot, -1 empty
+        ids, valid = trace.topk_ids[:, l_], trace.valid[:, l_]  # [T, k], [T]
+        r = cache.step(l_, ids, trace.topk_weights[:, l_], trace.ranking[:, l_], valid, logs=True, decisions=True)
+        used = np.full((trace.E,), trace.T, np.int64)  # walking back: each expert's next routed token from t on
+        nxt_use = np.empty((trace.T, trace.E), np.int64) if len(r.admitted) else None
+        if nxt_use is not None:
+            for t in range(trace.T - 1, -1, -1):
+                if valid[t]:
+                    used[ids[t]] = t
+                nxt_use[t] = used
+        adm = r.admitted[np.argsort(r.admitted[:, 0], kind="stable")]  # [n, 3] (token, expert, slot)
+        last_admit: dict[int, tuple[int, int]] = {}  # slot -> (expert admitted there, token) while it stays
+        a = 0
+        for t in range(trace.T):
+            while a < len(adm) and adm[a, 0] == t:
+                e, sl = int(adm[a, 1]), int(adm[a, 2])
+                v = int(occ[sl])
+                if sl in last_admit and last_admit[sl][0] == v:  # an admitted expert evicted: was it used?
+                    n_unused += int(nxt_use[last_admit[sl][1], v] >= t)
+                n_adm += 1
+                if v >= 0:
+                    n_regret += int(nxt_use[t, v] < nxt_use[t, e])
+                occ[sl] = e
+                last_admit[sl] = (e, t)
+                a += 1
+            if not valid[t]:
+                continue
+            for j in range(trace.k):
+                kind, srv, sl = int(r.kind[t, j]), int(r.served[t, j]), int(r.slot[t, j])
+                if kind == HIT and occ[sl] != srv:
+                    raise RuntimeError(f"admission regret: layer {l_} token {t}: hit on expert {srv} in slot {sl}, "
+                                       f"which holds {occ[sl]} by the logs")
+                if kind == FETCH:
+                    if sl in last_admit and last_admit[sl][0] == occ[sl]:
+                        n_unused += int(nxt_use[last_admit[sl][1], occ[sl]] >= t)
+                        del last_admit[sl]
+                    occ[sl] = srv
+    return {"admissions": n_adm, "regret_share": n_regret / max(n_adm, 1), "unused_share": n_unused / max(n_adm, 1),
+            "regret_per_token_layer": n_regret / (trace.T * trace.L)}
 
 
 def trace_curve(path: str | Path, grid: tuple[float, ...] = CK_GRID) -> dict[str, Any]:
@@ -139,3 +200,52 @@ def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]
     fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
 
+
+
+def model_curve(model: str | Path, max_tokens: int | None = 16384,
+                grid: tuple[float, ...] = CK_GRID) -> dict[str, Any]:
+    """`curve` of a checkpoint's exact routing of its eval.txt (warm start: its calibration routing), as a source of
+    the findings page's admission section."""
+    import tempfile
+
+    from runtime.backends import hfmodel
+    from runtime.tools.findings.experiments import Setup, exact_trace
+
+    model = Path(model)
+    with tempfile.TemporaryDirectory(prefix="admission-") as tmp:
+        s = Setup(model, model / "eval.txt", {}, 0.25, max_tokens, 320, 64, 1, 1, 0, Path(tmp), hfmodel.load(model))
+        trace, calib_ids, _ = exact_trace(s, s.eval_text)
+    return {"source": f"{model.name} (recorded exact routing of eval.txt)", "experts": trace.E, "top_k": trace.k,
+            "layers": trace.L, "tokens": trace.T, "warm_start": "calibration text",
+            "points": curve(trace, calib_ids, grid)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m runtime.tools.findings.admission --model NAME|DIR [--max-tokens N] [--ck X ...]`: the admission
+    table of one model's routing (Markdown, as on the findings page)."""
+    from runtime.core.errors import ArgumentParser, InputError
+    from runtime.core.threads import configure
+    from runtime.tools.findings.render import admission_lines
+    from runtime.tools.tinymodel import SPECS, ensure_model
+
+    configure()
+    p = ArgumentParser(prog="python -m runtime.tools.findings.admission", description=main.__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help=f"a tiny model's name ({', '.join(SPECS)}) or a checkpoint folder")
+    p.add_argument("--max-tokens", type=int, default=16384, help="evaluated tokens of eval.txt")
+    p.add_argument("--ck", type=float, action="append", default=None, help="slots per top-k (repeatable)")
+    a = p.parse_args(argv)
+    if a.max_tokens < 512:
+        raise InputError(f"--max-tokens = {a.max_tokens} must be >= 512")
+    if any(not x > 0 for x in a.ck or ()):
+        raise InputError(f"--ck = {a.ck}: each must be > 0")
+    folder = ensure_model(a.model, progress=False) if a.model in SPECS else Path(a.model)
+    if not (folder / "config.json").is_file() or not (folder / "eval.txt").is_file():
+        raise InputError(f"--model {a.model}: not a tiny model's name nor a folder with config.json and eval.txt")
+    src = model_curve(folder, a.max_tokens, tuple(a.ck) if a.ck else CK_GRID)
+    print("\n".join(admission_lines({"admission": {"model": src, "plot": "(none: this command draws no plot)"}})))
+
+
+if __name__ == "__main__":
+    from runtime.core.errors import cli_main
+
+    cli_main(main)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import math
+import resource
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, check_output_path
-from runtime.core.policy import PRESETS
 from runtime.core.spec import Result
 from runtime.core.threads import configure as configure_threads
 from runtime.tools.findings import admission, stats
@@ -84,20 +84,22 @@ def parse_capacity_fraction(value: str) -> float | str:
     return f
 
 
-def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Row], Result]:
-    """Every finding at `s.capacity_fraction`, and the fetch-every-miss result (the exact model's figures)."""
+def timer(label: str, timings: dict[str, float]) -> Callable[..., Any]:
+    """`timed(name, fn, *args)`: fn(*args), its seconds kept in `timings` under "label/name" and logged."""
     def timed(name: str, fn: Callable[..., Any], *a: Any) -> Any:
         t = time.perf_counter()
         out = fn(*a)
         timings[f"{label}/{name}"] = round(time.perf_counter() - t, 1)
         log.info("finding %s (%s): %.0f s", name, label, timings[f"{label}/{name}"])
         return out
+    return timed
 
-    presets = {n: PRESETS[n] for n in ("fetch-every-miss", *X.LOSSY)}
-    main = timed("presets", X.emulate_policies, s, presets, s.eval_text)
+
+def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Row], Result]:
+    """Every finding at `s.capacity_fraction`, and the fetch-every-miss result (the exact model's figures)."""
+    timed = timer(label, timings)
+    main, mp, kept = X.emulate_column(s, timed)
     s.starts, s.blocks = X.choose_blocks(s, main)
-    mp = timed("mass", lambda: X.emulate_policies(s, X.mass_policies(), s.eval_text, mass=True))
-    kept = X.dedupe(X.trace_decisions(s, X.mass_policies()))
     r2a, r2b, r2c = X.finding_mass(s, mp, kept)
     r4a, r5q, r5s = X.finding_admission(s, main)
     rows = [X.finding_heavy(s, main), r2a, r2b, timed("band", X.finding_band, s), r4a,
@@ -106,6 +108,29 @@ def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Ro
     for r in rows:
         r.column = label
     return rows, main["fetch-every-miss"].result
+
+
+def run_power_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Row], Result]:
+    """`--power-only`: row 1 alone at `s.capacity_fraction` (the presets' emulations, the column's blocks chosen as
+    in `run_column`), for substitute-all's cost on another build (`power`); the fetch-every-miss result."""
+    main = timer(label, timings)("presets", lambda: X.emulate_policies(s, X.preset_policies(), s.eval_text))
+    s.starts, s.blocks = X.choose_blocks(s, main)
+    row = X.finding_heavy(s, main)
+    row.column = label
+    return [row], main["fetch-every-miss"].result
+
+
+def power(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per column of a result: substitute-all's perplexity change and its 95% interval (row 1's data), its share of
+    substituted calls and the column's C/k: the power of the findings' regime on this build."""
+    out = []
+    for c in res["columns"]:
+        r = next(r for r in res["rows"] if r["id"] == "1" and r["column"] == c["label"])
+        sa = r["data"]["substitute-all"]
+        out.append({"column": c["label"], "requested": c["requested"], "c_over_k": c["c_over_k"],
+                    "substitute_all_share": c["substitute_all_share"], "ppl_change_pct": sa["ppl_change_pct"],
+                    "ci95": sa["ci95"], "above_zero": sa["ci95"][0] > 0, "row1_verdict": r["verdict"]})
+    return out
 
 
 def admission_ppl(rows: Sequence[Row], columns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -159,8 +184,10 @@ def check_run_args(model: Path, max_tokens: int | None, capacity_fractions: Sequ
 
 def run(model: str | Path, max_tokens: int | None = None,
         capacity_fractions: Sequence[float | str] = (0.25, "paper"), segment: int = 320, early: int = 64,
-        prompts_per_domain: int = 8, new_tokens: int = 32, seed: int = 0, progress: bool = False) -> dict[str, Any]:
-    """Every finding on `model` at each capacity; {"rows", "columns", "setup", "sweep", "commit", ...}."""
+        prompts_per_domain: int = 8, new_tokens: int = 32, seed: int = 0, progress: bool = False,
+        power_only: bool = False) -> dict[str, Any]:
+    """Every finding on `model` at each capacity; {"rows", "columns", "setup", "sweep", "commit", "power", ...}.
+    `power_only`: row 1 alone per column (`run_power_column`), no admission curve."""
     from runtime.backends import hfmodel
     from runtime.tools.tinymodel import domain_texts
 
@@ -177,7 +204,7 @@ def run(model: str | Path, max_tokens: int | None = None,
                    prompts_per_domain, new_tokens, seed, Path(tmp), hfmodel.load(model), progress)
         trace, calib_ids, _ = exact_trace(s0, eval_text)
         paper_frac, sweep = paper_capacity(trace, calib_ids)
-        adm_curve = admission.curve(trace, calib_ids)
+        adm_curve = None if power_only else admission.curve(trace, calib_ids)
         seen: list[float] = []
         for f in fracs:
             frac = paper_frac if f == "paper" else float(f)
@@ -188,11 +215,11 @@ def run(model: str | Path, max_tokens: int | None = None,
             reg["paper_regime"] = math.isclose(frac, paper_frac)
             label = f"C={reg['slots']} ({frac:.1%})"
             s = dataclasses.replace(s0, capacity_fraction=frac, starts=None, blocks={})
-            col_rows, ex = run_column(s, label, timings)
+            col_rows, ex = (run_power_column if power_only else run_column)(s, label, timings)
             reg.update({"label": label, "requested": f, "blocks": s.blocks})
             columns.append(reg)
             rows.extend(col_rows)
-    return {"commit": git_commit(), "format": FORMAT,
+    res = {"commit": git_commit(), "format": FORMAT, "power_only": power_only,
             "rows": [r.to_dict() for r in rows],
             "columns": columns,
             "paper_regime": {"model": "Qwen3-Next-80B-A3B", "slots": PAPER_SLOTS, "experts": PAPER_EXPERTS,
@@ -209,11 +236,15 @@ def run(model: str | Path, max_tokens: int | None = None,
                       "early": early, "prompts_per_domain": prompts_per_domain, "new_tokens": new_tokens,
                       "seed": seed, "bootstrap_resamples": stats.N_BOOT, "min_blocks": stats.MIN_BLOCKS,
                       "block_width_tolerance": stats.WIDTH_TOL},
-            "admission": {"model": {"source": f"{model.name} (recorded exact routing of {eval_text.name})",
-                                    "experts": trace.E, "top_k": trace.k, "layers": trace.L, "tokens": trace.T,
-                                    "warm_start": "calibration text", "points": adm_curve},
-                          "model_ppl": admission_ppl(rows, columns)},
-            "seconds": round(time.perf_counter() - t0, 1), "seconds_by_finding": timings}
+            "admission": None if power_only else {
+                "model": {"source": f"{model.name} (recorded exact routing of {eval_text.name})", "experts": trace.E,
+                          "top_k": trace.k, "layers": trace.L, "tokens": trace.T, "warm_start": "calibration text",
+                          "points": adm_curve},
+                "model_ppl": admission_ppl(rows, columns)},
+            "seconds": round(time.perf_counter() - t0, 1), "seconds_by_finding": timings,
+            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    res["power"] = power(res)
+    return res
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="generation prompts per domain")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--power-only", action="store_true",
+                   help="row 1 alone per column: substitute-all's cost and interval (the power check of another build)")
     p.add_argument("--json", action="store_true", help="print the JSON result")
     p.add_argument("--out-md", default=None, help="write the Markdown page here")
     p.add_argument("--out-json", default=None, help="write the JSON result here")
@@ -253,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the findings and print (and optionally write) the page or the JSON."""
     a = checked_args(argv)
     res = run(a.model, a.max_tokens, a.capacity_fraction, a.segment, a.early, a.prompts, a.new_tokens, a.seed,
-              progress=sys.stderr.isatty())
+              progress=sys.stderr.isatty(), power_only=a.power_only)
     md = to_markdown(res, a.command)
     text = json.dumps(res, indent=2)
     if a.out_json:

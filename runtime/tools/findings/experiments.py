@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,13 +117,13 @@ class PolicyRun:
         return (c["substitutions"] + c["drops"]) / max(c["calls"], 1)
 
 
-def emulate_policies(s: Setup, policies: dict[str, PolicyConfig], text: Path, *, mass: bool = False,
+def emulate_policies(s: Setup, policies: dict[str, PolicyConfig], text: Path, *, mass: bool | Collection[str] = False,
                      nll: bool = False, max_tokens: int | None | str = "setup") -> dict[str, PolicyRun]:
     """Emulate named policies on one text (one exact pass); per-window NLL change, substituted calls, optional mass.
 
-    With `mass`, the router's gate weights are recorded during each policy run (its trace, `trace_out`)
-    and summed over the calls the decisions mark substituted or dropped; the total is checked against
-    the kernel's own substituted-mass counter."""
+    With `mass` (True: every policy; a collection: the policies it names), the router's gate weights are recorded
+    during each policy run (its trace, `trace_out`) and summed over the calls the decisions mark substituted or
+    dropped; the total is checked against the kernel's own substituted-mass counter."""
     import pyarrow.parquet as pq
 
     from runtime.backends.emulate import evaluate_group
@@ -132,7 +133,9 @@ def emulate_policies(s: Setup, policies: dict[str, PolicyConfig], text: Path, *,
     out: dict[str, PolicyRun] = {}
     for i, (name, pol) in enumerate(policies.items()):
         nll_path = s.tmp / f"nll-{i}.parquet"
-        trace_path = s.tmp / f"trace-{i}.parquet" if mass else None  # the routing the policy run sees
+        # the routing the policy run sees; Arrow IPC, uncompressed: a third of the parquet round trip's time
+        record = mass if isinstance(mass, bool) else name in mass
+        trace_path = s.tmp / f"trace-{i}.arrow" if record else None
         spec = RunSpec(policy=pol, name=name, capacity_fraction=s.capacity_fraction, model=str(s.model),
                        text=str(text), max_tokens=mt, nll_out=str(nll_path), record_decisions=True,
                        trace_out=None if trace_path is None else str(trace_path))
@@ -303,6 +306,29 @@ def mass_policies() -> dict[str, PolicyConfig]:
     return out
 
 
+def preset_policies() -> dict[str, PolicyConfig]:
+    """fetch-every-miss (the exact model's figures) and the lossy presets (`LOSSY`), by preset name."""
+    return {n: PRESETS[n] for n in ("fetch-every-miss", *LOSSY)}
+
+
+def emulate_column(s: Setup, timed: Callable[..., Any]) -> tuple[dict[str, PolicyRun], dict[str, PolicyRun],
+                                                                   dict[str, str]]:
+    """The column's emulations, each distinct policy once: the presets (`LOSSY` and fetch-every-miss), and the mass
+    policies (`mass_policies`) without their copies (`kept`: the same decisions on the exact routing as an earlier
+    one, `trace_decisions`) and without those that are presets (the same PolicyConfig: the preset's run, its mass
+    recorded, serves both). (presets' runs, the distinct mass policies' runs, kept); `timed(name, fn, *args)`
+    runs and times each of the two groups."""
+    presets = preset_policies()
+    pols = mass_policies()
+    kept = dedupe(trace_decisions(s, pols))
+    distinct = [n for n in pols if kept[n] == n]
+    as_preset = {p.label(): n for n, p in presets.items() if p.label() in distinct}
+    main = timed("presets", lambda: emulate_policies(s, presets, s.eval_text, mass=set(as_preset.values())))
+    todo = {n: pols[n] for n in distinct if n not in as_preset}
+    ran = timed("mass", lambda: emulate_policies(s, todo, s.eval_text, mass=True))
+    return main, {n: ran[n] if n in ran else main[as_preset[n]] for n in distinct}, kept
+
+
 def admission_pairs(policies: dict[str, PolicyConfig]) -> list[tuple[str, str]]:
     """(without, with admission) label pairs of `policies` that differ only in beta."""
     out = []
@@ -356,10 +382,13 @@ def trace_decisions(s: Setup, policies: dict[str, PolicyConfig]) -> dict[str, tu
 
 def finding_mass(s: Setup, runs: dict[str, PolicyRun], kept: dict[str, str] | None = None) -> tuple[Row, Row, Row]:
     """Rows 2a, 2b and 2c from the mass policies' emulations; `kept` maps each policy to the first one with its
-    decisions on the exact routing (`dedupe(trace_decisions(...))`; default: every policy its own)."""
-    kept = {n: (kept or {}).get(n, n) for n in runs}
-    kept = {n: k if k in runs else n for n, k in kept.items()}
-    names = [n for n in runs if kept[n] == n]
+    decisions on the exact routing (`dedupe(trace_decisions(...))`; default: every policy of `runs` its own).
+    `runs` needs only the distinct policies (the values of `kept`): the copies are counted, not used."""
+    kept = dict(kept) if kept else {n: n for n in runs}
+    missing = sorted({k for k in kept.values() if k not in runs})
+    if missing:
+        raise ValueError(f"finding_mass: no emulation of the distinct policies {missing}")
+    names = [n for n in kept if kept[n] == n]  # copies need no emulation of their own (`run_column`)
     dups = {n: k for n, k in kept.items() if n != k}
     P, first = len(names), runs[names[0]]
     n_win = len(first.dnll)
@@ -391,7 +420,7 @@ def finding_mass(s: Setup, runs: dict[str, PolicyRun], kept: dict[str, str] | No
                 {**w, "r_windows": dict(zip(names, w["r_windows"], strict=True)),
                  "ci95_windows": dict(zip(names, w["ci95_windows"], strict=True)), "windows": n_win})
 
-    pairs = distinct_pairs([(x, y) for x, y in admission_pairs(mass_policies()) if x in runs and y in runs], kept)
+    pairs = distinct_pairs([(x, y) for x, y in admission_pairs(mass_policies()) if x in kept and y in kept], kept)
     ev = {R.pair_key(x, y): (runs[x].dnll, runs[x].mass, runs[y].dnll, runs[y].mass) for x, y in pairs}
     pr = R.admission_pairs(s.starts, ev, cnt, tok, s.seed)
     for x, y in pairs:

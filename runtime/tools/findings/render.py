@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.tools.findings.experiments import PAPER_LAYERS
-from runtime.tools.findings.rules import PAPER_HEDGE, UNSTABLE
+from runtime.tools.findings.rules import PAPER_HEDGE, UNSTABLE, UNTESTABLE
 from runtime.tools.findings.stats import fmt_ci
 
 
@@ -29,6 +29,59 @@ def regime_lines(res: dict[str, Any]) -> list[str]:
         out.append(f"| {c['label']} | {c['slots']} of {c['experts']} | {c['slots_per_top_k']:.1f} | "
                    f"{c['warm_set_miss_rate']:.1%} | {c['substitute_all_share']:.1%} | {where} |")
     return out
+
+
+def power_lines(res: dict[str, Any]) -> list[str]:
+    """Substitute-all's perplexity cost per column on every build (`res["power_by_build"]`): whether the regime has
+    the power the rows need (its loss is what row 1 and the admission rows rest on)."""
+    builds = res.get("power_by_build") or []
+    if not builds:
+        return []
+    reqs = [c["requested"] for c in res["columns"]]
+
+    def head(req: Any) -> str:
+        return "the paper's regime" if req == "paper" else f"{float(req):.2%} of the experts"
+
+    out = ["### Power across build seeds", "",
+           "Substitute-all's perplexity change (%, 95% interval: the block bootstrap of row 1) per column on each "
+           "build of the model, with the column's C/k and substitute-all's share of substituted calls on that build "
+           "(the paper: +5.67% at 8.5% of calls substituted, C/k = 12.8). A build marked 'power only' ran row 1 "
+           "alone (`python -m runtime.findings --power-only`).", "",
+           "| build | exact perplexity | " + " | ".join(head(q) for q in reqs) + " |",
+           "|---|---|" + "---|" * len(reqs)]
+    for b in builds:
+        by = {str(c["requested"]): c for c in b["columns"]}
+        cells = []
+        for q in reqs:
+            c = by.get(str(q))
+            cells.append("-" if c is None else f"{c['ppl_change_pct']:+.2f}% {fmt_ci(*c['ci95'])} (C/k "
+                         f"{c['c_over_k']:.1f}, {c['substitute_all_share']:.1%})")
+        seed = "?" if b["build_seed"] is None else b["build_seed"]
+        out.append(f"| seed {seed} (`{b['model']}`){', power only' if b['power_only'] else ''} | "
+                   f"{b['exact_perplexity']:.2f} | " + " | ".join(cells) + " |")
+    counts = []
+    for q in reqs:
+        cs = [c for b in builds for c in b["columns"] if str(c["requested"]) == str(q)]
+        counts.append(f"{head(q)}: above 0 on {sum(c['ci95'][0] > 0 for c in cs)} of {len(cs)} builds "
+                      f"(from {min(c['ppl_change_pct'] for c in cs):+.2f}% to "
+                      f"{max(c['ppl_change_pct'] for c in cs):+.2f}%)")
+    return out + ["", "Substitute-all's interval: " + "; ".join(counts) + ".", ""]
+
+
+def claims_count_lines(res: dict[str, Any]) -> list[str]:
+    """How many claims the page tests and what no correction for their number means for reading a verdict."""
+    tested = [r for r in res["rows"] if r["verdict"] not in (UNTESTABLE,)]
+    paper = [r for r in tested if not r.get("own_check")]
+    ids = sorted({r["id"] for r in paper})
+    n = len(paper)
+    return [f"**Several claims, no correction.** The table tests {n} (row, column) pairs of the paper's claims "
+            f"({len(ids)} rows x {len(res['columns'])} columns; {len(tested) - n} more of the page's own check), "
+            "each against its own 95% interval, with no correction for their number (no Holm or Bonferroni). An "
+            "interval excludes an effect that is not there about 1 time in 20, so if none of the claimed effects "
+            f"were real here, about {0.05 * n:.1f} of the {n} verdicts could read 'holds' or 'differs' by chance "
+            f"alone; a Bonferroni reading would need each interval at {100 - 5 / max(n, 1):.2f}%, which this page "
+            "does not compute. A verdict shared by every column and by the second build is the one to rely on; one "
+            "seen in a single column is weak evidence.", ""]
 
 
 def block_lines(res: dict[str, Any]) -> list[str]:
@@ -131,23 +184,28 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
            "Background admission (beta 0.5) against the same policy without it: Quality-First (QF) against the 0.15 "
            "rule, Speed-First (SF) against first-choice. Substituted mass per token from the simulator's replay of "
            "each routing at each C/k (slots per top-k), with its warm start; churn: admissions per token and layer "
-           f"as a share of the slots. The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
+           "as a share of the slots; regret: the share of admissions whose evicted expert the following tokens route "
+           "to before the admitted one; unused: the share whose admitted expert is evicted again before any token "
+           f"routes to it (`admission.regret`). The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
     sources = [x for x in (adm.get("model"), *adm.get("traces", [])) if x]
     for src in sources:
         pts = src["points"]
         out += [f"**{src['source']}** ({src['experts']} experts, top-{src['top_k']}, {src['layers']} layers, "
                 f"{src['tokens']} tokens; warm start: {src['warm_start']})", "",
                 "| C/k | slots | " + " | ".join(f"{_pair_tag(a)}: mass change | hit-rate change (points) | "
-                                                 "admissions per token-layer / slots" for a, _ in PAIRS) + " |",
-                "|---|---|" + "---|---|---|" * len(PAIRS)]
+                                                 "admissions per token-layer / slots | admissions: regret / unused"
+                                                 for a, _ in PAIRS) + " |",
+                "|---|---|" + "---|---|---|---|" * len(PAIRS)]
         for p in pts:
             cells = [f"{p['c_over_k']:.2f}", str(p["slots"])]
             for a, b in PAIRS:
                 mb = p[b]["mass_per_token"]
                 rel = f"{(p[a]['mass_per_token'] / mb - 1) * 100:+.1f}%" if mb > 0 else "n/a"
+                reg = p[a].get("regret")
                 cells += [f"{rel} ({mb:.3f} -> {p[a]['mass_per_token']:.3f})",
                           f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}",
-                          f"{p[a]['admissions_per_token_layer'] / p['slots']:.2%}"]
+                          f"{p[a]['admissions_per_token_layer'] / p['slots']:.2%}",
+                          f"{reg['regret_share']:.0%} / {reg['unused_share']:.0%}" if reg else "n/a"]
             out.append("| " + " | ".join(cells) + " |")
         helps = []
         for pair in PAIRS:
@@ -157,19 +215,20 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
         out += ["", "Admission lowers the substituted mass " + "; ".join(helps) + "."]
         for a, b in PAIRS:
             hurt = [p for p in pts if p[a]["mass_per_token"] > p[b]["mass_per_token"]]
-            if hurt:
-                out.append(f"Where {_pair_tag(a)} raises the mass (C/k " + ", ".join(f"{p['c_over_k']:.2f}"
-                                                                                   for p in hurt) +
-                           "), the hit rate changes by " + ", ".join(
-                               f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}" for p in hurt) +
-                           " points while each token's admissions replace " + ", ".join(
-                               f"{p[a]['admissions_per_token_layer'] / p['slots']:.1%}" for p in hurt) +
-                           " of a layer's slots" + (
-                               ": with so few slots an admitted expert evicts one the next tokens still use, which "
-                               "then misses and is substituted." if all(p[a]["hit_rate"] < p[b]["hit_rate"]
-                                                                         for p in hurt)
-                               else "; the hit rate does not fall at all of them, so eviction of experts in use does "
-                                    "not explain it alone."))
+            if not hurt:
+                continue
+            line = (f"Where {_pair_tag(a)} raises the mass (C/k " + ", ".join(f"{p['c_over_k']:.2f}" for p in hurt)
+                    + "), the hit rate changes by " + ", ".join(
+                        f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}" for p in hurt)
+                    + " points while each token's admissions replace " + ", ".join(
+                        f"{p[a]['admissions_per_token_layer'] / p['slots']:.1%}" for p in hurt) + " of a layer's slots")
+            helped = [p for p in pts if p[a]["mass_per_token"] < p[b]["mass_per_token"] and p[a].get("regret")]
+            if all(p[a].get("regret") for p in hurt) and helped:
+                rh = [p[a]["regret"]["regret_share"] for p in hurt]
+                rl = [p[a]["regret"]["regret_share"] for p in helped]
+                line += (f"; there {min(rh):.0%}-{max(rh):.0%} of its admissions are regrets, against "
+                         f"{min(rl):.0%}-{max(rl):.0%} where it lowers the mass")
+            out.append(line + ".")
         out.append("")
     mp = adm.get("model_ppl") or []
     if mp:
@@ -185,7 +244,12 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
     st = res["setup"]
     head = []
     if command:
-        head += [f"`{command}` ({res['seconds'] / 60:.1f} min on this machine)", ""]
+        pr = res.get("processes")
+        took = (f"{res['wall_seconds'] / 60:.1f} min on this machine for every build's findings, "
+                f"{pr['workers']} process(es) at a time with {pr['threads_each']} thread(s) each: " + ", ".join(
+                    f"{j['name']} {j['seconds'] / 60:.1f} min" for j in pr["jobs"])
+                if pr else f"{res['seconds'] / 60:.1f} min on this machine")
+        head += [f"`{command}` ({took})", ""]
     c = res.get("commit") or {}
     if c.get("commit"):
         head += [f"Commit `{c['commit'][:12]}`{' (with uncommitted changes)' if c.get('dirty') else ''}.", ""]
@@ -203,7 +267,8 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
     head += [f"Every verdict was also computed on a second build of the model (`{sb['model']}`, exact perplexity "
              f"{sb['exact_perplexity']:.3f}): a row whose verdicts differ between the builds reads **unstable**.", ""
              ] if sb else ["Verdicts on one build of the model only (no second build compared).", ""]
-    head += ["### Cache regimes", ""] + regime_lines(res) + ["", "### Findings", ""]
+    head += claims_count_lines(res)
+    head += ["### Cache regimes", ""] + regime_lines(res) + [""] + power_lines(res) + ["### Findings", ""]
     order = [r["id"] for r in res["rows"]]
     own = [r for r in res["rows"] if r.get("own_check")]
     lines = table([r for r in res["rows"] if r not in own], order)
