@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.tools.findings.admission import admission_lines
 from runtime.tools.findings.experiments import PAPER_LAYERS
 from runtime.tools.findings.rules import PAPER_HEDGE, UNSTABLE, UNTESTABLE
 from runtime.tools.findings.stats import fmt_ci
@@ -165,77 +166,6 @@ def table(rows: list[dict[str, Any]], order: list[str]) -> list[str]:
             v += " ({} on the first build, {} on the second)".format(*r["verdict_by_build"])
         cells = [r["id"], r["finding"], paper, r["column"], r["ours"], r["ci95"], v]
         out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
-    return out
-
-
-def _pair_tag(a: str) -> str:
-    return "QF vs the rule" if a == "quality-first" else "SF vs first-choice"
-
-
-def admission_lines(res: dict[str, Any]) -> list[str]:
-    """Admission against C/k: per source the mass effect of each pair at each C/k, where it starts to help, the
-    churn behind it, and the reference model's perplexity effect per column (all from `res["admission"]`)."""
-    from runtime.tools.findings.admission import PAIRS, starts_helping
-
-    adm = res.get("admission")
-    if not adm:
-        return []
-    out = ["## Admission against the cache size", "",
-           "Background admission (beta 0.5) against the same policy without it: Quality-First (QF) against the 0.15 "
-           "rule, Speed-First (SF) against first-choice. Substituted mass per token from the simulator's replay of "
-           "each routing at each C/k (slots per top-k), with its warm start; churn: admissions per token and layer "
-           "as a share of the slots; regret: the share of admissions whose evicted expert the following tokens route "
-           "to before the admitted one; unused: the share whose admitted expert is evicted again before any token "
-           f"routes to it (`admission.regret`). The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
-    sources = [x for x in (adm.get("model"), *adm.get("traces", [])) if x]
-    for src in sources:
-        pts = src["points"]
-        out += [f"**{src['source']}** ({src['experts']} experts, top-{src['top_k']}, {src['layers']} layers, "
-                f"{src['tokens']} tokens; warm start: {src['warm_start']})", "",
-                "| C/k | slots | " + " | ".join(f"{_pair_tag(a)}: mass change | hit-rate change (points) | "
-                                                 "admissions per token-layer / slots | admissions: regret / unused"
-                                                 for a, _ in PAIRS) + " |",
-                "|---|---|" + "---|---|---|---|" * len(PAIRS)]
-        for p in pts:
-            cells = [f"{p['c_over_k']:.2f}", str(p["slots"])]
-            for a, b in PAIRS:
-                mb = p[b]["mass_per_token"]
-                rel = f"{(p[a]['mass_per_token'] / mb - 1) * 100:+.1f}%" if mb > 0 else "n/a"
-                reg = p[a].get("regret")
-                cells += [f"{rel} ({mb:.3f} -> {p[a]['mass_per_token']:.3f})",
-                          f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}",
-                          f"{p[a]['admissions_per_token_layer'] / p['slots']:.2%}",
-                          f"{reg['regret_share']:.0%} / {reg['unused_share']:.0%}" if reg else "n/a"]
-            out.append("| " + " | ".join(cells) + " |")
-        helps = []
-        for pair in PAIRS:
-            x = starts_helping(pts, pair)
-            helps.append(f"{_pair_tag(pair[0])}: " + (f"from C/k = {x:.2f} on (every C/k tried)" if x is not None
-                                                       else "not at the largest C/k tried"))
-        out += ["", "Admission lowers the substituted mass " + "; ".join(helps) + "."]
-        for a, b in PAIRS:
-            hurt = [p for p in pts if p[a]["mass_per_token"] > p[b]["mass_per_token"]]
-            if not hurt:
-                continue
-            line = (f"Where {_pair_tag(a)} raises the mass (C/k " + ", ".join(f"{p['c_over_k']:.2f}" for p in hurt)
-                    + "), the hit rate changes by " + ", ".join(
-                        f"{(p[a]['hit_rate'] - p[b]['hit_rate']) * 100:+.2f}" for p in hurt)
-                    + " points while each token's admissions replace " + ", ".join(
-                        f"{p[a]['admissions_per_token_layer'] / p['slots']:.1%}" for p in hurt) + " of a layer's slots")
-            helped = [p for p in pts if p[a]["mass_per_token"] < p[b]["mass_per_token"] and p[a].get("regret")]
-            if all(p[a].get("regret") for p in hurt) and helped:
-                rh = [p[a]["regret"]["regret_share"] for p in hurt]
-                rl = [p[a]["regret"]["regret_share"] for p in helped]
-                line += (f"; there {min(rh):.0%}-{max(rh):.0%} of its admissions are regrets, against "
-                         f"{min(rl):.0%}-{max(rl):.0%} where it lowers the mass")
-            out.append(line + ".")
-        out.append("")
-    mp = adm.get("model_ppl") or []
-    if mp:
-        out += ["Reference model, perplexity (emulation, per findings column; points, 95% interval): " + "; ".join(
-            f"C/k = {m['c_over_k']:.1f}: QF - rule {m['qf_minus_rule']['point']:+.2f} "
-            f"{fmt_ci(*m['qf_minus_rule']['ci95'])}, SF - first-choice {m['sf_minus_fc']['point']:+.2f} "
-            f"{fmt_ci(*m['sf_minus_fc']['ci95'])}" for m in mp) + ".", ""]
     return out
 
 
