@@ -8,7 +8,7 @@ The engine decodes a teacher-forced window as segments around each MoE layer's h
 `--no-cuda-graphs`. For fetch-every-miss, quality-first and speed-first at 25% of the experts, warm
 from the first tokens, this runs the engine twice on one window, graphs on and off, and requires the
 NLL bit-identical and every counter equal; it reports the time per token of both and which decode
-path ran. Exit status 1 on any difference, or when CUDA was asked for and nothing was captured.
+path ran, and the time per decoder layer with all but one expert resident (the step's floor). Exit status 1 on any difference, or when CUDA was asked for and nothing was captured.
 
 `--cpu` (CPU device mode, where nothing is captured: both runs are the eager segments) also compares
 the segments with the Hugging Face forward path (`hf_forward`), which must make the same decisions
@@ -129,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:17s} {row['decode_path_on']:12s} on {row['time_per_token_us_on']:9.1f} us/token, "
                   f"off {row['time_per_token_us_off']:9.1f} us/token ({row['speedup']:.2f}x)  "
                   + ("identical" if not row["problems"] else "DIFFERS: " + "; ".join(row["problems"])), flush=True)
+        # all but one expert resident: the step's floor per decoder layer (issue 32's <= 150 us on the bench shape)
+        full = np.full(eng.L, eng.E - 1)
+        res_init = warm_residency(ids, None, eng.E, full)
+        n_dec = len(eng.m.model.model.layers)
+        on = run(eng, "fetch-every-miss", window, full, res_init, graphs=True)
+        off = run(eng, "fetch-every-miss", window, full, res_init, graphs=False)
+        row = {"slots": int(eng.E - 1), "decoder_layers": n_dec, "us_per_layer_on": 1e6 * on["time_per_token_s"] / n_dec,
+               "us_per_layer_off": 1e6 * off["time_per_token_s"] / n_dec, "decode_path_on": on["decode_path"],
+               "problems": compare(on, off, exact=True)}
+        out["all_resident"] = row
+        out["ok"] &= not row["problems"]
+        print(f"all-resident (E-1 slots): {row['us_per_layer_on']:.1f} us per decoder layer with {row['decode_path_on']}, "
+              f"{row['us_per_layer_off']:.1f} without", flush=True)
     finally:
         eng.close()
     if a.out:

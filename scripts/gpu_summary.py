@@ -173,6 +173,11 @@ def exact_checks(work: Path) -> list[str]:
             out.append(f"- {name}: {r['decode_path_on']} {r['time_per_token_us_on']:.1f} us/token vs "
                        f"{r['decode_path_off']} {r['time_per_token_us_off']:.1f} ({r['speedup']:.2f}x); "
                        + ("identical NLL and counters" if not r["problems"] else "DIFFERS: " + "; ".join(r["problems"])))
+        ar = gr.get("all_resident")
+        if ar:
+            out.append(f"- all-resident ({ar['slots']} slots): {ar['us_per_layer_on']:.1f} us per decoder layer with "
+                       f"{ar['decode_path_on']}, {ar['us_per_layer_off']:.1f} eager"
+                       + ("" if not ar["problems"] else "; DIFFERS: " + "; ".join(ar["problems"])))
         out.append(f"- ok: {gr.get('ok')}")
     return out
 
