@@ -54,7 +54,8 @@
 #                budget (sized with the context this process measures, as the bench sized it)
 #   8b graphs    scripts/gpu_graphs_check.py on the bench's model: fetch-every-miss, quality-first, speed-first at
 #                25%, the decode step's segments replayed from CUDA graphs vs run eagerly (--no-cuda-graphs): NLL
-#                bit-identical, counters equal, the path really `cuda_graphs`; time per token of both (CPU
+#                bit-identical, counters equal, the path really `cuda_graphs`; time per token of both, and per
+#                decoder layer with all but one expert resident (CPU
 #                mode: the eager segments vs the Hugging Face forward path, same decisions, logits 1e-4)
 #   9 exactness  tests/test_engine.py with the engine on the device (CUDA: TF32 off, logits within 1e-4)
 #  10 calibrate  runtime.tools.calibrate: pinned/pageable bandwidth and issue time, fetch isolated and in context
