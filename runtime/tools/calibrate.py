@@ -308,11 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     costmodel.save_host_profile(prof, a.out)
     if a.json:
         print(json.dumps(details, indent=2))
-    else:
-        print(f"wrote {Path(a.out)}: link {details['link']['pinned_GBps']:.2f} GB/s pinned, "
-              f"{details['link']['pageable_GBps']:.2f} GB/s pageable; fetch {details['fetch_us']:.1f} us, "
-              f"expert {details['device_expert_us']:.1f} us device / {details['host_expert_us']:.1f} us host, "
-              f"dense {details['dense_layer_us']:.1f} us per layer")
+    # the one-line summary: on stdout, or beside the JSON on stderr (a log of the run shows what was measured)
+    print(f"wrote {Path(a.out)}: link {details['link']['pinned_GBps']:.2f} GB/s pinned, "
+          f"{details['link']['pageable_GBps']:.2f} GB/s pageable; fetch {details['fetch_us']:.1f} us, "
+          f"expert {details['device_expert_us']:.1f} us device / {details['host_expert_us']:.1f} us host, "
+          f"dense {details['dense_layer_us']:.1f} us per layer", file=sys.stderr if a.json else sys.stdout)
 
 
 if __name__ == "__main__":
