@@ -44,7 +44,7 @@ from runtime.core.policy import PolicyConfig
 from runtime.formats import costmodel
 
 # what callers imported from here before the split (expert_forward, stream_layer: plan.py;
-# page_aligned_empty: hoststore.py) stays importable from here
+# page_aligned_empty: store.py) stays importable from here
 __all__ = ["Engine", "cpu_threads", "cuda_context_bytes", "device_errors", "engine_cli", "expert_forward",
            "forward_cached", "kv_cache_kwarg", "load_cublas", "load_engine", "model_shape_of", "page_aligned_empty",
            "resolve_device", "stream_layer"]
