@@ -223,17 +223,17 @@ class PolicyExperts(nn.Module):
         logits = self.tap.logits.reshape(N, -1)
         score = self.scores(logits)  # [N, E] float32
         self.num_experts = score.shape[1]
-        nxt = self.next_layer_scores() if self.lookahead_width() else None  # [N, E'] or None
+        nxt = self.next_layer_scores() if max(self.lookahead_widths()) else None  # [N, E'] or None
         parts = [top_k_index.float(), top_k_weights.detach().float(), score,
                  torch.isfinite(logits).all(dim=1, keepdim=True).float()]
         return torch.cat(parts if nxt is None else [*parts, nxt], 1)
 
-    def lookahead_width(self) -> int:
-        """P: how many of the next layer's experts the recorder or the policy's lookahead wants (0: none)."""
+    def lookahead_widths(self) -> tuple[int, int]:
+        """(the recorder's P, the policy's lookahead P): how many of the next layer's experts each wants (0: none)."""
         ctx = self.ctx
-        P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
         pol = ctx.cache.policy if ctx.cache is not None else None
-        return max(P_rec, ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0)
+        return (ctx.recorder.lookahead_depth if ctx.recorder is not None else 0,
+                ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         ctx = self.ctx
@@ -267,8 +267,7 @@ class PolicyExperts(nn.Module):
             raise InputError(f"router scores: non-finite value at MoE layer {self.layer}, token "
                              f"{int(np.flatnonzero(fin != 1)[0])} of this batch")
         pol = ctx.cache.policy if ctx.cache is not None else None
-        P_rec = ctx.recorder.lookahead_depth if ctx.recorder is not None else 0
-        P_pol = ctx.cache.prefetch_width if pol is not None and pol.prefetch == "lookahead" else 0
+        P_rec, P_pol = self.lookahead_widths()
         P = max(P_rec, P_pol)
         score_np = packed[:, 2 * k : 2 * k + E]  # [N, E] float32
         r = np.arange(N)[:, None]  # [N, 1] row index

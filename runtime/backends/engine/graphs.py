@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.backends.engine.plan import Staged, grouped_experts
+from runtime.backends.engine.plan import Staged, grouped_masked
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +48,6 @@ def kv_cache_kwarg(cls: type) -> str:
     """The name a model class's forward gives its KV cache argument (and its output's field):
     transformers >= 5.2x `cache`, earlier 5.x `past_key_values`."""
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def grouped_masked(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, plan: torch.Tensor, act,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """A token's device-computed experts in one grouped call of fixed shape: x [1, H], plan [3, k] float32 on
-    the device (slot, gate weight in `dtype`'s values, 1 where the rank is computed here) -> [1, H], the
-    weighted outputs summed over the k ranks in rank order, the other ranks counting 0 (`torch.where`: a
-    rank not computed here may read an empty slot; its value never enters the sum). Equal, bit for bit,
-    to PlanRunner.device_compute's sum of the computed ranks."""
-    k = plan.shape[1]
-    y = grouped_experts(gate_up, down, x.expand(k, -1), plan[0].long(), plan[1].to(dtype), act)  # [k, H]
-    return torch.where(plan[2, :, None] > 0, y, 0).sum(dim=0, keepdim=True)  # [1, H]
 
 
 def mask_kind(config, i: int) -> str:
