@@ -9,7 +9,11 @@ with a KV cache, batch 1, from a fresh cache each run:
 - `plain`: the checkpoint through transformers itself (AutoModelForCausalLM, its default experts
   implementation), no wrapper;
 - `engine`: runtime.backends.engine with fetch-every-miss and E - 1 of E experts resident (the first
-  E - 1 ids in every layer), the experts offloaded.
+  E - 1 ids in every layer), the experts offloaded, through the Hugging Face forward with the engine's
+  executor (the path of generation and of families without a capture plan);
+- `segments`: the same engine and cache through its teacher-forced decode step (runtime/backends/engine/
+  graphs.py's StepProgram, eager: CPU device mode, or CUDA with no_cuda_graphs), the program built once
+  for `--long` positions before anything is counted.
 Counted: the aten ops dispatched (a TorchDispatchMode counting every call) and the host time (best of
 `--repeats`; `--clock thread`, the default, is the main thread's CPU time, time.thread_time: with one
 intra-op thread all of both decodes runs on it, and it leaves out the turns other processes take on a
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    from runtime.backends.engine import forward_cached, load_engine
+    from runtime.backends.engine import forward_cached, graphs, load_engine
     from runtime.core.kernel import PolicyCache
     from runtime.core.policy import PRESETS
 
@@ -154,24 +158,50 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 eng.m.ctx.cache = None
 
+        # the engine's teacher-forced path (what its runs time): the segmented step program of graphs.py, built
+        # once for `--long` positions (its set-up, once per run of many windows, is not a per-token cost);
+        # each run binds a fresh cache to the same slots and steps through the tokens
+        first = PolicyCache(PRESETS["fetch-every-miss"], E, k, caps, [np.arange(E - 1)] * L)
+        eng.bind(first)
+        eng.m.ctx.cache = first
+        with torch.inference_mode():
+            prog = graphs.StepProgram(eng.m.model, eng.m.ctx, eng.runner, a.long, capture=False)
+        eng.m.ctx.cache = eng.m.ctx.step = None
+
+        def run_segments(n: int, eng=eng, caps=caps, E=E, L=L, k=k, prog=prog) -> None:
+            cache = PolicyCache(PRESETS["fetch-every-miss"], E, k, caps, [np.arange(E - 1)] * L)
+            eng.bind(cache)
+            eng.m.ctx.cache, eng.m.ctx.step = cache, prog
+            try:
+                with torch.inference_mode():
+                    prog.begin()
+                    for t in range(n):
+                        prog.step(tokens[None, t : t + 1], t)
+            finally:
+                eng.m.ctx.cache = eng.m.ctx.step = None
+
         run_plain(4)
         run_engine(4)  # compiled / warmed before anything is counted
+        run_segments(4)
         res = {"plain": measure(run_plain, a.short, a.long, a.repeats, clock),
-               "engine": measure(run_engine, a.short, a.long, a.repeats, clock)}
+               "engine": measure(run_engine, a.short, a.long, a.repeats, clock),
+               "segments": measure(run_segments, a.short, a.long, a.repeats, clock)}
         fetches = int(eng.stats["fetch_copies"])
         eng.close()
         for mode, r in res.items():
             row = {"k": k, "mode": mode, "ops_per_token_per_layer": r["ops_per_token"] / a.layers,
                    "us_per_token": r["s_per_token"] * 1e6, "us_per_token_per_layer": r["s_per_token"] * 1e6 / a.layers,
                    "raw": r}
-            if mode == "engine":
+            if mode == "segments":
                 row["fetches_last_run"] = fetches
             out["rows"].append(row)
-            print(f"k={k} {mode:6s} ops/token/layer {row['ops_per_token_per_layer']:7.1f}  "
+            print(f"k={k} {mode:8s} ops/token/layer {row['ops_per_token_per_layer']:7.1f}  "
                   f"host {row['us_per_token']:8.0f} us/token", flush=True)
-        pl, en = res["plain"], res["engine"]
-        print(f"k={k} engine/plain: ops {en['ops_per_token'] / pl['ops_per_token']:.2f}x, "
-              f"time {en['s_per_token'] / pl['s_per_token']:.2f}x", flush=True)
+        pl = res["plain"]
+        for mode in ("engine", "segments"):
+            en = res[mode]
+            print(f"k={k} {mode}/plain: ops {en['ops_per_token'] / pl['ops_per_token']:.2f}x, "
+                  f"time {en['s_per_token'] / pl['s_per_token']:.2f}x", flush=True)
     if a.out:
         from runtime.core.errors import atomic_write
 

@@ -63,12 +63,11 @@ def grouped_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, 
 def write_plan_row(row: np.ndarray, kind: np.ndarray, slot: np.ndarray, w: torch.Tensor) -> int:
     """One token's plan row, in place: row [3, k] float32 = the slot, the gate weight (the model dtype's value)
     and 1 for every rank computed from a device slot (`on_device`: HIT, FETCH, SUB), slot 0 and weight 0
-    elsewhere, from its decisions `kind` [k], slots `slot` [k] and weights `w` [k]; returns how many ranks are
-    computed on the device. `grouped_masked` reads it."""
+    elsewhere, from its decisions `kind` [k], slots `slot` [k] and weights `w` [k] (host); returns how many ranks
+    are computed on the device. `grouped_masked` reads it."""
     on = on_device(kind)
-    wf = w.detach().float()  # the adapters' host weights; on the device only on the own-weight path (then read)
     row[0] = np.where(on, slot, 0)
-    row[1] = np.where(on, (wf if wf.device.type == "cpu" else wf.cpu()).numpy(), 0.0)
+    row[1] = np.where(on, w.float().numpy(), 0.0)
     row[2] = on
     return int(on.sum())
 
@@ -79,7 +78,7 @@ def grouped_masked(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, p
     the device (slot, gate weight in `dtype`'s values, 1 where the rank is computed here) -> [1, H], the
     weighted outputs summed over the k ranks in rank order, the other ranks counting 0 (`torch.where`: a
     rank not computed here may read an empty slot; its value never enters the sum). Equal, bit for bit,
-    to `grouped_experts` over the computed ranks alone, summed in rank order (tests/test_graphs.py)."""
+    to `PlanRunner.device_compute`'s call over the computed ranks alone (tests/test_graphs.py)."""
     k = plan.shape[1]
     y = grouped_experts(gate_up, down, x.expand(k, -1), plan[0].long(), plan[1].to(dtype), act)  # [k, H]
     return torch.where(plan[2, :, None] > 0, y, 0).sum(dim=0, keepdim=True)  # [1, H]
@@ -157,7 +156,7 @@ class PlanRunner:
         w_host = w
         kinds = kind.tolist()  # [N][k] Python ints: per-rank tests on k entries cost less than numpy calls
         fallback = any(c == HOST or c == LOWBIT for row in kinds for c in row)
-        if fallback:  # the low-bit and host experts' weights on the device
+        if staged is None or fallback:  # the weights on the device: the eager grouped call, low-bit, host
             if w.device != self.device and self.cuda:  # host weights (the adapters' re-rank): pinned, async
                 w = w.pin_memory().to(self.device, non_blocking=True)
             wd = w.to(self.device).reshape(-1)  # [N * k] gate weights on the device, rank order
@@ -204,7 +203,7 @@ class PlanRunner:
                 oi = staged.extra
                 staged.used = fallback
             if not self.null_compute and staged is None:
-                oi = self.device_compute(layer, xi, ki, slot[i], w_host[i])  # [1, H]
+                oi = self.device_compute(layer, xi, ki, slot[i], wd if N == 1 else wd[i * k : (i + 1) * k])  # [1, H]
             if not self.null_compute:
                 for j in ranks_of(kl, LOWBIT, si):  # ascending expert id
                     oi[0] += (self.lowbit_expert(layer, int(si[j]), xi) * wd[i * k + j])[0]
@@ -235,16 +234,32 @@ class PlanRunner:
 
     def device_compute(self, layer: int, x: torch.Tensor, kind: np.ndarray, slot: np.ndarray,
                        w: torch.Tensor) -> torch.Tensor:
-        """One token's device-computed experts (kind HIT / FETCH / SUB) in one grouped call, as a segment makes
-        it (`write_plan_row`, `grouped_masked`): x [1, H], the token's decisions kind / slot [k] (host) and
-        gate weights w [k] in rank order -> [1, H], summed over the k ranks in rank order (other kinds count 0).
-        The plan row goes to the device in one copy (CUDA: from pinned memory, without blocking)."""
-        row = np.empty((3, len(kind)), np.float32)
-        self.stats["device_computes"] += write_plan_row(row, kind, slot, w)
-        plan = torch.from_numpy(row)
-        if self.cuda:
-            plan = plan.pin_memory().to(self.device, non_blocking=True)
-        return grouped_masked(self.pool.gate_up[layer], self.pool.down[layer], x, plan, self.act[layer], self.dtype)
+        """One token's device-computed experts (kind HIT / FETCH / SUB) in one grouped call of the M ranks
+        computed here (the Hugging Face forward path: generation, families without a capture plan): x [1, H],
+        the token's decisions kind / slot [k] (host), its gate weights w [k] on the device in rank order ->
+        [1, H], the weighted outputs summed over the k ranks in rank order (other kinds count 0). The segments
+        compute all k ranks masked instead (`grouped_masked`: a CUDA graph needs one shape), bit for bit the
+        same sum at about 10 more operators per layer, which this eager path does not pay."""
+        k = len(kind)
+        pos = np.flatnonzero(on_device(kind))  # [M] ranks computed here
+        M = len(pos)
+        self.stats["device_computes"] += M
+        if M == 0:
+            return torch.zeros_like(x)
+        idx = self.to_device(slot[pos] if M == k else np.concatenate([slot[pos], pos]))  # [M] or [2M]
+        rows, wm = (idx, w) if M == k else (idx[:M], w.index_select(0, idx[M:]))  # [M], [M]
+        y = grouped_experts(self.pool.gate_up[layer], self.pool.down[layer], x.expand(M, -1), rows, wm,
+                            self.act[layer])  # [M, H]
+        if M < k:  # the ranks not computed here count 0 (exact: adding 0 changes no sum)
+            y = y.new_zeros(k, y.shape[1]).index_copy_(0, idx[M:], y)
+        return y.sum(dim=0, keepdim=True)  # [1, H]
+
+    def to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Host int indices -> an int64 tensor on the device (CUDA: from pinned memory, without blocking)."""
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def fetch(self, layer: int, e: int, s: int, prefetch_load: bool = False) -> None:
         """Copy host -> slot s on the copy stream; the compute waits for it (CPU device mode: a plain copy)."""
