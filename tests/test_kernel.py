@@ -528,23 +528,6 @@ def test_calibrated_capacities_need_counts():
             warm_start(pol, np.array([4]), 2, 8, given=ids, source=source)
 
 
-def test_cache_guard_drops_stale_kernels(tmp_path, monkeypatch):
-    """numba keys a cache entry on its own file only: the guard removes the package's cache files when any
-    kernel source's hash differs from the stored one, and keeps them while it is the same."""
-    from runtime.core.kernel import _cache_guard as guard
-
-    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
-    d = guard._cache_dirs()[1]
-    d.mkdir(parents=True)
-    (d / "run_layer.x.nbi").write_text("stale")
-    (d / "kernel-sources.sha256").write_text("an older hash")
-    guard.check()
-    assert not (d / "run_layer.x.nbi").exists() and (d / "kernel-sources.sha256").read_text() != "an older hash"
-    (d / "run_layer.y.nbi").write_text("current")
-    guard.check()
-    assert (d / "run_layer.y.nbi").exists()
-
-
 def test_second_process_loads_the_kernel_from_the_cache():
     """warmup() compiles (or loads) the kernel here; a second process with the same numba cache then compiles
     nothing (its dispatchers report no cache miss) and adds no cache file. A closure over a dispatcher (the

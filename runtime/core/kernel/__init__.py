@@ -19,13 +19,17 @@ in docs/policies.md's table of kinds (tests/test_evict_contract.py runs every ki
 checks the table). A half-added kind, or a mechanism, rule or fallback without its kernel branch, fails at
 import with a message naming it.
 
-numba caches a compiled function by its own source file only; `_cache_guard` empties this package's cached
-kernels whenever any of its sources (or runtime/core/policy.py, whose codes are compiled in) changes.
+- `selfcheck`: the fixed case every process checks the compiled kernel with, before it decides anything.
+
+numba caches a compiled function by its own source file only, and a cached object is code this process did
+not compile: runtime/core/compiled.py serialises the first compile across processes (a lock beside the
+cache), empties this package's cached kernels whenever any of its sources (or runtime/core/policy.py, whose
+codes are compiled in) changes, and runs `selfcheck` against its golden table after every load (a wrong or
+unreadable cache is removed and compiled again, with one warning).
 """
 
 from __future__ import annotations
 
-from runtime.core.kernel import _cache_guard  # noqa: F401 - before the compiled modules are loaded
 from runtime.core.kernel.cache import (
     PolicyCache,
     next_use,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from runtime.core.compiled import compiled_here, dispatchers, ensure
 from runtime.core.errors import InputError
 from runtime.core.kernel import evict as ek
 from runtime.core.kernel.plan import (
@@ -24,6 +25,7 @@ from runtime.core.kernel.plan import (
     Tokens,
 )
 from runtime.core.kernel.run_layer import F_SUBSTITUTE, run_layers
+from runtime.core.kernel.selfcheck import UNIT
 from runtime.core.kernel.state import FIELDS, Q_RES, allocate
 from runtime.core.policy import PolicyConfig, kernel_record, pinned_count
 
@@ -31,10 +33,16 @@ __all__ = ["COUNTER_NAMES", "PolicyCache", "kernel_signatures", "next_use", "pre
            "warmup"]
 
 
-@njit(cache=True)
-def next_use(ids, valid, E, t0):
+def next_use(ids: np.ndarray, valid: np.ndarray, E: int, t0: int) -> tuple[np.ndarray, np.ndarray]:
     """Belady helper for one layer. ids [T, k], valid [T]. Returns nxt [T, k] (next valid token index
     > t selecting ids[t, j], inf if none) and first [E] (first valid token selecting e, inf if none)."""
+    ensure(UNIT)
+    return _next_use(ids, valid, E, t0)
+
+
+@njit(cache=True)
+def _next_use(ids, valid, E, t0):
+    """next_use, compiled."""
     T, k = ids.shape
     nxt = np.full((T, k), np.inf)
     last = np.full(E, np.inf)
@@ -49,12 +57,14 @@ def next_use(ids, valid, E, t0):
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) the kernel before anything is timed.
+    """Compile (or load from numba's cache) the kernel and check it (runtime/core/compiled.py `ensure`: the
+    fixed case of selfcheck.py against its golden table) before anything is timed.
 
     `run_layers` has one signature (PolicyCache converts every array it passes: C-contiguous, fixed dtypes) and
     compiles both builds of run_layer with it, so one step of each build would do; the calls below also go
     through every path a caller takes (ranking, router scores, predicted lists, next uses, no decisions,
     step_layers) so that a new signature, should one appear, is compiled here and not in a timed run."""
+    ensure(UNIT)
     pc = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5, prefetch="lookahead"), 4, 1, np.array([1]),
                      [np.array([0])])
     pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]), np.array([[1, 0], [2, 0]]), nxt=np.zeros((2, 1)),
@@ -69,20 +79,12 @@ def warmup() -> None:
 
 
 def kernel_signatures() -> dict[str, int]:
-    """How many signatures each of the kernel's entry dispatchers holds in this process (compiled here or
-    loaded from numba's cache), and how many of them this process compiled: {"run_layers": n, ...,
-    "compiled": c}. `warmup()` in a process whose cache a previous one filled leaves "compiled" at 0
-    (tests/test_kernel.py, scripts/gpu_checks.sh's steps)."""
-    from runtime.core.kernel import run_layer as rl
-
-    out: dict[str, int] = {}
-    compiled = 0
-    for name in ("run_layers", "run_layer", "run_layer_lean"):
-        d = getattr(rl, name)
-        out[name] = len(d.signatures)
-        st = d.stats
-        compiled += sum(st.cache_misses.values())
-    out["compiled"] = compiled
+    """How many signatures each of the kernel's dispatchers holds in this process (compiled here or loaded from
+    numba's cache; a caller's cached object carries its callees, so they stay at 0 when it loaded), and how
+    many of them this process compiled: {"run_layers": n, ..., "compiled": c}. `warmup()` in a process whose
+    cache a previous one filled leaves "compiled" at 0 (tests/test_kernel.py, scripts/gpu_checks.sh's steps)."""
+    out = {d.py_func.__name__: len(d.signatures) for d in dispatchers(UNIT)}
+    out["compiled"] = compiled_here(UNIT)
     return out
 
 
@@ -146,6 +148,7 @@ class PolicyCache:
         allow_full: bool = False,
     ) -> None:
         policy.validate()
+        ensure(UNIT)  # the compiled kernel checked once per process (runtime/core/compiled.py)
         self.policy = policy
         self.E, self.k = int(num_experts), int(top_k)
         self.caps = np.atleast_1d(np.asarray(capacities, dtype=np.int64))

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
+from runtime.core.compiled import ensure
 from runtime.formats.costmodel.hosts import HostProfile
+from runtime.formats.costmodel.selfcheck import UNIT as _CHECKED
 from runtime.formats.costmodel.shapes import (
     ModelShape,
     dense_bytes_per_layer,
@@ -251,6 +253,7 @@ def replay_time(events: np.ndarray, valid: np.ndarray, params: CostParams) -> Ti
     max(device + low-bit, host) expert compute; background admission copies start on the link.
     After the token's last layer: final norm + LM head. docs/cost_model.md has the details.
     """
+    ensure(_CHECKED)  # the compiled replay checked once per process (runtime/core/compiled.py)
     ev = np.asarray(events)
     va = np.asarray(valid)
     if ev.ndim != 3 or ev.shape[2] not in (N_EV, N_EV_FULL) or not np.issubdtype(ev.dtype, np.integer):
