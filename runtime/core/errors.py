@@ -26,12 +26,18 @@ class InputError(ValueError):
 
 
 def cli_main(fn: Callable[[], Any]) -> None:
-    """Run `fn()`; on InputError print `expertsweep: error: <msg>` to stderr and exit with status 2."""
+    """Run `fn()`; on InputError print `expertsweep: error: <msg>` to stderr and exit with status 2; when a
+    compiled unit fails its check after a fresh compile (runtime/core/compiled.py) print that line and exit 3."""
+    from runtime.core.compiled import CompiledCheckError
+
     try:
         fn()
     except InputError as e:
         print(f"expertsweep: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except CompiledCheckError as e:
+        print(f"expertsweep: error: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 class ArgumentParser(argparse.ArgumentParser):
