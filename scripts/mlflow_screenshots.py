@@ -100,7 +100,7 @@ def shoot(chromium: str, url: str, path: Path, size: str, wait_ms: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--store", default=f"sqlite:///{ROOT / 'mlflow' / 'mlflow.db'}")
     ap.add_argument("--artifacts", default=str(ROOT / "mlflow" / "mlruns"))
     ap.add_argument("--experiment", default="expertsweep")
