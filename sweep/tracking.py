@@ -15,9 +15,10 @@ screens; `flush` waits for every queued operation):
   (trials recorded per host) at most every few seconds; at the end the summary metrics, each
   host's front and every trial as MLflow tables (`log_table`), and the output files as artifacts;
 - one child run per policy that matters on a host (a baseline, a front member or a policy measured
-  beyond the simulator), named by its policy label, tagged `host`, `gpu`, `policy`, `fidelity`
-  (the highest it reached), `key`; the policy's fields as params, its simulated and measured
-  figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`, written
+  beyond the simulator), named `HOST · POLICY` (`rtx4090 · speed-first`; a searched policy by its
+  label), tagged `host`, `gpu`, `policy`, `fidelity` (the highest it reached), `key`; the policy's
+  active fields as params (`active_params`: the policy table's rule of when a field matters, so no
+  `lowbit_bits` without a low-bit fallback), its simulated and measured figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`, written
   when the report is (not per trial);
 - every run carries MLflow's source tags: `mlflow.source.name` (sweep/pareto.py),
   `mlflow.source.type` (LOCAL), `mlflow.user`, and where the code is a git checkout
@@ -189,12 +190,27 @@ def _metrics(rec: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def active_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A trial's parameters without the policy's inactive ones (the policy table's `active` rule of each row,
+    runtime/core/policy.py: no `lowbit_bits` without a low-bit fallback, no `gamma` without LFU, ...); the
+    other keys (capacity, memory budget) stay."""
+    from runtime.core.policy import PARAMS
+    from sweep.space import policy_of
+
+    try:
+        pol = policy_of(params)
+    except (TypeError, ValueError):  # not a whole policy: keep what was given
+        return dict(params)
+    inactive = {prm.name for prm in PARAMS if not prm.is_active(pol)}
+    return {k: v for k, v in params.items() if k not in inactive}
+
+
 def child_payload(rec: dict[str, Any], gpu: str) -> tuple[str, dict[str, str], dict[str, str], dict[str, float]]:
     """(run name, tags, params, metrics) of a child run from a merged record of one policy on one host.
 
     `rec` holds `key`, `host`, `policy` (label), `params` (policy fields + capacity), `fidelity`,
     `status` and its figures (simulated and, where measured, emulated / engine)."""
-    name = rec["policy"] if not rec.get("baseline") else f"{rec['baseline']}: {rec['policy']}"
+    name = f"{rec['host']} · {rec.get('baseline') or rec['policy']}"  # the two hosts' runs of a policy differ
     tags = {"host": rec["host"], "gpu": gpu, "fidelity": rec.get("fidelity", "simulator"), "key": rec["key"],
             "policy": rec["policy"], "status": rec.get("status", "ok"), "mlflow.runName": name}
     for k in ("baseline", "on_front", "initial_residency", "family"):
@@ -202,7 +218,7 @@ def child_payload(rec: dict[str, Any], gpu: str) -> tuple[str, dict[str, str], d
             tags[k] = str(rec[k])
     if rec.get("error"):
         tags["error"] = str(rec["error"])[:4000]
-    params = {k: _param(v) for k, v in rec["params"].items()}
+    params = {k: _param(v) for k, v in active_params(rec["params"]).items()}
     if rec.get("initial_residency"):
         params["initial_residency"] = str(rec["initial_residency"])[:6000]
     metrics = _metrics({k: v for k, v in rec.items() if k != "params"})
