@@ -132,7 +132,10 @@ def main() -> None:
         children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent}'",
                                       order_by=["metrics.speed_ratio_vs_fetch_all DESC"], max_results=50)
         eid = exp.experiment_id
-        pages = [("mlflow_runs.png", f"{base}/#/experiments/{eid}/runs"),
+        sys.path.insert(0, str(ROOT))
+        from sweep.tracking import runs_page
+
+        pages = [("mlflow_runs.png", runs_page(base, eid)),  # the classic view, as the sweep prints it
                  ("mlflow_parent.png", f"{base}/#/experiments/{eid}/runs/{parent}")]
         fronts = [f.path for f in client.list_artifacts(parent, "tables") if f.path.startswith("tables/front_")]
         if fronts:

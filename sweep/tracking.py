@@ -4,8 +4,9 @@ The store is `--mlflow-uri`, else `MLFLOW_TRACKING_URI` (MLflow's own variable),
 the repository's `mlflow/` folder (artifacts in `mlflow/mlruns/`); an `http://HOST:PORT` server is
 checked with its `/health` endpoint before any trial starts. The experiment is created as a
 traditional-ML experiment (tag `mlflow.experimentKind = custom_model_development`); MLflow 3.17's UI
-still opens an experiment on its overview, so `runs_page` gives the runs page's address
-(`#/experiments/<id>/runs`) that `make mlflow-ui` and the sweep print.
+decides GenAI vs classic by its own workflow switch (the page's `workflowType` parameter, else the
+browser's last choice), so `runs_page` gives the runs page's address in the classic view
+(`#/experiments/<id>/runs?workflowType=machine_learning&...`) that `make mlflow-ui` and the sweep print.
 
 What is written (all through `MlflowClient`; metrics and params through MLflow's own asynchronous
 logging, `log_batch(..., synchronous=False)`, so the sweep does not wait on the store while it
@@ -161,9 +162,18 @@ def where_runs_are(uri: str, experiment_id: str) -> str:
             f"--port 5000, then {page}")
 
 
+# MLflow 3.17's UI opens every experiment in its GenAI view unless the page asks for the classic one: its
+# workflow switch reads the `workflowType` query parameter of the page's address (else the browser's last
+# choice, default genai) and, while the switch is on, ignores the `mlflow.experimentKind` tag. Sorted by time
+# per token, fastest first.
+RUNS_VIEW = "workflowType=machine_learning&orderByKey=metrics.%60time_per_token_s%60&orderByAsc=true"
+KEY_METRICS = ("time_per_token_s", "speed_ratio_vs_fetch_all", "ppl_change_pct", "ppl_ci_low", "ppl_ci_high")
+
+
 def runs_page(ui: str, experiment_id: str) -> str:
-    """The address of an experiment's runs list in the MLflow UI at `ui` (http://HOST:PORT)."""
-    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs"
+    """The address of an experiment's runs list in the MLflow UI at `ui` (http://HOST:PORT), in the classic
+    machine-learning view (RUNS_VIEW)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?{RUNS_VIEW}"
 
 
 def experiment_id_of(uri: str, experiment: str = EXPERIMENT) -> str | None:
