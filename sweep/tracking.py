@@ -6,7 +6,8 @@ checked with its `/health` endpoint before any trial starts. The experiment is c
 traditional-ML experiment (tag `mlflow.experimentKind = custom_model_development`); MLflow 3.17's UI
 decides GenAI vs classic by its own workflow switch (the page's `workflowType` parameter, else the
 browser's last choice), so `runs_page` gives the runs page's address in the classic view
-(`#/experiments/<id>/runs?workflowType=machine_learning&...`) that `make mlflow-ui` and the sweep print.
+(`#/experiments/<id>/runs?workflowType=machine_learning&viewStateShareKey=...`: with the key metrics as
+columns, `VIEW_STATE`) that `make mlflow-ui` and the sweep print.
 
 What is written (all through `MlflowClient`; metrics and params through MLflow's own asynchronous
 logging, `log_batch(..., synchronous=False)`, so the sweep does not wait on the store while it
@@ -33,6 +34,7 @@ run costs ~16 ms of CPU, a third of a simulator trial, and would break the 20% o
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import math
 import os
@@ -166,8 +168,16 @@ def where_runs_are(uri: str, experiment_id: str) -> str:
 # workflow switch reads the `workflowType` query parameter of the page's address (else the browser's last
 # choice, default genai) and, while the switch is on, ignores the `mlflow.experimentKind` tag. Sorted by time
 # per token, fastest first.
-RUNS_VIEW = "workflowType=machine_learning&orderByKey=metrics.%60time_per_token_s%60&orderByAsc=true"
 KEY_METRICS = ("time_per_token_s", "speed_ratio_vs_fetch_all", "ppl_change_pct", "ppl_ci_low", "ppl_ci_high")
+# The runs table's columns are the UI's view state (kept in the browser); MLflow's own "share view" keeps one
+# as an experiment tag `mlflow.sharedViewState.<key>` (JSON of the UI state and the search facets) that the
+# page `...?viewStateShareKey=<key>` loads. The sweep writes one such view with MlflowClient.set_experiment_tag:
+# the key metrics and the host as columns, sorted by time per token.
+VIEW_KEY = "expertsweep-key-metrics"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+VIEW_STATE = {"orderByKey": "metrics.`time_per_token_s`", "orderByAsc": True,
+              "selectedColumns": ["tags.`host`", *(f"metrics.`{m}`" for m in KEY_METRICS), "attributes.`Source`"]}
+RUNS_VIEW = f"workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
 
 
 def runs_page(ui: str, experiment_id: str) -> str:
@@ -252,9 +262,10 @@ class Tracker:
                                                                tags=EXPERIMENT_KIND)
         else:
             self.experiment_id = exp.experiment_id
-            for k, v in EXPERIMENT_KIND.items():
-                if exp.tags.get(k) != v:
-                    self.client.set_experiment_tag(self.experiment_id, k, v)
+        tags = {**EXPERIMENT_KIND, VIEW_TAG: json.dumps(VIEW_STATE)}
+        for k, v in tags.items():
+            if exp is None or exp.tags.get(k) != v:
+                self.client.set_experiment_tag(self.experiment_id, k, v)
         self.parent_id: str | None = None
         self.source = source_tags()
         self._ops: list[Any] = []  # MLflow's RunOperations of the queued async log_batch calls

@@ -333,6 +333,8 @@ def _cluster_pids(state: Path) -> dict[int, str]:
             if name.startswith("python") and len(cmd) > 1:
                 arg = cmd[cmd.index("-m") + 1] if "-m" in cmd else next((a for a in cmd[1:] if a.endswith(".py")), cmd[1])
                 name = Path(arg).name
+            if name.startswith("ray::") and name not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent"):
+                name = "ray::IDLE"  # a Ray worker process, named after its task or actor while it runs one
             roles[p.pid] = name
     return roles
 
