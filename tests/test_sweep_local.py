@@ -321,3 +321,34 @@ def test_equal_memory_answer(tmp_path, micro_model):
     assert "| host | trials ok | infeasible at the budget | failed | front size |" in summary
     tail = proc.stdout[proc.stdout.index("The answer"):]
     assert "device GiB" in tail
+
+
+def test_mlflow_as_users_read_it(tmp_path):
+    """The experiment carries the classic-view runs table (a shared view with the key metrics as columns) and the
+    printed runs page opens it; a child is named by its host and policy, with only its active parameters."""
+    from runtime.core.policy import PRESETS
+    from sweep import tracking
+    from sweep.space import complete
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    t = tracking.Tracker(uri, "x")
+    exp = t.client.get_experiment(t.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    view = json.loads(exp.tags[tracking.VIEW_TAG])
+    assert view["orderByKey"] == "metrics.`time_per_token_s`" and view["orderByAsc"] is True
+    assert {f"metrics.`{m}`" for m in ("time_per_token_s", "speed_ratio_vs_fetch_all", "ppl_change_pct",
+                                       "ppl_ci_low", "ppl_ci_high")} <= set(view["selectedColumns"])
+    page = tracking.runs_page("http://127.0.0.1:5000", t.experiment_id)
+    assert page.endswith(f"/runs?workflowType=machine_learning&viewStateShareKey={tracking.VIEW_KEY}")
+    assert tracking.VIEW_TAG == f"mlflow.sharedViewState.{tracking.VIEW_KEY}"
+    for preset, absent, present in (("speed-first", {"lowbit_bits", "lowbit_group", "tau_high"}, {"rule"}),
+                                    ("rule-0.15", {"lowbit_bits", "admission_delay", "prefetch_n"}, {"tau"})):
+        params = {**complete(PRESETS[preset].to_dict()), "capacity_fraction": 0.25}
+        rec = {"key": "k", "host": "rtx4090", "policy": "label", "baseline": preset, "params": params}
+        name, tags, logged, _ = tracking.child_payload(rec, "GeForce RTX 4090")
+        assert name == f"rtx4090 · {preset}" and tags["mlflow.runName"] == name
+        assert not absent & set(logged) and present <= set(logged) and "capacity_fraction" in logged
+        active = {p for p in logged if p in params} - {"capacity_fraction"}
+        assert active == set(PRESETS[preset].active_params()) & set(params)
+    lowbit = {**complete({**PRESETS["rule-0.15"].to_dict(), "fallback": "lowbit"}), "capacity_fraction": 0.25}
+    assert "lowbit_bits" in tracking.active_params(lowbit)  # active with a low-bit fallback
