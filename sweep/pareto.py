@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(args: argparse.Namespace) -> sweep_config.SweepConfig:
     cfg = sweep_config.load_config(args.config)
+    if tracking.submitted_job() and Path(args.config).is_relative_to(tracking.REPO):
+        # named in messages and notes by its path in the submitted folder, not in Ray's temporary copy of it
+        cfg = dataclasses.replace(cfg, source=str(Path(args.config).relative_to(tracking.REPO)))
     trace = model = None
     if args.trace:
         trace = str(Path(args.trace).expanduser().resolve())
