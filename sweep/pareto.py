@@ -678,6 +678,10 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
         if lost:  # never an answer without its baselines
             raise InputError(f"{out / 'trials.jsonl'}: the sweep ended without baseline rows {lost}; run it again "
                              f"with --resume")
+        # the screening is over and every trial is in the ledger and the journals: Tune's own state is no longer
+        # needed (a resume starts Tune afresh from them, as for a copy), and it pickles Tune's storage context,
+        # which names Ray's local staging folder in the session's temp dir (gone with the cluster)
+        _clear(out, ("tune",))
         sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
         session.close_bars()
         session.refresh()
