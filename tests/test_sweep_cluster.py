@@ -369,7 +369,7 @@ def _no_token_is_one_line(state: Path, base: dict, client: dict, tmp_path: Path)
     """The driver without the token against the token cluster: one line that says so and where client.env is;
     nothing made in --out."""
     cfg, out = write_config(tmp_path, name="nt", trials=1), tmp_path / "no-token-out"
-    e = {**base, "RAY_py_gcs_connect_timeout_s": "10"}  # Ray's own retries end sooner than the fixtures' 180 s
+    e = {**base, "RAY_py_gcs_connect_timeout_s": "5"}  # Ray's own retries end sooner than the fixtures' 180 s
     proc = subprocess.run(driver_cmd(cfg, out, "--ray-address", client["RAY_ADDRESS"], "--mlflow-uri",
                                      f"sqlite:///{tmp_path / 'nt.db'}"), cwd=REPO, env=e, capture_output=True,
                           text=True, timeout=240)
