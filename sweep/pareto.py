@@ -7,9 +7,12 @@ host's `host:NAME` resource). Sweeps each host with Ray Tune + Optuna over the c
 (`<out>/trials.jsonl`, MLflow child runs, refreshed Pareto tables), re-measures the fronts by
 exact emulation, then writes the report (sweep/report.py) and prints the per-host tables.
 
-`--resume` continues a sweep whose driver stopped (Tuner.restore, Optuna studies in
-`<out>/optuna.journal`, the ledger and the MLflow parent run in `<out>/state.json`); without it a
-sweep in the same `--out` starts over. Every bad input is a one-line error before any trial.
+`--resume` continues the sweep in the `--out` it is given (Tuner.restore, Optuna studies in
+`<out>/optuna.journal`, the ledger, the config's content in `<out>/config.yaml` and the MLflow parent
+run in `<out>/state.json`; a copied folder gets its own parent run); a flag that differs from the saved
+sweep is refused in one line naming both values, except where to run and more `--trials`. Without it a
+sweep in the same `--out` starts over. Every bad input is a one-line error before any trial, and nothing
+is created in `--out` before the Ray cluster is joined.
 """
 
 from __future__ import annotations
