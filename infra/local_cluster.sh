@@ -17,8 +17,9 @@
 # RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token when one is set, else a token of this cluster generated into
 # the state folder (auth_token, mode 600). A client (the driver, `ray job submit`) needs the token AND
 # RAY_AUTH_MODE=token: `up` writes both, with RAY_ADDRESS, to client.env in the state folder.
-# (Ray's gRPC servers listen on every interface whatever the node address; the token is what keeps
-# other machines out.)
+# (Ray's gRPC servers listen on every interface whatever the node address: Ray turns --node-ip-address=127.0.0.1
+# into the machine's own address; each socket is listed in infra/README.md, "Listening sockets"; the token is
+# what keeps other machines out.)
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 state="${EXPERTSWEEP_LOCAL_CLUSTER:-${TMPDIR:-/tmp}/expertsweep-ray-local}"

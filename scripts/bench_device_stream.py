@@ -27,7 +27,7 @@ from runtime.core.policy import PRESETS, resolve_capacities
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", required=True)
     ap.add_argument("--text", required=True)
     ap.add_argument("--tokens", type=int, default=4096)

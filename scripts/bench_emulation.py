@@ -34,7 +34,7 @@ def best_of(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo tiny model, built if absent)")
     ap.add_argument("--text", default=None)
     ap.add_argument("--tokens", type=int, default=16384)

@@ -180,7 +180,7 @@ def size_run(eng: Engine, policies: list[PolicyConfig], capacity_fraction: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--workdir", default="/tmp/expertsweep-bench")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="fp32")

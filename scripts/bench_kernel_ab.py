@@ -77,7 +77,7 @@ def export(rev: str, dest: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--before", required=True)
     ap.add_argument("--after", default="HEAD")
     ap.add_argument("--rounds", type=int, default=3)

@@ -109,7 +109,7 @@ def measure(run, short: int, long: int, repeats: int, clock=time.thread_time) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--k", default="2,8", help="top-k values, comma-separated")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--layers", type=int, default=4)

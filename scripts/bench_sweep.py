@@ -121,7 +121,7 @@ def wall_gaps(rows: list[dict], t0: float, t1: float, slots: int) -> dict[str, f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--config", default=str(ROOT / "search_spaces" / "bench.yaml"))
     ap.add_argument("--trials", type=int, default=600, help="simulator trials per host")
     ap.add_argument("--trace", help="a trace file instead of the demo model's")

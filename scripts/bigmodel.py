@@ -147,7 +147,7 @@ def bench(a: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("--out", required=True)

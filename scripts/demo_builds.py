@@ -44,7 +44,7 @@ def parse_build(text: str, fields: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--build", action="append", default=None, help="TinySpec fields to replace (repeatable)")
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "expertsweep-demo-builds"))
     ap.add_argument("--tokens", type=int, default=16384)

@@ -120,7 +120,7 @@ def markdown(rows: list[dict], header: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--capacity-fraction", type=float, default=0.25)

@@ -254,7 +254,7 @@ def fetch_exact_record(runs: dict, exact: np.ndarray, eng, tokens: int, cuda: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("check", choices=["stream", "fetch-exact"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", default="/tmp/expertsweep-exact")

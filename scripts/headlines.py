@@ -52,7 +52,7 @@ def cases(tokens: int, tmp: Path) -> list[tuple[str, str, int, str | None, str]]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--tokens", type=int, default=4000, help="tokens of the synthetic trace")
     ap.add_argument("--out", default=None, help="also write the Markdown here")
     a = ap.parse_args()

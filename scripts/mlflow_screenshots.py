@@ -100,7 +100,7 @@ def shoot(chromium: str, url: str, path: Path, size: str, wait_ms: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--store", default=f"sqlite:///{ROOT / 'mlflow' / 'mlflow.db'}")
     ap.add_argument("--artifacts", default=str(ROOT / "mlflow" / "mlruns"))
     ap.add_argument("--experiment", default="expertsweep")
@@ -132,14 +132,18 @@ def main() -> None:
         children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent}'",
                                       order_by=["metrics.speed_ratio_vs_fetch_all DESC"], max_results=50)
         eid = exp.experiment_id
-        pages = [("mlflow_runs.png", f"{base}/#/experiments/{eid}/runs"),
-                 ("mlflow_parent.png", f"{base}/#/experiments/{eid}/runs/{parent}")]
+        sys.path.insert(0, str(ROOT))
+        from sweep.tracking import runs_page
+
+        classic = "?workflowType=machine_learning"  # MLflow 3.17's UI opens a fresh browser in its GenAI view
+        pages = [("mlflow_runs.png", runs_page(base, eid)),  # the classic view, as the sweep prints it
+                 ("mlflow_parent.png", f"{base}/#/experiments/{eid}/runs/{parent}{classic}")]
         fronts = [f.path for f in client.list_artifacts(parent, "tables") if f.path.startswith("tables/front_")]
         if fronts:
-            pages.append(("mlflow_front_table.png", f"{base}/#/experiments/{eid}/runs/{parent}/artifacts/{fronts[0]}"))
+            pages.append(("mlflow_front_table.png", f"{base}/#/experiments/{eid}/runs/{parent}/artifacts/{fronts[0]}{classic}"))
         child = next((c for c in children if c.data.tags.get("fidelity") != "simulator"), children[0] if children else None)
         if child is not None:
-            pages.append(("mlflow_child.png", f"{base}/#/experiments/{eid}/runs/{child.info.run_id}"))
+            pages.append(("mlflow_child.png", f"{base}/#/experiments/{eid}/runs/{child.info.run_id}{classic}"))
         for name, url in pages:
             shoot(a.chromium, url, out / name, a.size, a.wait_ms)
     finally:

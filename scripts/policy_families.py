@@ -262,7 +262,7 @@ def markdown(rows: list[dict], ver: dict, header: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--fractions", default="0.25,0.5", help="residencies (slots / experts per layer), comma-separated")
     ap.add_argument("--max-tokens", type=int, default=2048, help="evaluated (and calibration) tokens on the models")
     ap.add_argument("--models", default="mix,test", help="tiny reference models, comma-separated ('' for none)")

@@ -231,7 +231,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python scripts/rehearsal.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python scripts/rehearsal.py", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--models", default="demo,next-shape")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--engine-tokens", type=int, default=512)

@@ -23,7 +23,7 @@ from runtime.tools.tinymodel import ensure_model
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", default="next-shape")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--depth", type=int, default=64)

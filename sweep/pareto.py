@@ -7,9 +7,12 @@ host's `host:NAME` resource). Sweeps each host with Ray Tune + Optuna over the c
 (`<out>/trials.jsonl`, MLflow child runs, refreshed Pareto tables), re-measures the fronts by
 exact emulation, then writes the report (sweep/report.py) and prints the per-host tables.
 
-`--resume` continues a sweep whose driver stopped (Tuner.restore, Optuna studies in
-`<out>/optuna.journal`, the ledger and the MLflow parent run in `<out>/state.json`); without it a
-sweep in the same `--out` starts over. Every bad input is a one-line error before any trial.
+`--resume` continues the sweep in the `--out` it is given (Tuner.restore, Optuna studies in
+`<out>/optuna.journal`, the ledger, the config's content in `<out>/config.yaml` and the MLflow parent
+run in `<out>/state.json`; a copied folder gets its own parent run); a flag that differs from the saved
+sweep is refused in one line naming both values, except where to run and more `--trials`. Without it a
+sweep in the same `--out` starts over. Every bad input is a one-line error before any trial, and nothing
+is created in `--out` before the Ray cluster is joined.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ if not __package__:  # run as a script: import the project, not sweep/ modules a
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
@@ -45,7 +49,8 @@ log = logging.getLogger("sweep.pareto")
 
 # search_spaces/ is package data (sweep/search_spaces links to it): found in a checkout and an installed wheel
 DEFAULT_CONFIG = Path(str(resources.files("sweep") / "search_spaces" / "demo.yaml"))
-STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json")
+CONFIG_FILE = "config.yaml"  # the config's content as the sweep ran it (a --resume reads it, not the original)
+STATE_FILES = ("tune", "optuna.journal", "trials.jsonl", "started", "state.json", "stats.json", CONFIG_FILE)
 # what sweep/report.py writes: deleted when a run starts, written again only by a run that finishes
 REPORT_FILES = ("answer.csv", "summary.md", "pareto.png", "pareto_*.csv", "pareto_*.parquet", "pareto_*.png",
                 "screening_*.csv", "speed_ratios.csv", "bounds.csv", "policy_by_host.csv", "trials.csv")
@@ -129,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(args: argparse.Namespace) -> sweep_config.SweepConfig:
     cfg = sweep_config.load_config(args.config)
+    if tracking.submitted_job() and Path(args.config).is_relative_to(tracking.REPO):
+        # named in messages and notes by its path in the submitted folder, not in Ray's temporary copy of it
+        cfg = dataclasses.replace(cfg, source=str(Path(args.config).relative_to(tracking.REPO)))
     trace = model = None
     if args.trace:
         trace = str(Path(args.trace).expanduser().resolve())
@@ -165,8 +173,9 @@ def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = 
                 extra_resources: dict[str, float] | None = None) -> tuple[bool, str | None]:
     """Join or start Ray: (True when this driver started and owns an embedded cluster, the session folder).
 
-    Quiet unless `verbose`: the workers' output stays in Ray's session logs (linked from
-    <out>/logs/ray), Ray's own driver-side messages go to <out>/logs/sweep.log."""
+    Quiet unless `verbose`: the workers' output stays in Ray's session logs (in Ray's temp folder, not linked
+    from --out: it goes with the cluster), Ray's own driver-side messages go to <out>/logs/sweep.log (joining a
+    running cluster, also what Ray's C++ client writes to stderr: one line here instead when it is refused)."""
     import ray
 
     env = os.environ.get("RAY_ADDRESS")
@@ -174,10 +183,22 @@ def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = 
         address = env
     quiet = {"logging_level": logging.INFO if verbose else logging.WARNING, "log_to_driver": verbose}
     if address not in ("auto", "local"):
-        try:
-            ctx = ray.init(address=address, **quiet)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise InputError(f"--ray-address {address}: cannot join the Ray cluster "
+        flag = "RAY_ADDRESS" if env and address == env else "--ray-address"
+        with _stderr_captured() as said:
+            try:
+                ctx = ray.init(address=address, **quiet)
+                exc = None
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                exc = e
+        for line in said():  # Ray's own retries (its C++ client writes them to stderr): into the sweep's log
+            log.info("ray: %s", line)
+        if exc is not None:
+            if any(m in line for line in said() for m in AUTH_REFUSED):
+                raise InputError(f"{flag} {address}: the Ray cluster refused this client's token ("
+                                 f"{_token_state()}): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (or "
+                                 f"RAY_AUTH_TOKEN) to the cluster's token; for infra/local_cluster.sh run "
+                                 f". {LOCAL_CLUSTER_ENV}, which sets both") from None
+            raise InputError(f"{flag} {address}: cannot join the Ray cluster "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         return False, ctx.address_info.get("session_dir")
     if address == "auto":
@@ -198,25 +219,88 @@ def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = 
     return True, ctx.address_info.get("session_dir")
 
 
+# what Ray's client writes when the cluster wants a token it did not get (Ray 2.60: "Unauthenticated: RPC error:
+# InvalidAuthToken: Authentication token is missing or incorrect")
+AUTH_REFUSED = ("InvalidAuthToken", "Unauthenticated")
+# infra/local_cluster.sh's client settings (its state folder: EXPERTSWEEP_LOCAL_CLUSTER, else $TMPDIR or /tmp)
+LOCAL_CLUSTER_ENV = Path(os.environ.get("EXPERTSWEEP_LOCAL_CLUSTER")
+                         or Path(os.environ.get("TMPDIR") or "/tmp") / "expertsweep-ray-local") / "client.env"
+
+
+def _token_state() -> str:
+    """What this client offered: the settings Ray reads for its token (names only, never the token)."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        where = "RAY_AUTH_TOKEN"
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        where = f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    elif (Path.home() / ".ray" / "auth_token").is_file():
+        where = "~/.ray/auth_token"
+    else:
+        where = "no token"
+    return f"RAY_AUTH_MODE={mode or 'unset'}, {where}"
+
+
+class _stderr_captured:
+    """File descriptor 2 into a temporary file while the block runs (Ray's C++ client logs there, outside Python's
+    logging); `said()` gives its lines after the block."""
+
+    def __enter__(self):  # noqa: ANN204
+        import tempfile
+
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile(mode="w+b")
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        self.lines: list[str] = []
+        return lambda: self.lines
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.seek(0)
+        self.lines = [ln for ln in self.file.read().decode(errors="replace").splitlines() if ln.strip()]
+        self.file.close()
+
+
 LIBRARY_LOGGERS = ("ray", "mlflow", "optuna", "alembic", "urllib3", "filelock", "py.warnings", "numba")
 
 
-def setup_logging(out: Path, verbose: bool) -> Path:
+def setup_logging(out: Path | None, verbose: bool) -> Path | None:
     """Everything at INFO into <out>/logs/sweep.log; the console gets only this project's warnings
-    (and, with `verbose`, everything). Returns the log folder."""
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (and, with `verbose`, everything). Returns the log folder. `out=None` (before the cluster is joined:
+    nothing is created in --out until then): the records are kept in memory and written to the file by the
+    first call with the folder."""
+    from logging.handlers import MemoryHandler
+
     root = logging.getLogger()
-    to_file = next((h for h in root.handlers if isinstance(h, logging.FileHandler)
-                    and h.baseFilename == str(logs / "sweep.log")), None)
-    if to_file is None:
-        to_file = logging.FileHandler(logs / "sweep.log")
-        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    early = next((h for h in root.handlers if isinstance(h, MemoryHandler)), None)
+    if out is None:
+        logs = None
+        to_file = early or MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1)
         to_file.setLevel(logging.INFO)
-        root.addHandler(to_file)
+        if early is None:
+            root.addHandler(to_file)
+    else:
+        logs = out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        to_file = next((h for h in root.handlers if isinstance(h, logging.FileHandler)
+                        and h.baseFilename == str(logs / "sweep.log")), None)
+        if to_file is None:
+            to_file = logging.FileHandler(logs / "sweep.log")
+            to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            to_file.setLevel(logging.INFO)
+            root.addHandler(to_file)
+        if early is not None:  # what was said before the folder existed
+            early.setTarget(to_file)
+            early.flush()
+            root.removeHandler(early)
+            early.close()
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
-        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+        if (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                and not isinstance(h, MemoryHandler)):
             h.setLevel(logging.INFO if verbose else logging.WARNING)
     logging.captureWarnings(True)
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")  # MLflow leaves its logger to us
@@ -265,22 +349,81 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             signal.signal(sig, handler)
 
 
+def _given(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The dests of the flags given on the command line (not left at their defaults)."""
+    for a in parser._actions:  # noqa: SLF001 - argparse has no public list of a parser's actions
+        a.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+# on --resume: where and how loudly to run may change; more trials are applied; anything else that differs
+# from the saved sweep is refused (one line naming both values)
+RESUME_FREE = ("out", "resume", "ray_address", "num_cpus", "verbose")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _resume_args(args: argparse.Namespace, argv: list[str] | None, out: Path) -> tuple[argparse.Namespace,
+                                                                                       dict[str, Any]]:
+    """The saved sweep of `out` (its state.json and config.yaml) with this command line's changes: (args to
+    run, the saved state). Refuses, as one InputError naming the flag and both values, any flag that differs
+    from the saved sweep other than RESUME_FREE and more --trials."""
+    if not (out / "state.json").is_file():
+        raise InputError(f"--resume: no sweep state in {out} (state.json is missing)")
+    state = json.loads((out / "state.json").read_text())
+    saved = argparse.Namespace(**{**vars(build_parser().parse_args([])), **state["args"]})
+    config = out / CONFIG_FILE
+    if not config.is_file():  # a sweep of an earlier version: its state names the config file
+        config = Path(saved.config)
+        if not config.is_file():
+            raise InputError(f"--resume: {out / CONFIG_FILE} is missing and the saved --config {saved.config} is "
+                             f"gone: start the sweep over in another --out")
+    given = _given(build_parser(), argv)
+    refuse = f"drop the flag to resume the sweep in {out} as it was, or start a new sweep in another --out"
+    for dest in sorted(given - set(RESUME_FREE)):
+        new, old = getattr(args, dest), state["name"] if dest == "name" else getattr(saved, dest, None)
+        if dest == "config":
+            if not Path(new).is_file():
+                raise InputError(f"--config {new}: no such file")
+            if Path(new).read_bytes() != config.read_bytes():
+                raise InputError(f"--resume: --config {new} differs from the config the sweep in {out} ran with "
+                                 f"({state.get('config_from', saved.config)}, saved as {config}); {refuse}")
+        elif dest == "trials":
+            before = state.get("trials", old)
+            if before is not None and new < before:
+                raise InputError(f"--resume: --trials {new} is fewer than the {before} the sweep in {out} was "
+                                 f"given; {refuse}")
+            saved.trials = new  # more trials: the search goes on to the new count
+        elif new != old:
+            shown = "not given" if old is None or old is False else f"{_flag(dest)} {old}"
+            raise InputError(f"--resume: {_flag(dest)} {new} differs from the sweep in {out} ({shown}); {refuse}")
+    for dest in ("ray_address", "num_cpus", "verbose"):  # where and how loudly to run may change
+        if dest in given:
+            setattr(saved, dest, getattr(args, dest))
+    saved.config, saved.name, saved.out, saved.resume = str(config), state["name"], str(out), True
+    return saved, state
+
+
 def _run(argv: list[str] | None) -> dict[str, Any]:
     args = _absolute(build_parser().parse_args(argv))
     state: dict[str, Any] = {}
-    if args.resume:
-        out = _out_dir(args)
-        if not (out / "state.json").is_file():
-            raise InputError(f"--resume: no sweep state in {out} (state.json is missing)")
-        state = json.loads((out / "state.json").read_text())
-        saved = argparse.Namespace(**state["args"])
-        for k in ("ray_address", "num_cpus"):  # where to run may change, what to run may not
-            if getattr(args, k) != build_parser().get_default(k):
-                setattr(saved, k, getattr(args, k))
-        saved.resume = True
-        args = saved
+    if args.resume:  # that folder's sweep, whatever its state.json says it was written for (a copy is a copy)
+        args, state = _resume_args(args, argv, _out_dir(args))
+        home = state.get("out") or state["args"].get("out")
+        if home and Path(home) != Path(args.out):
+            # a copy (or a move) of a sweep: its MLflow parent run is the original folder's; this one gets its
+            # own, and Tune starts afresh from the copy's ledger and journals (no path of the original is used)
+            log.warning("resuming the sweep copied from %s: a new MLflow parent run (the original's, %s, is left "
+                        "as it is)", home, state.get("parent_run_id"))
+            state = {**state, "parent_run_id": None, "copied_from": {"out": home, "run": state.get("parent_run_id")},
+                     "fresh_tune": True}
+        if args.trials is not None and args.trials != state.get("trials", args.trials):
+            state = {**state, "fresh_tune": True}  # more trials: the searchers' budget is taken from the journals
     prepare_ray_auth(args.ray_address)
     cfg = load(args)
+    config_text = Path(args.config).read_bytes()  # saved in --out as the sweep runs (its path may not outlive it)
     out = _out_dir(args)
     args.out = str(out)
     STOP.out = out
@@ -291,13 +434,11 @@ def _run(argv: list[str] | None) -> dict[str, Any]:
     loc = data.locate(cfg)
     uri = tracking.resolve_uri(args.mlflow_uri or state.get("mlflow_uri"), create=False)
     inputs = None
-    if loc.model_dir is None:  # a trace sweep: every input is checked here (a synthetic trace is built in --out)
+    synthetic = isinstance(cfg.trace, dict)
+    if loc.model_dir is None and not synthetic:  # a trace sweep: every input is checked here (nothing written)
         inputs = data.prepare(cfg, out, loc)
         cfg = _check_inputs(cfg, inputs)
-    out.mkdir(parents=True, exist_ok=True)
-    logs = setup_logging(out, args.verbose)
-    if uri.startswith("sqlite:///"):
-        tracking.resolve_uri(uri)  # its folder, now
+    setup_logging(None, args.verbose)  # kept in memory: nothing is created in --out before the cluster is joined
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "10")  # the ledger covers the gap
     os.environ.setdefault("TUNE_MAX_PENDING_TRIALS_PG", str(max(8, 4 * len(cfg.hosts))))
@@ -308,11 +449,22 @@ def _run(argv: list[str] | None) -> dict[str, Any]:
     import ray
 
     extra = {f"model:{cfg.model_resource}": 1.0} if cfg.model_resource else {}
-    owns_ray, session_dir = connect_ray(args.ray_address, cfg.hosts, args.num_cpus, args.verbose, extra)
+    owns_ray, _ = connect_ray(args.ray_address, cfg.hosts, args.num_cpus, args.verbose, extra)
     STOP.install()  # after ray.init's own SIGTERM handler
-    STOP.check()
-    setup_logging(out, args.verbose)  # ray.init installs its own handlers: route them again
-    _link_ray_logs(logs, session_dir)
+    try:
+        STOP.check()
+        out.mkdir(parents=True, exist_ok=True)
+        # ray.init installs its own handlers: route them again. Ray's session folder is not linked from --out:
+        # it is deleted with the cluster (the workers' logs are where Ray keeps them, docs/sweep.md)
+        setup_logging(out, args.verbose)
+        if uri.startswith("sqlite:///"):
+            tracking.resolve_uri(uri)  # its folder, now
+        if synthetic:  # generated into <out>/traces/ (checked there, before any trial)
+            inputs = data.prepare(cfg, out, loc)
+            cfg = _check_inputs(cfg, inputs)
+    except BaseException:
+        ray.shutdown()
+        raise
     try:
         hosts.check_cluster(cfg.hosts, ray.cluster_resources())
         placement = None
@@ -332,7 +484,7 @@ def _run(argv: list[str] | None) -> dict[str, Any]:
         else:  # every check passed: only now does a new sweep replace an earlier one's state in --out
             _clear(out, STATE_FILES)
         _clear(out, REPORT_FILES)  # an answer is written only by a run that finishes
-        return _sweep(args, cfg, out, inputs, uri, profiles, state, placement, fingerprint)
+        return _sweep(args, cfg, out, inputs, uri, profiles, state, placement, fingerprint, config_text)
     finally:
         ray.shutdown()
         if owns_ray:
@@ -368,7 +520,9 @@ def _fingerprint(inputs: data.Inputs, cfg: sweep_config.SweepConfig, profiles: d
     simulated hosts' profiles (calibrated ones are measured again on a resume)."""
     simulated = {h.name for h in cfg.hosts if hosts.simulated(h)}
     sha = lambda p: None if p is None else data.sha_file(p)[:16]  # noqa: E731
+    local = lambda p: p if p is None or Path(p).is_file() else None  # noqa: E731 - a text on the model's node
     return {"trace_sha256": sha(inputs.trace), "calib_trace_sha256": sha(inputs.calib_trace),
+            "text_sha256": sha(local(inputs.text)), "calib_text_sha256": sha(local(inputs.calib_text)),
             "model_digest": inputs.digest, "text": inputs.text, "calib_text": inputs.calib_text,
             "warm_start": inputs.warm_start, "max_tokens": cfg.max_tokens,
             "profiles": {h: p for h, p in sorted(profiles.items()) if h in simulated}}
@@ -407,17 +561,19 @@ def _record_where_the_model_is(placement: dict[str, Any]):  # noqa: ANN202 - dat
     return record
 
 
-def _link_ray_logs(logs: Path, session_dir: str | None) -> None:
-    """<out>/logs/ray -> this Ray session's log folder (workers' output, raylet, GCS), when on this machine."""
-    link = logs / "ray"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    if session_dir and (Path(session_dir) / "logs").is_dir():
-        link.symlink_to(Path(session_dir) / "logs")
+def _config_from(args: argparse.Namespace, state: dict[str, Any]) -> str:
+    """Where the config came from, for the record: its path, but never one inside Ray's temporary copy of a
+    submitted working directory (gone with the cluster): then its path relative to that folder."""
+    if "config_from" in state:
+        return state["config_from"]
+    p = Path(args.config)
+    if tracking.submitted_job() and p.is_relative_to(tracking.REPO):
+        return f"{p.relative_to(tracking.REPO)} (of the submitted working directory)"
+    return str(p)
 
 
 def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa: ANN001
-           fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
+           fingerprint: dict[str, Any] | None = None, config_text: bytes = b"") -> dict[str, Any]:
     import ray
     from ray import tune
 
@@ -430,8 +586,10 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
     gpus = {h: profiles[h]["gpu"] for h in host_names}
     STOP.defer = True  # a signal from here on stops the sweep through the `finally` below, which closes all
     tracker = tracking.Tracker(uri, args.mlflow_experiment)
+    config_from = _config_from(args, state)
+    config_sha = hashlib.sha256(config_text).hexdigest()
     parent = tracker.start_parent(
-        cfg.name, params={"config": args.config, "trace": inputs.trace, "model": inputs.model_dir,
+        cfg.name, params={"config": f"{out / CONFIG_FILE} (from {config_from}; sha256 {config_sha[:16]})", "trace": inputs.trace, "model": inputs.model_dir,
                           "hosts": ",".join(host_names), "trials": cfg.trials, "sampler": cfg.sampler,
                           "objectives": ",".join(cfg.objectives), "warm_start": inputs.warm_start,
                           "calib_text": inputs.calib_text, "calib_trace": inputs.calib_trace,
@@ -440,9 +598,18 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
                               {p.name: p.kind for p in cfg.space.params})},
         tags={"sweep": cfg.name, "fidelity": "sweep", "hosts": ",".join(host_names)},
         run_id=state.get("parent_run_id"))
-    state = {"args": {**vars(args), "resume": False}, "name": cfg.name, "mlflow_uri": uri,
-             "experiment": args.mlflow_experiment, "parent_run_id": parent,
-             "started": state.get("started", time.time()), "fingerprint": fingerprint}
+    fresh_tune = bool(state.get("fresh_tune"))
+    copied = state.get("copied_from")
+    if copied and tracker.parent_id:
+        tracker.client.set_tag(tracker.parent_id, "copied_from_run", str(copied.get("run")))
+    # the saved command line names the config by its copy in --out: nothing in state.json points elsewhere
+    state = {"args": {**vars(args), "config": CONFIG_FILE, "out": str(out), "resume": False}, "name": cfg.name,
+             "out": str(out), "config_from": config_from, "config_sha256": config_sha, "trials": cfg.trials,
+             "mlflow_uri": uri, "experiment": args.mlflow_experiment, "parent_run_id": parent,
+             "started": state.get("started", time.time()), "fingerprint": fingerprint,
+             **({"copied_from": copied} if copied else {})}
+    if Path(args.config) != out / CONFIG_FILE:
+        atomic_write(out / CONFIG_FILE, lambda tmp: Path(tmp).write_bytes(config_text))
     atomic_write(out / "state.json", lambda tmp: Path(tmp).write_text(json.dumps(state, indent=2)))
     ledger = Ledger(out / "trials.jsonl")
     session = Session(out, ledger, tracker, host_names, gpus, cfg.objectives,
@@ -469,7 +636,9 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
     # that leaves tuner.pkl and a searcher state without the trials it had started, and Tune "restarts" with
     # that searcher, which holds the baselines it suggested as done; the fresh start below takes the
     # baselines and each host's spent budget from the ledger and the journals instead
-    if (args.resume and tune.Tuner.can_restore(str(exp_dir))
+    if args.resume and fresh_tune:  # a copy, or more trials: Tune's saved state is not this run's
+        _clear(out, ("tune",))
+    if (args.resume and not fresh_tune and tune.Tuner.can_restore(str(exp_dir))
             and any(exp_dir.glob("experiment_state-*.json"))):
         log.warning("resuming the sweep in %s", out)
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True,
@@ -512,6 +681,10 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
         if lost:  # never an answer without its baselines
             raise InputError(f"{out / 'trials.jsonl'}: the sweep ended without baseline rows {lost}; run it again "
                              f"with --resume")
+        # the screening is over and every trial is in the ledger and the journals: Tune's own state is no longer
+        # needed (a resume starts Tune afresh from them, as for a copy), and it pickles Tune's storage context,
+        # which names Ray's local staging folder in the session's temp dir (gone with the cluster)
+        _clear(out, ("tune",))
         sweep_s, driver_cpu = time.time() - t0, time.process_time() - cpu0
         session.close_bars()
         session.refresh()

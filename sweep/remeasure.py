@@ -159,6 +159,8 @@ def check_resume(out: Path, state: dict[str, Any], fingerprint: dict[str, Any]) 
         raise InputError(f"--resume: {out / 'state.json'} has no fingerprint of its inputs (written by an earlier "
                          f"version): start the sweep over without --resume, or in another --out")
     for k, v in fingerprint.items():
+        if k not in saved:  # a digest an earlier version did not save (the text's): nothing to compare it with
+            continue
         if json.loads(json.dumps(saved.get(k), default=str)) != json.loads(json.dumps(v, default=str)):
             shown = "changed" if k == "profiles" else f"{saved.get(k)!r} -> {v!r}"
             raise InputError(f"--resume: {out / 'trials.jsonl'} was measured under another {k} ({shown}); start "

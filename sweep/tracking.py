@@ -4,8 +4,10 @@ The store is `--mlflow-uri`, else `MLFLOW_TRACKING_URI` (MLflow's own variable),
 the repository's `mlflow/` folder (artifacts in `mlflow/mlruns/`); an `http://HOST:PORT` server is
 checked with its `/health` endpoint before any trial starts. The experiment is created as a
 traditional-ML experiment (tag `mlflow.experimentKind = custom_model_development`); MLflow 3.17's UI
-still opens an experiment on its overview, so `runs_page` gives the runs page's address
-(`#/experiments/<id>/runs`) that `make mlflow-ui` and the sweep print.
+decides GenAI vs classic by its own workflow switch (the page's `workflowType` parameter, else the
+browser's last choice), so `runs_page` gives the runs page's address in the classic view
+(`#/experiments/<id>/runs?workflowType=machine_learning&viewStateShareKey=...`: with the key metrics as
+columns, `VIEW_STATE`) that `make mlflow-ui` and the sweep print.
 
 What is written (all through `MlflowClient`; metrics and params through MLflow's own asynchronous
 logging, `log_batch(..., synchronous=False)`, so the sweep does not wait on the store while it
@@ -15,9 +17,10 @@ screens; `flush` waits for every queued operation):
   (trials recorded per host) at most every few seconds; at the end the summary metrics, each
   host's front and every trial as MLflow tables (`log_table`), and the output files as artifacts;
 - one child run per policy that matters on a host (a baseline, a front member or a policy measured
-  beyond the simulator), named by its policy label, tagged `host`, `gpu`, `policy`, `fidelity`
-  (the highest it reached), `key`; the policy's fields as params, its simulated and measured
-  figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`, written
+  beyond the simulator), named `HOST · POLICY` (`rtx4090 · speed-first`; a searched policy by its
+  label), tagged `host`, `gpu`, `policy`, `fidelity` (the highest it reached), `key`; the policy's
+  active fields as params (`active_params`: the policy table's rule of when a field matters, so no
+  `lowbit_bits` without a low-bit fallback), its simulated and measured figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`, written
   when the report is (not per trial);
 - every run carries MLflow's source tags: `mlflow.source.name` (sweep/pareto.py),
   `mlflow.source.type` (LOCAL), `mlflow.user`, and where the code is a git checkout
@@ -31,6 +34,7 @@ run costs ~16 ms of CPU, a third of a simulator trial, and would break the 20% o
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import math
 import os
@@ -160,9 +164,26 @@ def where_runs_are(uri: str, experiment_id: str) -> str:
             f"--port 5000, then {page}")
 
 
+# MLflow 3.17's UI opens every experiment in its GenAI view unless the page asks for the classic one: its
+# workflow switch reads the `workflowType` query parameter of the page's address (else the browser's last
+# choice, default genai) and, while the switch is on, ignores the `mlflow.experimentKind` tag. Sorted by time
+# per token, fastest first.
+KEY_METRICS = ("time_per_token_s", "speed_ratio_vs_fetch_all", "ppl_change_pct", "ppl_ci_low", "ppl_ci_high")
+# The runs table's columns are the UI's view state (kept in the browser); MLflow's own "share view" keeps one
+# as an experiment tag `mlflow.sharedViewState.<key>` (JSON of the UI state and the search facets) that the
+# page `...?viewStateShareKey=<key>` loads. The sweep writes one such view with MlflowClient.set_experiment_tag:
+# the key metrics and the host as columns, sorted by time per token.
+VIEW_KEY = "expertsweep-key-metrics"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+VIEW_STATE = {"orderByKey": "metrics.`time_per_token_s`", "orderByAsc": True,
+              "selectedColumns": ["tags.`host`", *(f"metrics.`{m}`" for m in KEY_METRICS), "attributes.`Source`"]}
+RUNS_VIEW = f"workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+
+
 def runs_page(ui: str, experiment_id: str) -> str:
-    """The address of an experiment's runs list in the MLflow UI at `ui` (http://HOST:PORT)."""
-    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs"
+    """The address of an experiment's runs list in the MLflow UI at `ui` (http://HOST:PORT), in the classic
+    machine-learning view (RUNS_VIEW)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?{RUNS_VIEW}"
 
 
 def experiment_id_of(uri: str, experiment: str = EXPERIMENT) -> str | None:
@@ -189,12 +210,27 @@ def _metrics(rec: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def active_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A trial's parameters without the policy's inactive ones (the policy table's `active` rule of each row,
+    runtime/core/policy.py: no `lowbit_bits` without a low-bit fallback, no `gamma` without LFU, ...); the
+    other keys (capacity, memory budget) stay."""
+    from runtime.core.policy import PARAMS
+    from sweep.space import policy_of
+
+    try:
+        pol = policy_of(params)
+    except (TypeError, ValueError):  # not a whole policy: keep what was given
+        return dict(params)
+    inactive = {prm.name for prm in PARAMS if not prm.is_active(pol)}
+    return {k: v for k, v in params.items() if k not in inactive}
+
+
 def child_payload(rec: dict[str, Any], gpu: str) -> tuple[str, dict[str, str], dict[str, str], dict[str, float]]:
     """(run name, tags, params, metrics) of a child run from a merged record of one policy on one host.
 
     `rec` holds `key`, `host`, `policy` (label), `params` (policy fields + capacity), `fidelity`,
     `status` and its figures (simulated and, where measured, emulated / engine)."""
-    name = rec["policy"] if not rec.get("baseline") else f"{rec['baseline']}: {rec['policy']}"
+    name = f"{rec['host']} · {rec.get('baseline') or rec['policy']}"  # the two hosts' runs of a policy differ
     tags = {"host": rec["host"], "gpu": gpu, "fidelity": rec.get("fidelity", "simulator"), "key": rec["key"],
             "policy": rec["policy"], "status": rec.get("status", "ok"), "mlflow.runName": name}
     for k in ("baseline", "on_front", "initial_residency", "family"):
@@ -202,7 +238,7 @@ def child_payload(rec: dict[str, Any], gpu: str) -> tuple[str, dict[str, str], d
             tags[k] = str(rec[k])
     if rec.get("error"):
         tags["error"] = str(rec["error"])[:4000]
-    params = {k: _param(v) for k, v in rec["params"].items()}
+    params = {k: _param(v) for k, v in active_params(rec["params"]).items()}
     if rec.get("initial_residency"):
         params["initial_residency"] = str(rec["initial_residency"])[:6000]
     metrics = _metrics({k: v for k, v in rec.items() if k != "params"})
@@ -226,9 +262,10 @@ class Tracker:
                                                                tags=EXPERIMENT_KIND)
         else:
             self.experiment_id = exp.experiment_id
-            for k, v in EXPERIMENT_KIND.items():
-                if exp.tags.get(k) != v:
-                    self.client.set_experiment_tag(self.experiment_id, k, v)
+        tags = {**EXPERIMENT_KIND, VIEW_TAG: json.dumps(VIEW_STATE)}
+        for k, v in tags.items():
+            if exp is None or exp.tags.get(k) != v:
+                self.client.set_experiment_tag(self.experiment_id, k, v)
         self.parent_id: str | None = None
         self.source = source_tags()
         self._ops: list[Any] = []  # MLflow's RunOperations of the queued async log_batch calls

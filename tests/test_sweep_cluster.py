@@ -94,7 +94,8 @@ def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, micro_mod
                                   max_results=1000)
     assert {c.data.tags["host"] for c in children} == {"rtx3090", "rtx4090"}
     assert "emulation" in {c.data.tags["fidelity"] for c in children}
-    assert all(c.info.run_name.endswith(c.data.tags["policy"]) for c in children)
+    assert all(c.info.run_name == f"{c.data.tags['host']} · {c.data.tags.get('baseline') or c.data.tags['policy']}"
+               for c in children)
     assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
@@ -299,6 +300,9 @@ def test_local_cluster_uses_a_token_and_the_documented_client_steps_work(tmp_pat
         for extra in ({}, {"RAY_AUTH_TOKEN_PATH": str(token)}):  # no token; the token without RAY_AUTH_MODE=token
             r = join(**extra)
             assert r.returncode != 0 and "resources" not in r.stdout, (extra, r.stdout[-500:])
+        _only_documented_sockets_off_loopback(state)
+        _no_token_is_one_line(state, base, client, tmp_path)
+        out, temps = _job_sweep(state, base, client, tmp_path)
         job = [RAY, "job", "submit", "--address", (state / "dashboard").read_text().strip(), "--", "python", "-c",
                "print('answer', 6 * 7)"]
         r = subprocess.run(job, cwd=tmp_path, env={**base, **client}, capture_output=True, text=True, timeout=300)
@@ -310,3 +314,110 @@ def test_local_cluster_uses_a_token_and_the_documented_client_steps_work(tmp_pat
                               text=True, timeout=120)
         assert down.returncode == 0, down.stderr[-2000:]
     assert not token.exists() and not (state / "client.env").exists()
+    _resume_after_the_cluster_is_gone(out, temps, base, tmp_path)
+
+
+def _cluster_pids(state: Path) -> dict[int, str]:
+    """The processes of infra/local_cluster.sh's nodes (each `ray start --block` and its descendants): pid -> its
+    role, the psutil name or, for a Python process, its script or module (`dashboard.py`, `ray.util.client.server`)."""
+    import psutil
+
+    roles = {}
+    for f in state.glob("node*.pid"):
+        root = psutil.Process(int(f.read_text()))
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                name, cmd = p.name(), p.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if name.startswith("python") and len(cmd) > 1:
+                arg = cmd[cmd.index("-m") + 1] if "-m" in cmd else next((a for a in cmd[1:] if a.endswith(".py")), cmd[1])
+                name = Path(arg).name
+            if name.startswith("ray::") and name not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent"):
+                name = "ray::IDLE"  # a Ray worker process, named after its task or actor while it runs one
+            roles[p.pid] = name
+    return roles
+
+
+def _only_documented_sockets_off_loopback(state: Path) -> None:
+    """Every listening socket of the cluster's own processes is on loopback, or its process is a row of
+    infra/README.md's socket table (the job API's never: it must be loopback)."""
+    import ipaddress
+
+    import psutil
+
+    roles = _cluster_pids(state)
+    table = (REPO / "infra" / "README.md").read_text().split("## Listening sockets")[1]
+    documented = {line.split("|")[1].strip().strip("`") for line in table.splitlines()
+                  if line.startswith("| `") and "127.0.0.1 only" not in line}
+    dash_port = int((state / "dashboard").read_text().strip().rsplit(":", 1)[1])
+    listening = [(c.laddr.ip, c.laddr.port, roles[c.pid]) for c in psutil.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in roles]
+    assert len(listening) >= 10, listening  # the listing sees the cluster (27 sockets measured)
+
+    def loopback(ip: str) -> bool:
+        a = ipaddress.ip_address(ip)
+        return a.is_loopback or (a.version == 6 and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback)
+
+    off = [(ip, port, role) for ip, port, role in listening if not loopback(ip)]
+    assert all(loopback(ip) for ip, port, _ in listening if port == dash_port), listening  # the job API
+    undocumented = [s for s in off if s[2] not in documented or s[1] == dash_port]
+    assert not undocumented, f"non-loopback sockets not in infra/README.md: {undocumented}"
+
+
+def _no_token_is_one_line(state: Path, base: dict, client: dict, tmp_path: Path) -> None:
+    """The driver without the token against the token cluster: one line that says so and where client.env is;
+    nothing made in --out."""
+    cfg, out = write_config(tmp_path, name="nt", trials=1), tmp_path / "no-token-out"
+    e = {**base, "RAY_py_gcs_connect_timeout_s": "5"}  # Ray's own retries end sooner than the fixtures' 180 s
+    proc = subprocess.run(driver_cmd(cfg, out, "--ray-address", client["RAY_ADDRESS"], "--mlflow-uri",
+                                     f"sqlite:///{tmp_path / 'nt.db'}"), cwd=REPO, env=e, capture_output=True,
+                          text=True, timeout=240)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "refused this client's token" in lines[0] and f". {state / 'client.env'}" in lines[0], lines[0]
+    assert "RAY_AUTH_TOKEN_PATH" in lines[0] and "RAY_AUTH_MODE=token" in lines[0]
+    assert not out.exists()
+
+
+def _job_sweep(state: Path, base: dict, client: dict, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A trace sweep submitted as a job with the packaged config given by its path in the submitted folder (which
+    Ray unpacks into its temp folder); (its --out, the nodes' temp folders)."""
+    from tests.sweep_fixtures import make_trace
+
+    out = tmp_path / "job-out"
+    trace = make_trace(tmp_path)
+    cmd = [RAY, "job", "submit", "--address", (state / "dashboard").read_text().strip(), "--working-dir", ".", "--",
+           "python", "sweep/pareto.py", "--config", "search_spaces/smoke.yaml", "--trace", str(trace),
+           "--no-emulation", "--trials", "2", "--batch", "4", "--out", str(out),
+           "--mlflow-uri", f"sqlite:///{tmp_path / 'job.db'}"]
+    proc = subprocess.run(cmd, cwd=REPO, env={**base, **client}, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0 and "succeeded" in proc.stdout.lower(), (proc.stdout[-4000:], proc.stderr[-2000:])
+    assert (out / "summary.md").is_file()
+    return out, [(state / f"node{i}.tmp").read_text().strip() for i in range(3)]
+
+
+def _resume_after_the_cluster_is_gone(out: Path, temps: list[str], base: dict, tmp_path: Path) -> None:
+    """After `down` (Ray's temp folders, with the job's copy of the config, deleted): nothing in --out or in
+    MLflow points into them, and `--resume` of that folder runs (on an embedded Ray)."""
+    from mlflow.tracking import MlflowClient
+
+    assert temps and not any(Path(t).exists() for t in temps)
+    marks = [t.encode() for t in temps] + [b"runtime_resources", b"working_dir_files"]
+    for p in out.rglob("*"):
+        assert not p.is_symlink(), p
+        if p.is_file():
+            data = p.read_bytes()
+            assert not any(m in data for m in marks), (p, [m for m in marks if m in data])
+    db = f"sqlite:///{tmp_path / 'job.db'}"
+    client = MlflowClient(db)
+    exp = client.get_experiment_by_name("expertsweep")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    for r in runs:
+        for v in [*r.data.params.values(), *r.data.tags.values()]:
+            assert not any(m.decode() in v for m in marks), (r.info.run_name, v)
+    proc = subprocess.run([PY, str(REPO / "sweep" / "pareto.py"), "--out", str(out), "--resume", "--ray-address",
+                           "local", "--num-cpus", "2"], cwd=tmp_path, env=base, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "summary.md").is_file() and "outputs: " + str(out) in proc.stdout

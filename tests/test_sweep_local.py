@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from tests.sweep_fixtures import free_port, ledger, run_driver, write_config
+from tests.sweep_fixtures import REPO, driver_cmd, env, free_port, ledger, run_driver, write_config
 
 
 def _one_line_error(proc) -> str:
@@ -111,10 +114,13 @@ def test_embedded_sweep_end_to_end(tmp_path):
         assert sum(c.data.tags.get("on_front") == "True" for c in mine) == len(front)
         assert len({c.data.tags["key"] for c in mine}) == len(mine)
     child = next(c for c in children if c.data.tags.get("baseline") == "rule-0.15")
-    assert child.info.run_name == "rule-0.15: threshold(0.15) + lfu"
+    assert child.info.run_name == f"{child.data.tags['host']} · rule-0.15"  # the two hosts' runs differ by name
     assert child.data.tags["host"] in ("rtx3090", "rtx4090") and "GeForce" in child.data.tags["gpu"]
     assert child.data.tags["fidelity"] == "simulator" and child.data.tags["policy"] == "threshold(0.15) + lfu"
     assert child.data.params["rule"] == "threshold" and child.data.params["tau"] == "0.15"
+    # only the parameters active for the policy (the policy table's rule): no low-bit, band or prefetch fields
+    assert not {"lowbit_bits", "lowbit_group", "tau_high", "prefetch_n", "half_life"} & set(child.data.params)
+    assert "admission_delay" not in child.data.params and "gamma" in child.data.params  # beta off; LFU
     assert child.data.metrics["time_per_token_s"] > 0 and "speed_ratio_vs_fetch_all" in child.data.metrics
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert {"summary.md", "pareto.png", "speed_ratios.csv", "pareto_rtx3090.csv", "tables"} <= arts
@@ -125,6 +131,51 @@ def test_embedded_sweep_end_to_end(tmp_path):
     table = json.loads(Path(client.download_artifacts(parents[0].info.run_id, "tables/trials.json",
                                                       str(tmp_path))).read_text())
     assert sorted(r[table["columns"].index("key")] for r in table["data"]) == sorted(keys)
+    _resume_a_copy(cfg, out, db, tmp_path, parents[0].info.run_id, keys)
+
+
+def _tree(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under a folder: (sha256 of its bytes, its modification time in ns), by relative path."""
+    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file() or p.is_symlink()}
+
+
+def _resume_a_copy(cfg: Path, out: Path, db: Path, tmp_path: Path, parent_id: str, keys: list[str]) -> None:
+    """A finished sweep copied elsewhere and resumed there with more trials: the copy goes on, the original folder
+    stays byte for byte (and its MLflow parent run as it was); a flag that differs from the saved sweep is one
+    line naming both values, and nothing changes."""
+    from mlflow.tracking import MlflowClient
+
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, symlinks=True)
+    assert (copy / "config.yaml").read_bytes() == cfg.read_bytes()  # the config's content, saved in --out
+    state = json.loads((copy / "state.json").read_text())
+    assert state["args"]["config"] == "config.yaml" and state["out"] == str(out)
+    assert not (out / "logs" / "ray").exists() and not any(p.is_symlink() for p in out.rglob("*"))
+    client = MlflowClient(f"sqlite:///{db}")
+    before, run_before = _tree(out), client.get_run(parent_id).info
+    other = tmp_path / "other.yaml"
+    other.write_text(cfg.read_text().replace("trials: 8", "trials: 9"))
+    for flags, expect in ((["--hosts", "rtx3090"], f"--resume: --hosts rtx3090 differs from the sweep in {copy} "
+                                                   "(not given)"),
+                          (["--trials", "3"], "--resume: --trials 3 is fewer than the 8"),
+                          (["--config", str(other)], f"--resume: --config {other} differs from the config")):
+        proc = subprocess.run([*driver_cmd(cfg, copy, "--resume"), *flags], cwd=REPO, env=env(), capture_output=True,
+                              text=True, timeout=120)
+        assert expect in _one_line_error(proc), (flags, proc.stderr[-500:])
+    proc = run_driver(cfg, copy, "--resume", "--trials", "10", "--ray-address", "local", "--num-cpus", "2",
+                      RAY_AUTH_MODE="")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _tree(out) == before, "resuming a copy changed the original folder"
+    run_after = client.get_run(parent_id).info
+    assert (run_after.status, run_after.end_time) == (run_before.status, run_before.end_time)
+    rows = ledger(copy)
+    assert set(keys) < {r["key"] for r in rows} and len(rows) == 2 * (5 + 10)  # more trials: applied
+    state = json.loads((copy / "state.json").read_text())
+    assert state["out"] == str(copy) and state["trials"] == 10 and state["parent_run_id"] != parent_id
+    assert state["copied_from"] == {"out": str(out), "run": parent_id}
+    new = client.get_run(state["parent_run_id"])
+    assert new.info.status == "FINISHED" and new.data.tags["copied_from_run"] == parent_id
 
 
 @pytest.mark.slow
@@ -270,3 +321,34 @@ def test_equal_memory_answer(tmp_path, micro_model):
     assert "| host | trials ok | infeasible at the budget | failed | front size |" in summary
     tail = proc.stdout[proc.stdout.index("The answer"):]
     assert "device GiB" in tail
+
+
+def test_mlflow_as_users_read_it(tmp_path):
+    """The experiment carries the classic-view runs table (a shared view with the key metrics as columns) and the
+    printed runs page opens it; a child is named by its host and policy, with only its active parameters."""
+    from runtime.core.policy import PRESETS
+    from sweep import tracking
+    from sweep.space import complete
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    t = tracking.Tracker(uri, "x")
+    exp = t.client.get_experiment(t.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    view = json.loads(exp.tags[tracking.VIEW_TAG])
+    assert view["orderByKey"] == "metrics.`time_per_token_s`" and view["orderByAsc"] is True
+    assert {f"metrics.`{m}`" for m in ("time_per_token_s", "speed_ratio_vs_fetch_all", "ppl_change_pct",
+                                       "ppl_ci_low", "ppl_ci_high")} <= set(view["selectedColumns"])
+    page = tracking.runs_page("http://127.0.0.1:5000", t.experiment_id)
+    assert page.endswith(f"/runs?workflowType=machine_learning&viewStateShareKey={tracking.VIEW_KEY}")
+    assert tracking.VIEW_TAG == f"mlflow.sharedViewState.{tracking.VIEW_KEY}"
+    for preset, absent, present in (("speed-first", {"lowbit_bits", "lowbit_group", "tau_high"}, {"rule"}),
+                                    ("rule-0.15", {"lowbit_bits", "admission_delay", "prefetch_n"}, {"tau"})):
+        params = {**complete(PRESETS[preset].to_dict()), "capacity_fraction": 0.25}
+        rec = {"key": "k", "host": "rtx4090", "policy": "label", "baseline": preset, "params": params}
+        name, tags, logged, _ = tracking.child_payload(rec, "GeForce RTX 4090")
+        assert name == f"rtx4090 · {preset}" and tags["mlflow.runName"] == name
+        assert not absent & set(logged) and present <= set(logged) and "capacity_fraction" in logged
+        active = {p for p in logged if p in params} - {"capacity_fraction"}
+        assert active == set(PRESETS[preset].active_params()) & set(params)
+    lowbit = {**complete({**PRESETS["rule-0.15"].to_dict(), "fallback": "lowbit"}), "capacity_fraction": 0.25}
+    assert "lowbit_bits" in tracking.active_params(lowbit)  # active with a low-bit fallback

@@ -42,7 +42,12 @@ def cli_main(fn: Callable[[], Any]) -> None:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for every command: a usage error is an InputError (one line, exit 2 through cli_main),
-    not the usage block."""
+    not the usage block; no abbreviated long flags (`--host` is not taken for `--hosts`), also in its
+    subparsers (argparse makes them of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # argparse's documented override point
         raise InputError(f"{self.prog}: {message}")
