@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from runtime.backends.engine.plan import Staged, grouped_masked
+from runtime.core.errors import InputError
+from runtime.core.kernel import EV_DEV, StepResult, decide, drop_renorm_scale
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class StepProgram:
         self.x = [torch.zeros(1, H, dtype=self.dtype, device=dev) for _ in range(self.S)]  # MoE inputs
         self.packed: list[torch.Tensor | None] = [None] * self.S  # [1, P_l] float32, sized by the first call
         self.packed_host: list[torch.Tensor | None] = [None] * self.S
+        self.packed_np: list[np.ndarray | None] = [None] * self.S  # the host views read() returns
         host_plans = torch.zeros(self.S, 3, self.k, dtype=torch.float32, pin_memory=self.cuda)
         self.staged = [Staged(host_plans[l_], torch.zeros(1, H, dtype=self.dtype, device=dev)) for l_ in range(self.S)]
         self.plan_dev = [p.plan.to(dev) if self.cuda else p.plan for p in self.staged]  # [3, k] each
@@ -117,6 +120,7 @@ class StepProgram:
         ctx.step = self  # the adapters hand each MoE layer's routing to `routed` (the engine unsets it after the run)
         self.begin()
         self._run_segments()
+        self.fused = OneCall.build(ctx, runner, self.S, self.k)  # the host decision in one compiled call, or None
         self._build_masks(create_causal_mask, create_sliding_window_causal_mask, H)
         self.capture_error = ""  # why capturing failed (the segments then run eagerly), or ""
         if capture:
@@ -214,8 +218,10 @@ class StepProgram:
     # ------------------------------------------------------------------ a step
 
     def begin(self) -> None:
-        """A new window: the static KV cache emptied in place (its addresses stay: the graphs read them)."""
+        """A new window: the static KV cache emptied in place (its addresses stay: the graphs read them); room
+        for its W tokens' kernel events."""
         self.cache.reset()
+        self.runner.reserve_events(self.W)
 
     def step(self, token: torch.Tensor, t: int) -> torch.Tensor:
         """Token [1, 1] on the device at position t of the window -> logits [1, V] (a static buffer: copy it
@@ -236,20 +242,98 @@ class StepProgram:
 
     def read(self, layer: int) -> np.ndarray:
         """MoE layer `layer`'s packed routing on the host, [1, 2k + E + 1 (+ E')] float32: the step's ONE device ->
-        host read of the layer (CUDA: into a pinned buffer, waited for on an event; CPU device mode: as is)."""
-        if not self.cuda:
-            return self.packed[layer].numpy()
-        self.packed_host[layer].copy_(self.packed[layer], non_blocking=True)
-        self.events[layer].record()
-        self.events[layer].synchronize()
-        return self.packed_host[layer].numpy()
+        host read of the layer (CUDA: into a pinned buffer, waited for on an event; CPU device mode: as is).
+        The host view is made once per layer (its buffer's address never changes)."""
+        if self.packed_np[layer] is None:
+            self.packed_np[layer] = (self.packed_host if self.cuda else self.packed)[layer].numpy()
+        if self.cuda:
+            self.packed_host[layer].copy_(self.packed[layer], non_blocking=True)
+            self.events[layer].record()
+            self.events[layer].synchronize()
+        return self.packed_np[layer]
 
     def _decide(self, layer: int) -> None:
         """Between segments: MoE layer `layer`'s routing read (one float32 copy), the kernel's step, the plan
-        applied (copies, host and low-bit experts into `extra`), the plan row to the device."""
-        d = self.ctx.experts[layer].decide(self.read(layer), self.k, self.dtype)
+        applied (copies, host and low-bit experts into `extra`), the plan row to the device. With `fused`
+        (runtime/core/kernel/decide.py) the read row goes to the plan row in one compiled call, and Python
+        only copies the fetched experts, unless the plan holds more (then `PlanRunner.apply`, as below)."""
         st = self.staged[layer]
         st.begin()
-        self.runner.apply(layer, self.x[layer], d.weights, d.res, staged=st)
+        if self.fused is not None and self.fused.ready():
+            self.fused.decide(layer, self.read(layer), self.x[layer], st)
+        else:
+            d = self.ctx.experts[layer].decide(self.read(layer), self.k, self.dtype)
+            self.runner.apply(layer, self.x[layer], d.weights, d.res, staged=st)
         if self.cuda:
             self.plan_dev[layer].copy_(st.plan, non_blocking=True)
+
+
+class OneCall:
+    """The host decision of one MoE layer and token in one compiled call (`decide.decide_row`) over buffers made
+    once per program: the packed routing row -> the kernel's decisions, events and plan row; Python then
+    copies the fetched experts, or, when the plan holds admissions, queued or prefetch copies, host or low-bit
+    experts or a drop under drop_renorm, hands the same outputs to `PlanRunner.apply` (exactly what the
+    step-by-step path does with them). `build` returns None where it does not apply (a recording, a policy
+    that prefetches, a model dtype without its rounding): that run decides step by step."""
+
+    def __init__(self, ctx, runner, S: int, k: int, E: int, dtype_name: str) -> None:
+        self.ctx, self.runner, self.S, self.k, self.E = ctx, runner, S, k, E
+        b = decide.decide_buffers(1, k, E, dtype_name, cap=1)
+        self.tok, self.rnd, self.fetches = b.tok, b.rnd, b.fetches
+        self.outs = [b.out] + [decide.decide_buffers(1, k, E, dtype_name, cap=1).out for _ in range(S - 1)]
+        self.dtype = runner.dtype
+        self.cache = None  # the PolicyCache the checks below were made for
+        self.ok = self.drop_renorm = False
+        self.n_fast = self.n_slow = 0  # decisions done in the call alone / handed on to PlanRunner.apply
+
+    @classmethod
+    def build(cls, ctx, runner, S: int, k: int) -> OneCall | None:
+        """None when the model dtype has no rounding here (float32, bfloat16, float16 have) or E is unknown."""
+        name = str(runner.dtype).removeprefix("torch.")
+        E = ctx.experts[0].num_experts if ctx.experts else 0
+        if name not in decide.DTYPE_ROUNDING or E <= 0:
+            return None
+        return cls(ctx, runner, S, k, E, name)
+
+    def ready(self) -> bool:
+        """Whether the context's cache (checked once per cache) decides through the one call: a cache of this
+        program's layers and E, no prefetch (its predicted lists are the step-by-step path's), no recording."""
+        c = self.ctx.cache
+        if c is not self.cache:
+            self.cache = c
+            self.ok = c is not None and c.prefetch_width == 0 and c.L == self.S and c.E == self.E and c.k == self.k
+            self.drop_renorm = bool(c is not None and c.policy.drop_renorm)
+            if self.ok:
+                for l_, o in enumerate(self.outs):  # each layer's last decision (views: rewritten per step)
+                    self.ctx.last[l_] = {"kind": o.kind[0], "served": o.served[0]}
+        return self.ok and self.ctx.recorder is None
+
+    def decide(self, layer: int, packed: np.ndarray, x: torch.Tensor, st: Staged) -> None:
+        """MoE layer `layer`'s decision for the step's token from its packed routing [1, P] (host), into `st`."""
+        r, c, out = self.runner, self.cache, self.outs[layer]  # (`ready()` just made self.cache the context's)
+        n = decide.decide_row(packed, self.k, self.E, layer, c.next_t, c._params, c._state, self.tok, out, r.ev_tab,
+                              r.ev_n, self.rnd, self.drop_renorm, st.rows, self.fetches)
+        if n == decide.BAD_SCORES:
+            raise InputError(f"router scores: non-finite value at MoE layer {layer}, token 0 of this batch")
+        if self.ctx.decisions is not None:
+            self.ctx.decisions[layer].append((out.kind[0].copy(), out.served[0].copy(), out.slot[0].copy()))
+        cp = r.copies
+        if n >= 0 and not cp.pending[layer] and not cp.prefetch[layer]:  # the plan is its fetches alone
+            r.stats["device_computes"] += int(out.ev[0, 0, EV_DEV])
+            for e, s in self.fetches[:n].tolist() if n else ():
+                r.fetch(layer, e, s)
+            if r.debug:
+                r.pool.check(layer)
+            self.n_fast += 1
+            return
+        self.n_slow += 1
+        na, nq, npf = out.n_logs[0].tolist()
+        ev = r.ev_tab[layer, r.ev_n[layer] - 1 : r.ev_n[layer]]
+        res = StepResult(out.kind[0], out.served[0], out.slot[0], ev, out.adm_log[0, :na], out.q_log[0, :nq],
+                         out.pf_log[0, :npf])
+        w_np = self.tok.w[0].astype(np.float32)  # [1, k] rank order (float32 values: exact)
+        w = torch.from_numpy(w_np).to(self.dtype)
+        scale = drop_renorm_scale(res.kind, w_np) if self.drop_renorm else None
+        if scale is not None:  # as PolicyExperts.decide: a dropped miss's weight shared out
+            w = w * torch.from_numpy(scale).to(dtype=w.dtype)[:, None]
+        r.apply(layer, x, w, res, staged=st, events_recorded=True)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.backends.engine.copies import Pending
-from runtime.core.kernel import DROP, FETCH, HOST, LOWBIT, StepResult
+from runtime.core.kernel import DROP, FETCH, HOST, LOWBIT, N_EV, StepResult
 from runtime.core.policy import PolicyConfig
 
 if TYPE_CHECKING:
@@ -124,7 +124,10 @@ class PlanRunner:
         self.store, self.pool, self.copies, self.act, self.E = store, pool, copies, act, E
         self.stats, self.ctx, self.debug = stats, ctx, debug
         self.device, self.cuda, self.dtype, self.L = pool.device, pool.cuda, pool.dtype, len(act)
-        self.events: list[list[np.ndarray]] = [[] for _ in range(self.L)]  # the plans' kernel events, per layer
+        # the plans' kernel events: one row per decided token and layer (ev_n[l] rows of layer l); the engine's
+        # one-call decision (runtime/core/kernel/decide.py) writes its rows here too
+        self.ev_tab = np.zeros((self.L, 256, N_EV), np.int32)  # [L, cap, N_EV]
+        self.ev_n = np.zeros(self.L, np.int64)  # [L]
         self.null_compute = False  # calibration only: skip the expert math (everything else runs)
         self.lowbit: list[list[tuple]] | None = None  # [L][E] (gate_up, down) QWeight on the device
         self.lowbit_key: tuple[int, int, int] | None = None  # (bits, group, experts per layer) of `lowbit`
@@ -133,7 +136,30 @@ class PlanRunner:
         self.lowbit_host: dict[tuple[int, int], dict[tuple[int, int], tuple]] = {}
 
     def reset(self) -> None:
-        self.events = [[] for _ in range(self.L)]
+        self.ev_n[:] = 0
+
+    def reserve_events(self, more: int) -> None:
+        """Room for `more` further event rows per layer (a larger table, the rows kept, when needed)."""
+        need = int(self.ev_n.max()) + int(more)
+        if need > self.ev_tab.shape[1]:
+            tab = np.zeros((self.L, max(need, 2 * self.ev_tab.shape[1]), N_EV), np.int32)
+            tab[:, : self.ev_tab.shape[1]] = self.ev_tab
+            self.ev_tab = tab
+
+    def add_events(self, layer: int, ev: np.ndarray) -> None:
+        """A plan's kernel events [N, N_EV] appended to MoE layer `layer`'s rows."""
+        n = len(ev)
+        self.reserve_events(n)
+        a = int(self.ev_n[layer])
+        self.ev_tab[layer, a : a + n] = ev
+        self.ev_n[layer] = a + n
+
+    def events_array(self) -> np.ndarray:
+        """Kernel events of the run since bind, int32 [T, L, N_EV] (every layer decided the same T tokens)."""
+        n = set(self.ev_n.tolist())
+        if len(n) != 1:
+            raise RuntimeError(f"engine: the MoE layers decided different token counts {sorted(n)}")
+        return np.ascontiguousarray(self.ev_tab[:, : n.pop()].transpose(1, 0, 2))
 
     def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, plan) -> torch.Tensor:
         """Experts' output for tokens x [N, H]: exact streaming (plan None) or the kernel's plan."""
@@ -144,11 +170,12 @@ class PlanRunner:
     # ------------------------------------------------------------------ the plan
 
     def apply(self, layer: int, x: torch.Tensor, w: torch.Tensor, plan: StepResult,
-              staged: Staged | None = None) -> torch.Tensor | None:
+              staged: Staged | None = None, events_recorded: bool = False) -> torch.Tensor | None:
         """The kernel's plan for N tokens of `layer`: x [N, H], gate weights w [N, k] -> [N, H]. With `staged`
         (the segmented decode step, runtime/backends/engine/graphs.py; N = 1) step (4)'s grouped call is
         left to the next segment: the token's plan row goes into `staged.plan`, the host and low-bit
-        experts' output into `staged.extra`, and nothing is returned."""
+        experts' output into `staged.extra`, and nothing is returned. `events_recorded`: the plan's events are
+        in the event table already (the one-call decision wrote them)."""
         kind, served, slot = plan.kind, plan.served, plan.slot  # [N, k]
         N, k = kind.shape
         cache = self.pool.cache
@@ -223,7 +250,8 @@ class PlanRunner:
                 qi += 1
         if ai != len(adm) or pi != len(pref) or qi != len(queued):
             raise RuntimeError(f"engine: MoE layer {layer}: plan rows outside tokens {t0}..{t0 + N - 1}")
-        self.events[layer].append(plan.events)
+        if not events_recorded:
+            self.add_events(layer, plan.events)
         if self.debug:
             self.pool.check(layer)
         if staged is not None:
