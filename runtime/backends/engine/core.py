@@ -316,10 +316,13 @@ class Engine:
     @staticmethod
     def _path_name(prog: graphs.StepProgram | None, why: str | None) -> str:
         """How teacher-forced decoding ran: `cuda_graphs` (segments captured), `segments` (the same segments
-        eagerly: CPU device mode, or no_cuda_graphs), or `hf_forward: why` (no capture plan; calibration's
-        run with the expert math off)."""
+        eagerly: CPU device mode, or no_cuda_graphs), `segments: cuda graphs refused: why` (a family whose
+        cache or RoPE branches on values), `segments: capture failed: why`, or `hf_forward: why` (no capture
+        plan; calibration's run with the expert math off)."""
         if prog is None:
             return f"hf_forward: {why}"
+        if prog.refused:
+            return f"segments: cuda graphs refused: {prog.refused}"
         if prog.capture_error:
             return f"segments: capture failed: {prog.capture_error}"
         return "cuda_graphs" if prog.graphs else "segments"

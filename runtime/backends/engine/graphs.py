@@ -52,6 +52,53 @@ def kv_cache_kwarg(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
+def mask_cache_kwarg(fn) -> str:
+    """The name transformers' mask function `fn` (masking_utils.create_causal_mask and kin) gives its cache
+    argument, read from the installed function's signature: `cache` (transformers >= 5.2x) or
+    `past_key_values` (earlier 5.x, e.g. 5.17). Both accepted: `cache`."""
+    params = inspect.signature(fn).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{getattr(fn, '__qualname__', fn)}: neither `cache` nor `past_key_values` in its signature "
+                    f"{list(params)}")
+
+
+# RoPE types whose inv_freq depends on the position reached (a host branch on a value): capture would freeze one
+VALUE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_types(config) -> set[str]:
+    """Every RoPE type the config names (rope_parameters / rope_scaling, flat or per layer type)."""
+    out: set[str] = set()
+    for attr in ("rope_parameters", "rope_scaling"):
+        v = getattr(config, attr, None)
+        if not isinstance(v, dict):
+            continue
+        for d in [v, *[x for x in v.values() if isinstance(x, dict)]]:
+            t = d.get("rope_type", d.get("type"))
+            if isinstance(t, str):
+                out.add(t)
+    return out
+
+
+def graph_refusal(config, n_layers: int) -> str | None:
+    """Why the segments of a model with `config` (and `n_layers` decoder layers) must not be captured as CUDA
+    graphs (a capture records one branch of a Python test on values, and replays it forever), or None:
+    sliding-window attention (the static cache's sliding layers branch on whether the window is full), a
+    RoPE whose frequencies depend on the position (dynamic, longrope: a host sync and a branch per step).
+    Such a family decodes the same segments eagerly (`Engine.decode_path` says why)."""
+    why = []
+    sliding = [i for i in range(n_layers) if mask_kind(config, i) == "sliding_attention"]
+    if sliding:
+        why.append(f"sliding-window attention in {len(sliding)} of {n_layers} layers (the cache branches on is_full)")
+    rope = sorted(rope_types(config) & set(VALUE_DEPENDENT_ROPE))
+    if rope:
+        why.append(f"RoPE type {', '.join(rope)} (its frequencies branch on the position)")
+    return "; ".join(why) or None
+
+
 def mask_kind(config, i: int) -> str:
     """The attention mask decoder layer i takes: the config's `layer_types[i]`, else sliding-window causal when
     the config sets `sliding_window` (the Qwen3-MoE / Mixtral models' own rule), else full causal."""
@@ -72,6 +119,30 @@ def capture_plan(model: nn.Module) -> str | None:
         return (f"model_type {model.config.model_type!r}: layer types {sorted(kinds - set(MASK_KINDS))} have no static "
                 "KV cache (linear attention keeps a recurrent state)")
     return None
+
+
+def _current_stream(device: torch.device):
+    """The current CUDA stream of `device` (None off CUDA)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _set_stream(stream) -> None:
+    """Make `stream` current again (nothing off CUDA)."""
+    if stream is not None:
+        torch.cuda.set_stream(stream)
+
+
+def capture_failure(exc: BaseException) -> str:
+    """One line saying why a capture failed: torch's generic capture error ("operation failed due to a previous
+    error during capture", ...) last, the exceptions it was raised during or from (`__context__` /
+    `__cause__`: the op that failed) first, the first line of each, innermost first."""
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    parts = [f"{type(x).__name__}: {str(x).splitlines()[0] if str(x) else ''}".strip() for x in reversed(chain)]
+    return " <- ".join(parts)[:400]
 
 
 class StepProgram:
@@ -123,12 +194,17 @@ class StepProgram:
         self.fused = OneCall.build(ctx, runner, self.S, self.k)  # the host decision in one compiled call, or None
         self._build_masks(create_causal_mask, create_sliding_window_causal_mask, H)
         self.capture_error = ""  # why capturing failed (the segments then run eagerly), or ""
-        if capture:
+        self.refused = graph_refusal(cfg, len(self.layers)) if capture else None  # why not captured at all, or None
+        if capture and self.refused:
+            log.warning("CUDA graphs refused (%s); decoding the same segments eagerly", self.refused)
+        elif capture:
+            prev = _current_stream(self.device)  # the stream to return to, whatever the capture leaves current
             try:
                 self._capture()
             except RuntimeError as exc:  # e.g. a host synchronisation inside a module: say so, decode eagerly
                 self.graphs = []
-                self.capture_error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                self.capture_error = capture_failure(exc)
+                _set_stream(prev)  # torch's graph context leaves the capture stream current when capture_end raises
                 log.warning("CUDA graph capture failed (%s); decoding the same segments eagerly", self.capture_error)
                 if self.cuda:
                     torch.cuda.synchronize(self.device)
@@ -146,8 +222,9 @@ class StepProgram:
         self.begin()
         for t in range(self.W):
             for kind in rows:
-                rows[kind].append(fns[kind](config=cfg, inputs_embeds=emb, attention_mask=None, cache=self.cache,
-                                            position_ids=torch.tensor([[t]], device=dev)))
+                rows[kind].append(fns[kind](config=cfg, inputs_embeds=emb, attention_mask=None,
+                                            position_ids=torch.tensor([[t]], device=dev),
+                                            **{mask_cache_kwarg(fns[kind]): self.cache}))
             for i, (k_, v_) in enumerate(kv):
                 self.cache.update(k_, v_, i)
         for kind, r in rows.items():

@@ -48,12 +48,42 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, a
     return F.linear(act(gate) * up, down)
 
 
+def grouped_impl(x: torch.Tensor, gate_up: torch.Tensor) -> str:
+    """Which grouped call `grouped_experts` makes for inputs like `x`: "grouped_mm" (torch.nn.functional.grouped_mm
+    over the slot tensors themselves, no copy of expert weights; the call transformers' grouped_mm experts make)
+    on CUDA in bfloat16 on compute capability >= 8.0 with rows of a multiple of 16 bytes (what its kernels take),
+    else "bmm" (the selected slots gathered, then a batched matmul)."""
+    rows_ok = all(n * x.element_size() % 16 == 0 for n in (gate_up.shape[1] // 2, gate_up.shape[2]))
+    if (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm") and rows_ok
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)):
+        return "grouped_mm"
+    return "bmm"
+
+
 def grouped_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
-                    act) -> torch.Tensor:
+                    act, impl: str | None = None) -> torch.Tensor:
     """M expert calls in one: slot tensors gate_up [C, 2I, H] and down [C, H, I], inputs x [M, H], the slot of
-    each call rows [M] (int64, on the device) and its gate weight w [M] -> weighted outputs [M, H]. Gather
-    by slot index and batched matmul (the Hugging Face `batched_mm` experts' math): the same number of
-    operators whatever M is, and the same shapes for a given M (what a CUDA graph needs)."""
+    each call rows [M] (int64, on the device) and its gate weight w [M] -> weighted outputs [M, H] in the
+    calls' order. The same number of operators whatever M is, and the same shapes for a given M (what a CUDA
+    graph needs). `impl` (default `grouped_impl(x, gate_up)`):
+    - "grouped_mm": the calls sorted by slot (stable), each slot's group of rows through its own weights in
+      place (`F.grouped_mm` with the groups' end offsets, found by `searchsorted`: no device sync), the rows
+      put back in call order. Reads only the selected slots' weights, copies none.
+    - "bmm": gather the selected slots' weights (`index_select`) and batched matmul (the Hugging Face
+      `batched_mm` experts' math). Reads and writes a copy of the M experts' weights.
+    The two agree within the rounding of one matmul in the model dtype (tests/test_graphs.py)."""
+    if (impl or grouped_impl(x, gate_up)) == "grouped_mm":
+        C = gate_up.shape[0]
+        order = torch.argsort(rows, stable=True)  # [M] calls by slot
+        rs = rows.index_select(0, order)  # [M] ascending slots
+        offs = torch.searchsorted(rs, torch.arange(C, device=rows.device, dtype=rs.dtype), right=True)
+        offs = offs.to(torch.int32)  # [C]: end of each slot's group (empty groups: no rows, no work)
+        xs = x.index_select(0, order)  # [M, H]
+        h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2I]
+        gate, up = h.chunk(2, dim=-1)  # [M, I] each
+        ys = F.grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)  # [M, H]
+        y = torch.empty_like(ys).index_copy_(0, order, ys)  # [M, H] back in call order
+        return y * w.to(y.dtype).unsqueeze(-1)
     h = torch.bmm(gate_up.index_select(0, rows), x.unsqueeze(-1)).squeeze(-1)  # [M, 2I]
     gate, up = h.chunk(2, dim=-1)  # [M, I] each
     y = torch.bmm(down.index_select(0, rows), (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [M, H]
