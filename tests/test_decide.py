@@ -44,6 +44,10 @@ def test_one_call_equals_rank_order_kernel_step_and_plan_row(name):
     ref, got = PolicyCache(pol, E, k, caps, init), PolicyCache(pol, E, k, caps, init)
     bufs = decide.decide_buffers(L, k, E, "bfloat16", cap=T)
     packed = {l_: rows(rng, T, E, k, torch.bfloat16) for l_ in range(L)}
+    # layer 1 through the engine's entry (decide_layer: every array from an address table), layer 0 directly
+    row1, plan1 = np.zeros((1, 2 * k + E + 1), np.float32), np.zeros((3, k), np.float32)
+    tab = decide.address_table(got._state, got.next_t, bufs.tok, bufs.ev_tab, bufs.ev_n, bufs.fetches,
+                               [(np.zeros_like(row1), np.zeros_like(plan1), bufs.out), (row1, plan1, bufs.out)])
     slow_seen = fast_seen = 0
     for t in range(T):
         for l_ in range(L):
@@ -58,9 +62,15 @@ def test_one_call_equals_rank_order_kernel_step_and_plan_row(name):
             plan_ref = np.zeros((3, k), np.float32)
             write_plan_row(plan_ref, res.kind[0], res.slot[0], wt[0])
             # the one call
-            plan = np.full((3, k), np.nan, np.float32)
-            n = decide.decide_row(row, k, E, l_, got.next_t, got._params, got._state, bufs.tok, bufs.out, bufs.ev_tab,
-                                  bufs.ev_n, bufs.rnd, bool(pol.drop_renorm), plan, bufs.fetches)
+            if l_ == 1:
+                row1[:] = row
+                plan = plan1
+                plan[:] = np.nan
+                n = decide.decide_layer(tab, l_, k, E, got._params, bufs.rnd, bool(pol.drop_renorm))
+            else:
+                plan = np.full((3, k), np.nan, np.float32)
+                n = decide.decide_row(row, k, E, l_, got.next_t, got._params, got._state, bufs.tok, bufs.out,
+                                      bufs.ev_tab, bufs.ev_n, bufs.rnd, bool(pol.drop_renorm), plan, bufs.fetches)
             o = bufs.out
             assert np.array_equal(o.kind[0], res.kind) and np.array_equal(o.served[0], res.served)
             assert np.array_equal(o.slot[0], res.slot) and np.array_equal(bufs.ev_tab[l_, t], res.events[0])

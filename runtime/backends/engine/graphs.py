@@ -191,7 +191,7 @@ class StepProgram:
         ctx.step = self  # the adapters hand each MoE layer's routing to `routed` (the engine unsets it after the run)
         self.begin()
         self._run_segments()
-        self.fused = OneCall.build(ctx, runner, self.S, self.k)  # the host decision in one compiled call, or None
+        self.fused = OneCall.build(self)  # the host decision in one compiled call, or None
         self._build_masks(create_causal_mask, create_sliding_window_causal_mask, H)
         self.capture_error = ""  # why capturing failed (the segments then run eagerly), or ""
         self.refused = graph_refusal(cfg, len(self.layers)) if capture else None  # why not captured at all, or None
@@ -321,12 +321,16 @@ class StepProgram:
         """MoE layer `layer`'s packed routing on the host, [1, 2k + E + 1 (+ E')] float32: the step's ONE device ->
         host read of the layer (CUDA: into a pinned buffer, waited for on an event; CPU device mode: as is).
         The host view is made once per layer (its buffer's address never changes)."""
-        if self.packed_np[layer] is None:
-            self.packed_np[layer] = (self.packed_host if self.cuda else self.packed)[layer].numpy()
         if self.cuda:
             self.packed_host[layer].copy_(self.packed[layer], non_blocking=True)
             self.events[layer].record()
             self.events[layer].synchronize()
+        return self.read_view(layer)
+
+    def read_view(self, layer: int) -> np.ndarray:
+        """The host buffer `read` fills for MoE layer `layer` [1, P] float32 (its view made once)."""
+        if self.packed_np[layer] is None:
+            self.packed_np[layer] = (self.packed_host if self.cuda else self.packed)[layer].numpy()
         return self.packed_np[layer]
 
     def _decide(self, layer: int) -> None:
@@ -337,7 +341,8 @@ class StepProgram:
         st = self.staged[layer]
         st.begin()
         if self.fused is not None and self.fused.ready():
-            self.fused.decide(layer, self.read(layer), self.x[layer], st)
+            self.read(layer)  # into the host row the compiled call reads
+            self.fused.decide(layer, self.x[layer], st)
         else:
             d = self.ctx.experts[layer].decide(self.read(layer), self.k, self.dtype)
             self.runner.apply(layer, self.x[layer], d.weights, d.res, staged=st)
@@ -353,8 +358,12 @@ class OneCall:
     step-by-step path does with them). `build` returns None where it does not apply (a recording, a policy
     that prefetches, a model dtype without its rounding): that run decides step by step."""
 
-    def __init__(self, ctx, runner, S: int, k: int, E: int, dtype_name: str) -> None:
+    def __init__(self, ctx, runner, S: int, k: int, E: int, dtype_name: str, packed: list[np.ndarray],
+                 plans: list[np.ndarray]) -> None:
         self.ctx, self.runner, self.S, self.k, self.E = ctx, runner, S, k, E
+        self.packed, self.plans = packed, plans  # per MoE layer: the host routing row [1, P], the plan row [3, k]
+        self.tab: np.ndarray | None = None  # decide_layer's address table (decide.address_table), per cache
+        self.tab_ev = None  # the event table the address table points at
         b = decide.decide_buffers(1, k, E, dtype_name, cap=1)
         self.tok, self.rnd, self.fetches = b.tok, b.rnd, b.fetches
         self.outs = [b.out] + [decide.decide_buffers(1, k, E, dtype_name, cap=1).out for _ in range(S - 1)]
@@ -364,13 +373,16 @@ class OneCall:
         self.n_fast = self.n_slow = 0  # decisions done in the call alone / handed on to PlanRunner.apply
 
     @classmethod
-    def build(cls, ctx, runner, S: int, k: int) -> OneCall | None:
-        """None when the model dtype has no rounding here (float32, bfloat16, float16 have) or E is unknown."""
+    def build(cls, prog: StepProgram) -> OneCall | None:
+        """`prog`'s one-call decision (after its first eager pass: the routing rows exist), or None when the model
+        dtype has no rounding here (float32, bfloat16, float16 have) or a row was not packed."""
+        ctx, runner = prog.ctx, prog.runner
         name = str(runner.dtype).removeprefix("torch.")
         E = ctx.experts[0].num_experts if ctx.experts else 0
-        if name not in decide.DTYPE_ROUNDING or E <= 0:
+        if name not in decide.DTYPE_ROUNDING or E <= 0 or any(p is None for p in prog.packed):
             return None
-        return cls(ctx, runner, S, k, E, name)
+        packed = [prog.read_view(l_) for l_ in range(prog.S)]
+        return cls(ctx, runner, prog.S, prog.k, E, name, packed, [st.rows for st in prog.staged])
 
     def ready(self) -> bool:
         """Whether the context's cache (checked once per cache) decides through the one call: a cache of this
@@ -383,13 +395,20 @@ class OneCall:
             if self.ok:
                 for l_, o in enumerate(self.outs):  # each layer's last decision (views: rewritten per step)
                     self.ctx.last[l_] = {"kind": o.kind[0], "served": o.served[0]}
+                r = self.runner
+                self.tab = decide.address_table(c._state, c.next_t, self.tok, r.ev_tab, r.ev_n, self.fetches,
+                                                list(zip(self.packed, self.plans, self.outs, strict=True)))
+                self.tab_ev = r.ev_tab
+        if self.ok and self.runner.ev_tab is not self.tab_ev:  # the runner grew its event table
+            self.tab_ev = self.runner.ev_tab
+            decide.set_row(self.tab, decide.R_SHARED + 1, self.tab_ev)
         return self.ok and self.ctx.recorder is None
 
-    def decide(self, layer: int, packed: np.ndarray, x: torch.Tensor, st: Staged) -> None:
-        """MoE layer `layer`'s decision for the step's token from its packed routing [1, P] (host), into `st`."""
+    def decide(self, layer: int, x: torch.Tensor, st: Staged) -> None:
+        """MoE layer `layer`'s decision for the step's token from its packed routing row (read into the host
+        buffer `packed[layer]` already), into `st` (whose plan row is `plans[layer]`)."""
         r, c, out = self.runner, self.cache, self.outs[layer]  # (`ready()` just made self.cache the context's)
-        n = decide.decide_row(packed, self.k, self.E, layer, c.next_t, c._params, c._state, self.tok, out, r.ev_tab,
-                              r.ev_n, self.rnd, self.drop_renorm, st.rows, self.fetches)
+        n = decide.decide_layer(self.tab, layer, self.k, self.E, c._params, self.rnd, self.drop_renorm)
         if n == decide.BAD_SCORES:
             raise InputError(f"router scores: non-finite value at MoE layer {layer}, token 0 of this batch")
         if self.ctx.decisions is not None:

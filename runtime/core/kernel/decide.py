@@ -18,6 +18,12 @@ them and is done), or `SLOW` when the plan holds anything the engine applies in 
 queued copies, prefetch loads, host or low-bit fallbacks, a drop under drop_renorm): the caller then
 hands the same outputs to `PlanRunner.apply` (which rewrites the same plan row).
 
+Entering compiled code costs per array argument (numba unboxes each one: with the kernel's 17 state arrays,
+the 15 of Tokens and Outputs and the rest, ~40 us a call on the development VM, more than the decision),
+so the engine calls `decide_layer` instead: ONE int64 table of (address, shape) rows made once per binding
+(`address_table`) from which it rebuilds every array as a view (`carray`, no copy) and calls `decide_row`.
+The table points into arrays its maker keeps alive.
+
 Module-level `@njit(cache=True)` functions only, each name unique in the project (issue 39's cache rules);
 `exercise()` runs the call on a fixed tiny case for a post-load check.
 """
@@ -29,10 +35,12 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
 from runtime.core.kernel.plan import DROP, FETCH, HOST, LOWBIT, N_EV, Outputs, Tokens
 from runtime.core.kernel.run_layer import run_layers
+from runtime.core.kernel.state import FIELDS, CacheState
 
 SLOW = -1  # the plan needs PlanRunner.apply (see the module doc)
 BAD_SCORES = -2  # a router score of the row is not finite
@@ -125,6 +133,103 @@ def decide_row(packed, k, E, layer, t_next, pol, cs, tok, out, ev_tab, ev_n, rnd
     return SLOW if slow else nf
 
 
+@intrinsic
+def decide_typed_ptr(typingctx, addr, dt):
+    """`decide_typed_ptr(addr, np.int32)`: the int64 address as a typed data pointer (for `carray`)."""
+    ty = dt.instance_type if hasattr(dt, "instance_type") else dt.dtype
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_data_type(ty).as_pointer())
+
+    return types.CPointer(ty)(addr, dt), codegen
+
+
+@njit(cache=True, inline="always")
+def decide_view1(tab, i, dt):
+    """Row i of the address table as a 1-D C array of dtype `dt` (a view: no copy)."""
+    return carray(decide_typed_ptr(tab[i, 0], dt), (tab[i, 1],))
+
+
+@njit(cache=True, inline="always")
+def decide_view2(tab, i, dt):
+    """Row i of the address table as a 2-D C array of dtype `dt` (a view: no copy)."""
+    return carray(decide_typed_ptr(tab[i, 0], dt), (tab[i, 1], tab[i, 2]))
+
+
+@njit(cache=True, inline="always")
+def decide_view3(tab, i, dt):
+    """Row i of the address table as a 3-D C array of dtype `dt` (a view: no copy)."""
+    return carray(decide_typed_ptr(tab[i, 0], dt), (tab[i, 1], tab[i, 2], tab[i, 3]))
+
+
+# the address table's rows: the cache state (FIELDS order), Tokens, four shared arrays, then per MoE layer its packed
+# routing row, its plan row and its Outputs
+NF = len(FIELDS)
+R_TOK = NF  # ids, w, rank, valid, score, nxt, pred
+R_SHARED = R_TOK + 7  # t_next, ev_tab, ev_n, fetches
+R_LAYER = R_SHARED + 4
+PER_LAYER = 10  # packed, plan, kind, served, slot, ev, adm_log, q_log, pf_log, n_logs
+
+
+def _build_cache_state():
+    """`decide_cache_state(tab)`: the CacheState of the table's first NF rows (generated from FIELDS: numba builds
+    a tuple from a fixed argument list only; inlined into `decide_layer`, whose cache entry holds it)."""
+    args = ", ".join(f"decide_view{1 if f.axis == 'layer' else 2}(tab, {i}, dt{i})" for i, f in enumerate(FIELDS))
+    src = f"def decide_cache_state(tab):\n    return CacheState({args})\n"
+    scope: dict = {"CacheState": CacheState, "decide_view1": decide_view1, "decide_view2": decide_view2,
+                   **{f"dt{i}": f.dtype for i, f in enumerate(FIELDS)}}
+    exec(compile(src, "<runtime.core.kernel.decide>", "exec"), scope)  # noqa: S102 - generated from FIELDS
+    return njit(inline="always")(scope["decide_cache_state"])
+
+
+decide_cache_state = _build_cache_state()
+
+
+@njit(cache=True)
+def decide_layer(tab, layer, k, E, pol, rnd, drop_renorm):
+    """`decide_row` for MoE layer `layer` with every array from the address table `tab` (`address_table`): the
+    engine's one call per layer and token (seven cheap arguments)."""
+    cs = decide_cache_state(tab)
+    tok = Tokens(decide_view3(tab, R_TOK, np.int32), decide_view3(tab, R_TOK + 1, np.float64),
+                 decide_view3(tab, R_TOK + 2, np.int32), decide_view2(tab, R_TOK + 3, np.bool_),
+                 decide_view3(tab, R_TOK + 4, np.float64), decide_view3(tab, R_TOK + 5, np.float64),
+                 decide_view3(tab, R_TOK + 6, np.int32))
+    b = R_LAYER + layer * PER_LAYER
+    out = Outputs(decide_view3(tab, b + 2, np.int8), decide_view3(tab, b + 3, np.int32),
+                  decide_view3(tab, b + 4, np.int32), decide_view3(tab, b + 5, np.int32),
+                  decide_view3(tab, b + 6, np.int64), decide_view3(tab, b + 7, np.int64),
+                  decide_view3(tab, b + 8, np.int64), decide_view2(tab, b + 9, np.int64))
+    return decide_row(decide_view2(tab, b, np.float32), k, E, layer, decide_view1(tab, R_SHARED, np.int64), pol, cs,
+                      tok, out, decide_view3(tab, R_SHARED + 1, np.int32), decide_view1(tab, R_SHARED + 2, np.int64),
+                      rnd, drop_renorm, decide_view2(tab, b + 1, np.float32),
+                      decide_view2(tab, R_SHARED + 3, np.int64))
+
+
+def _row(a: np.ndarray) -> list[int]:
+    """(address, shape padded to 3) of a C-contiguous array (the table's row for it)."""
+    if not a.flags.c_contiguous or not a.flags.writeable:
+        raise ValueError(f"decide: address table: an array of shape {a.shape} is not C-contiguous and writeable")
+    return [a.ctypes.data, *a.shape, *[0] * (3 - a.ndim)]
+
+
+def address_table(cs, t_next: np.ndarray, tok: Tokens, ev_tab: np.ndarray, ev_n: np.ndarray, fetches: np.ndarray,
+                  layers: list[tuple[np.ndarray, np.ndarray, Outputs]]) -> np.ndarray:
+    """`decide_layer`'s table, int64 [R_LAYER + PER_LAYER * S, 4]: the CacheState `cs`, the cache's next-token array,
+    the Tokens buffers, the event table and its counts, the fetch list, and per MoE layer (packed row [1, P] float32,
+    plan row [3, k] float32, Outputs). The caller keeps every array alive while the table is used and
+    re-writes the event table's row (`set_row`) when it replaces that array."""
+    rows = [_row(getattr(cs, f.name)) for f in FIELDS] + [_row(a) for a in tok]
+    rows += [_row(t_next), _row(ev_tab), _row(ev_n), _row(fetches)]
+    for packed, plan, out in layers:
+        rows += [_row(packed), _row(plan), *[_row(a) for a in out]]
+    return np.array(rows, np.int64)
+
+
+def set_row(tab: np.ndarray, i: int, a: np.ndarray) -> None:
+    """Row i of an address table now points at `a`."""
+    tab[i] = _row(a)
+
+
 class DecideBuffers(NamedTuple):
     """`decide_row`'s preallocated arguments for one PolicyCache (prefetch off) and top-k / E / model dtype."""
 
@@ -168,8 +273,9 @@ def compiled() -> bool:
 
 def exercise() -> dict:
     """`decide_row` on a fixed tiny case (E = 4, k = 2, C = 2, fetch-every-miss, experts 0 and 1 resident, three
-    tokens) -> its outputs as plain ints and floats: a post-load check compares them with the values of a
-    fresh compile (issue 39). Also compiles the call (`Engine.bind` and the GPU checks' kernel step run it)."""
+    tokens) through the engine's entry `decide_layer` -> its outputs as plain ints and floats: a post-load check
+    compares them with the values of a fresh compile (issue 39). Also compiles the call (`Engine.bind` and the
+    GPU checks' kernel step run it)."""
     from runtime.core.kernel.cache import PolicyCache
     from runtime.core.policy import PRESETS
 
@@ -179,11 +285,12 @@ def exercise() -> dict:
     rows = [[1, 2, 0.25, 0.75, 0.1, 0.2, 0.9, 0.3, 1.0],  # ids (model order), weights, scores, finite flag
             [3, 0, 0.6, 0.4, 0.5, 0.1, 0.2, 0.7, 1.0],
             [2, 1, 0.1, 0.30000001, 0.0, 0.4, 0.4, 0.0, 1.0]]
+    packed = np.zeros((1, 2 * k + E + 1), np.float32)  # [1, 2k + E + 1]: the row decide_layer reads
+    tab = address_table(pc._state, pc.next_t, b.tok, b.ev_tab, b.ev_n, b.fetches, [(packed, b.plan_scratch, b.out)])
     res: dict = {"returns": [], "plans": [], "kinds": [], "slots": []}
     for r in rows:
-        packed = np.array([r], np.float32)  # [1, 2k + E + 1]
-        n = decide_row(packed, k, E, 0, pc.next_t, pc._params, pc._state, b.tok, b.out, b.ev_tab, b.ev_n, b.rnd,
-                       False, b.plan_scratch, b.fetches)
+        packed[0] = r
+        n = decide_layer(tab, 0, k, E, pc._params, b.rnd, False)  # the engine's call (decide_row inside)
         res["returns"].append(int(n))
         res["plans"].append([float(v) for v in b.plan_scratch.ravel()])
         res["kinds"].append([int(v) for v in b.out.kind[0, 0]])
