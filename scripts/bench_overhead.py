@@ -116,10 +116,11 @@ def measure(run, short: int, long: int, repeats: int, clock=time.thread_time) ->
             "ops": ops, "seconds": secs}
 
 
-def profile(run_segments, run_plain, prog, n: int, L: int, clock) -> dict:
+def profile(run_segments, run_plain, prog, n: int, L: int, clock=time.perf_counter) -> dict:
     """Where a segments decode step's time goes, per MoE layer and token: the segments' torch work, the host
     decision between them (`_decide`), the rest of the step (token, position and mask copies, Python), beside
-    the plain decode; each the minimum over 3 runs of `n` tokens. Then cProfile of one such run (top functions
+    the plain decode; each the minimum over 3 runs of `n` tokens, wall clock (perf_counter: one clock for every
+    part; time.thread_time costs ~0.5 ms a call on the loaded development VM). Then cProfile of one such run (top functions
     by own time) and the `_decide` calls' own durations (min and median, us)."""
     import cProfile
     import io
@@ -135,9 +136,9 @@ def profile(run_segments, run_plain, prog, n: int, L: int, clock) -> dict:
         acc["segments"] += clock() - t
 
     def dec(layer):
-        t = time.perf_counter()
+        t = clock()
         dec0(layer)
-        dt = time.perf_counter() - t
+        dt = clock() - t
         calls.append(dt)
         acc["decide"] += dt
 
@@ -154,12 +155,12 @@ def profile(run_segments, run_plain, prog, n: int, L: int, clock) -> dict:
             for key, v in parts.items():
                 best[key] = min(best.get(key, float("inf")), v)
         timed = list(calls)  # (the profiled run's calls carry the profiler's cost)
-        pr = cProfile.Profile()
-        pr.enable()
-        run_segments(n)
-        pr.disable()
     finally:
         prog._segment, prog._decide = seg0, dec0
+    pr = cProfile.Profile()
+    pr.enable()
+    run_segments(n)
+    pr.disable()
     t_plain = float("inf")
     for _ in range(3):
         t = clock()
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                "engine": measure(run_engine, a.short, a.long, a.repeats, clock),
                "segments": measure(run_segments, a.short, a.long, a.repeats, clock)}
         fetches = int(eng.stats["fetch_copies"])
-        prof = profile(run_segments, run_plain, prog, a.long, L, clock) if a.profile else None
+        prof = profile(run_segments, run_plain, prog, a.long, L) if a.profile else None
         eng.close()
         for mode, r in res.items():
             row = {"k": k, "mode": mode, "ops_per_token_per_layer": r["ops_per_token"] / a.layers,
