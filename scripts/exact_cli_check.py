@@ -48,7 +48,7 @@ def run_cli(backend: str, policy: str, a: argparse.Namespace, work: Path) -> tup
         raise RuntimeError(f"{backend} {policy}: exit {r.returncode}: {r.stderr.strip()[-600:]}")
     res = json.loads(r.stdout)
     tab = pq.read_table(nll).to_pydict()
-    col = next(c for c in tab if c not in ("window", "position", "token_id", "exact"))  # the policy's column
+    col = next(c for c in tab if c.startswith("nll_") and c != "nll_exact")  # the policy's column (nll_<label>)
     return res, tab[col], sec
 
 

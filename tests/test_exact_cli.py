@@ -27,6 +27,17 @@ def test_engine_equals_emulation_in_separate_processes(tmp_path, text):
     for row in res["policies"].values():
         assert row["problems"] == [] and row["decode_path"] == "segments" and row["nll_max_abs_diff"] <= 1e-3
     assert res["policies"]["fetch-every-miss"]["counters"]["fetches"] > 0
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import exact_cli_check as ecc
+    finally:
+        sys.path.pop(0)
+    import argparse
+
+    a = argparse.Namespace(model=str(model), text=str(text), max_tokens=96, window=24, capacity_fraction=0.4,
+                           device="cpu", calib_text=None, timeout=600)
+    res_, nll, _ = ecc.run_cli("emulation", "substitute-all", a, tmp_path)
+    assert abs(sum(nll) / len(nll) - __import__("math").log(res_["perplexity"])) < 1e-9  # the policy's NLL column
 
 
 def test_the_check_sees_a_difference(tmp_path, text, monkeypatch):
