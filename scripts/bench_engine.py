@@ -158,7 +158,8 @@ def summarize(name: str, row: dict, rounds: list[dict], caps, init, shape, pinne
                                                 if k_.endswith("_s") and k_ != "per_token_s"},
             "counters": row["counters"], "admission_stalls": rep["engine"]["admission_stalls"],
             "admission_stall_s_per_token": rep["engine"]["admission_stall_s"] / ev.shape[0],
-            "peak_device_bytes": rep["peak_device_bytes"]}
+            "peak_device_bytes": rep["peak_device_bytes"],
+            "decode_path": rep["engine"].get("decode_path", "")}  # cuda_graphs | segments[: why] | hf_forward: why
 
 
 def size_run(eng: Engine, policies: list[PolicyConfig], capacity_fraction: float | None, vram_budget: float | None,
@@ -278,7 +279,7 @@ def write_results(out: str | None, results: dict, quiet: bool = False) -> None:
     if not quiet:
         rows = results["policies"]
         for n, r in rows.items():
-            print(f"{n:17s} measured {r['measured_time_per_token_s'] * 1e3:7.3f} ms/token  simulated "
+            print(f"{n:17s} [{r['decode_path']}] measured {r['measured_time_per_token_s'] * 1e3:7.3f} ms/token  simulated "
                   f"{r['simulated_time_per_token_s'] * 1e3:7.3f}  error {r['rel_error'] * 100:+6.1f}% (rounds "
                   f"{', '.join(f'{e * 100:+.0f}%' for e in r['rounds_rel_error'])})  fetches "
                   f"{r['counters']['fetches']}  admissions {r['counters']['admissions']} (stalls {r['admission_stalls']})")

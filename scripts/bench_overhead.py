@@ -2,6 +2,7 @@
 
     python scripts/bench_overhead.py [--k 2,8] [--experts 16] [--layers 4] [--hidden 64] [--threads 1]
                                      [--clock thread|wall] [--device cpu] [--workdir DIR] [--out FILE.json]
+                                     [--model DIR] [--profile]
 
 Per top-k (`--k`), a random Qwen3-MoE checkpoint (runtime/tools/tinyhf.py's config and tokenizer, hidden
 `--hidden`, `--experts` experts, `--layers` decoder layers, every one MoE, fp32) is decoded token by token
@@ -23,6 +24,13 @@ the token difference (so loading, the first token and set-up cancel), then per d
 1.2x the plain decode's, and the same at every k (no per-expert work); time per token at most the plain
 decode's. Prints one line per (k, mode) and writes the JSON to `--out`.
 The time is a host measurement beside whatever else runs on the machine: compare ratios from one run.
+
+`--model DIR`: an existing checkpoint (e.g. the demo model, runtime.tools.tinymodel) instead of the random one
+(`--k`, `--experts`, `--layers`, `--hidden` are then its own). `--profile`: also one `--long`-token segments
+decode with each part timed per MoE layer and token (the segments' torch work, the host decision between
+segments: read + decide + apply, the step's own copies), the plain decode per layer beside it, and cProfile's
+top functions by own time of a segments decode; and the decision alone per MoE layer-call (`decide_us`: the
+routing read, the kernel's step, the plan row and the fetch copies, perf_counter around each `_decide`).
 """
 
 from __future__ import annotations
@@ -108,6 +116,65 @@ def measure(run, short: int, long: int, repeats: int, clock=time.thread_time) ->
             "ops": ops, "seconds": secs}
 
 
+def profile(run_segments, run_plain, prog, n: int, L: int, clock=time.perf_counter) -> dict:
+    """Where a segments decode step's time goes, per MoE layer and token: the segments' torch work, the host
+    decision between them (`_decide`), the rest of the step (token, position and mask copies, Python), beside
+    the plain decode; each the minimum over 3 runs of `n` tokens, wall clock (perf_counter: one clock for every
+    part; time.thread_time costs ~0.5 ms a call on the loaded development VM). Then cProfile of one such run (top functions
+    by own time) and the `_decide` calls' own durations (min and median, us)."""
+    import cProfile
+    import io
+    import pstats
+
+    acc = {"segments": 0.0, "decide": 0.0}
+    calls: list[float] = []
+    seg0, dec0 = prog._segment, prog._decide
+
+    def seg(j):
+        t = clock()
+        seg0(j)
+        acc["segments"] += clock() - t
+
+    def dec(layer):
+        t = clock()
+        dec0(layer)
+        dt = clock() - t
+        calls.append(dt)
+        acc["decide"] += dt
+
+    prog._segment, prog._decide = seg, dec
+    best: dict[str, float] = {}
+    try:
+        for _ in range(3):
+            acc.update(segments=0.0, decide=0.0)
+            t = clock()
+            run_segments(n)
+            tot = clock() - t
+            parts = {"segments_torch": acc["segments"], "decide": acc["decide"],
+                     "step_rest": tot - acc["segments"] - acc["decide"], "segments_total": tot}
+            for key, v in parts.items():
+                best[key] = min(best.get(key, float("inf")), v)
+        timed = list(calls)  # (the profiled run's calls carry the profiler's cost)
+    finally:
+        prog._segment, prog._decide = seg0, dec0
+    pr = cProfile.Profile()
+    pr.enable()
+    run_segments(n)
+    pr.disable()
+    t_plain = float("inf")
+    for _ in range(3):
+        t = clock()
+        run_plain(n)
+        t_plain = min(t_plain, clock() - t)
+    best["plain_total"] = t_plain
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
+    top = [ln.strip() for ln in buf.getvalue().splitlines() if ln.strip() and ln.strip()[0].isdigit()][:20]
+    us = sorted(c * 1e6 for c in timed)
+    return {"us_per_layer_token": {key: v * 1e6 / (n * L) for key, v in best.items()},
+            "decide_us": {"min": us[0], "median": us[len(us) // 2], "calls": len(us)}, "cprofile_top": top}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--k", default="2,8", help="top-k values, comma-separated")
@@ -123,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--workdir", default="/tmp/expertsweep-bench-overhead")
     p.add_argument("--out", default=None)
+    p.add_argument("--model", default=None, help="an existing checkpoint instead of the random one")
+    p.add_argument("--profile", action="store_true", help="also time the segments' parts and cProfile them")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(a.threads)
@@ -139,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
            "commit": commit, "runtime": str(Path(__import__("runtime").__file__).parent), "torch": torch.__version__,
            "threads": a.threads, "device": a.device, "clock": a.clock, "rows": []}
     clock = time.thread_time if a.clock == "thread" else time.perf_counter
-    for k in [int(x) for x in a.k.split(",")]:
-        d = build(Path(a.workdir) / f"k{k}", k, a.experts, a.layers, a.hidden, a.long + 8)
+    ks = [int(x) for x in a.k.split(",")]
+    if a.model:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(a.model)
+        ks, a.layers = [int(cfg.num_experts_per_tok)], int(cfg.num_hidden_layers)
+    for k in ks:
+        d = Path(a.model) if a.model else build(Path(a.workdir) / f"k{k}", k, a.experts, a.layers, a.hidden, a.long + 8)
         plain = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(a.device).eval()
         def run_plain(n: int, model=plain) -> None:
             decode(model, tokens[:n], forward_cached)
@@ -187,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                "engine": measure(run_engine, a.short, a.long, a.repeats, clock),
                "segments": measure(run_segments, a.short, a.long, a.repeats, clock)}
         fetches = int(eng.stats["fetch_copies"])
+        prof = profile(run_segments, run_plain, prog, a.long, L) if a.profile else None
         eng.close()
         for mode, r in res.items():
             row = {"k": k, "mode": mode, "ops_per_token_per_layer": r["ops_per_token"] / a.layers,
@@ -194,9 +270,18 @@ def main(argv: list[str] | None = None) -> int:
                    "raw": r}
             if mode == "segments":
                 row["fetches_last_run"] = fetches
+                if prof:
+                    row["profile"] = prof
             out["rows"].append(row)
             print(f"k={k} {mode:8s} ops/token/layer {row['ops_per_token_per_layer']:7.1f}  "
                   f"host {row['us_per_token']:8.0f} us/token", flush=True)
+        if prof:
+            print(f"k={k} profile per MoE layer and token (us): " + ", ".join(
+                f"{n} {v:.1f}" for n, v in prof["us_per_layer_token"].items()), flush=True)
+            print(f"k={k} decide (read + one call + apply) per MoE layer-call: {prof['decide_us']['min']:.1f} us min, "
+                  f"{prof['decide_us']['median']:.1f} us median", flush=True)
+            for line in prof["cprofile_top"][:12]:
+                print("   ", line, flush=True)
         pl = res["plain"]
         for mode in ("engine", "segments"):
             en = res[mode]

@@ -24,7 +24,9 @@
 #                use, in one process, into $NUMBA_CACHE_DIR (default: $WORK/numba_cache, empty: every run is
 #                planned for a fresh machine). Every later step then loads it: its log says "kernel loaded from
 #                cache", or the step FAILS ("kernel compiled") when it wrote a numba cache file.
-#   2 versions   first install the carried wheels the machine lacks (hqq & co, --no-index: seconds), then
+#   2 versions   first install the carried wheels of the pinned set over whatever the machine has (pip install
+#                --no-index --no-deps --force-reinstall: seconds), check that every pinned package that imports is at
+#                its constraints.txt version (a loud VERSION MISMATCH line and a failed step otherwise), then
 #                record Python/torch/CUDA/transformers/numba..., compare with constraints.txt, and check every
 #                transformers internal the adapters use on all families (scripts/gpu_env.py). Fix-up: when the
 #                machine's transformers differs from the tested one and a wheel of the tested version is in
@@ -247,35 +249,55 @@ step() {  # step NAME LIMIT_S FUNCTION: the function runs in a fresh copy of thi
 ptimeout() {  # pytest per-test timeout flags, when pytest-timeout is installed
   "$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=$1"
 }
-offline_wheels() {  # what the low-bit fallback needs and the machine lacks, from the carried wheels (no index)
-  local p whl missing=() wheels=()
-  for p in $LOWBIT_PKGS; do
-    "$PY" -c "import $p" 2>/dev/null && continue
-    missing+=("$p")
-    whl=$(ls "$WHEELS"/"$p"-*.whl 2>/dev/null | head -1)
-    [ -n "$whl" ] && wheels+=("$whl")
+offline_wheels() {  # the carried wheels of the pinned set REPLACE the machine's versions (no index, no deps)
+  local p v whl missing=() wheels=()
+  for p in $LOWBIT_PKGS transformers; do
+    v=$(sed -n "s/^$p==//p" constraints.txt)
+    whl=$(ls "$WHEELS"/"$p"-"$v"-*.whl 2>/dev/null | head -1)
+    if [ -n "$whl" ]; then wheels+=("$whl"); else missing+=("$p==$v"); fi
   done
-  [ ${#missing[@]} -eq 0 ] && { echo "low-bit packages: all importable"; return 0; }
-  echo "low-bit packages missing here: ${missing[*]}; carried wheels: ${wheels[*]:-none in $WHEELS}"
+  echo "carried wheels of the pinned set: ${wheels[*]:-none in $WHEELS}; not carried: ${missing[*]:-none}"
   [ ${#wheels[@]} -eq 0 ] && return 0
-  mkdir -p "$WORK/site_lowbit"
   if "$PY" -m pip --version >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site_lowbit" "${wheels[@]}" || return 0
-  else  # no pip: a pure-Python wheel is a zip of its import tree
+    # --force-reinstall: a package that already imports (transformers 5.17 on the first device) is replaced too
+    "$PY" -m pip install -q --no-index --no-deps --force-reinstall "${wheels[@]}" ||
+      echo "PINNED WHEELS NOT INSTALLED: pip install --force-reinstall failed (see above)"
+  else  # no pip: a pure-Python wheel is a zip of its import tree, first on the path
+    mkdir -p "$WORK/site_lowbit"
     for whl in "${wheels[@]}"; do "$PY" -m zipfile -e "$whl" "$WORK/site_lowbit" || return 0; done
+    echo "$WORK/site_lowbit" >"$WORK/site_path"
+    export PYTHONPATH="$WORK/site_lowbit:$PYTHONPATH"
   fi
-  if PYTHONPATH="$WORK/site_lowbit:$PYTHONPATH" "$PY" -c "from hqq.core.quantize import Quantizer" 2>&1; then
-    echo "installed from $WHEELS into $WORK/site_lowbit: hqq imports"
-    echo "$WORK/site_lowbit" >"$WORK/site_lowbit_path"
-  fi
+}
+pinned_check() {  # every package of the pinned set that imports is at constraints.txt's version, or a loud failure
+  "$PY" - $LOWBIT_PKGS transformers <<'PYEOF'
+import importlib.metadata as md, re, sys
+pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", open("constraints.txt").read(), flags=re.M))
+bad = []
+for p in sys.argv[1:]:
+    try:
+        have = md.version(p)
+    except md.PackageNotFoundError:
+        print(f"pinned set: {p} not installed (pinned {pins.get(p)})")
+        continue
+    print(f"pinned set: {p} {have} (pinned {pins.get(p)})")
+    if pins.get(p) and have != pins[p]:
+        bad.append(f"{p} {have} installed, {pins[p]} pinned")
+if bad:
+    print("VERSION MISMATCH after installing the carried wheels: " + "; ".join(bad), flush=True)
+    sys.exit(1)
+PYEOF
 }
 versions() {  # the carried wheels first; record; if transformers differs from the tested version and its wheel was carried, try it
   local rc want whl t0=$SECONDS
   offline_wheels
   echo "wheels: done in $((SECONDS - t0)) s"
   [ -f "$WORK/site_lowbit_path" ] && export PYTHONPATH="$PYTHONPATH:$(cat "$WORK/site_lowbit_path")"
+  pinned_check
+  local pinned_rc=$?
   "$PY" scripts/gpu_env.py "$RES/versions.json" >/dev/null
   rc=$?
+  [ "$pinned_rc" -ne 0 ] && rc=$pinned_rc
   echo "versions and internals checked (exit $rc) after $((SECONDS - t0)) s"
   want=$(sed -n 's/^transformers==//p' constraints.txt)
   whl=$(ls "${WHEELS:-.gpu_wheels}"/transformers-"$want"-*.whl 2>/dev/null | head -1)
@@ -305,6 +327,9 @@ from runtime.core.kernel.cache import kernel_signatures
 print(f'kernel imported in {time.perf_counter() - t:.1f} s', flush=True)
 warmup()
 print(f'kernel: {kernel_signatures()} after {time.perf_counter() - t:.1f} s', flush=True)
+from runtime.core.kernel import decide
+decide.exercise()
+print(f'the engine\'s one-call decision (decide.py) compiled or loaded after {time.perf_counter() - t:.1f} s', flush=True)
 from runtime.formats import costmodel as cm
 cm.replay_time(np.zeros((2, 2, 5), np.int32), np.ones((2, 2), bool), cm.CostParams(1.0, 1.0, 1.0, 1.0))
 print(f'kernel and replay compiled (or loaded from the numba cache) in {time.perf_counter() - t:.1f} s')"

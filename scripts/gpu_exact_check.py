@@ -51,11 +51,25 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 _T0 = time.perf_counter()
 _CHECK = ["check"]  # the check's name, for the progress lines
+_OUT: list = [None]  # the results file, rewritten at every stage
+_STAGES: list[str] = []  # the progress lines so far
+
+
+def write_json(path, rec: dict) -> None:
+    """`rec` to `path` atomically (a reader never sees half a file)."""
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def say(msg: str) -> None:
-    """One progress line on stderr, at once: `[CHECK +SECONDS since start] msg`."""
-    print(f"[{_CHECK[0]} +{time.perf_counter() - _T0:.1f}s] {msg}", file=sys.stderr, flush=True)
+    """One progress line on stderr, at once: `[CHECK +SECONDS since start] msg`; the results file gets the lines so
+    far ({"ok": false, "finished": false, "stages": [...]}), so a check cut by its timeout keeps what finished."""
+    line = f"[{_CHECK[0]} +{time.perf_counter() - _T0:.1f}s] {msg}"
+    print(line, file=sys.stderr, flush=True)
+    _STAGES.append(line)
+    if _OUT[0]:
+        write_json(_OUT[0], {"check": _CHECK[0], "ok": False, "finished": False, "stages": _STAGES})
 
 
 def _run_all(jobs: list[tuple[str, list[str], dict]]) -> dict[str, tuple[float, str]]:
@@ -268,16 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=4)
     a = p.parse_args(argv)
     _CHECK[0] = a.check
+    _OUT[0] = a.out
     say(f"started: {' '.join(sys.argv[1:] if argv is None else argv)}")
     try:
         rec = stream_check(a) if a.check == "stream" else fetch_exact(a)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the summary shows what failed (SIGINT: the step's timeout)
         rec = {"check": a.check, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-    text = json.dumps(rec, indent=2)
-    print(text)
-    tmp = Path(a.out).with_suffix(".tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(a.out)
+    rec = {**rec, "finished": True, "stages": _STAGES}
+    print(json.dumps(rec, indent=2))
+    write_json(a.out, rec)
     return 0 if rec.get("ok") else 1
 
 

@@ -78,6 +78,14 @@ def compare(a: dict, b: dict, exact: bool) -> list[str]:
     return bad
 
 
+def save(path: str | None, out: dict) -> None:
+    """The results so far to `path` (atomically: a reader never sees half a file); "finished" only at the end."""
+    if path:
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"finished": False, **out}, indent=1) + "\n")
+        tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (gpu_checks.sh: the bench's model)")
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         init = warm_residency(ids, None, eng.E, caps)
         out: dict = {"device": str(eng.device), "model": model, "tokens": a.tokens, "capacity": caps.tolist(),
                      "policies": {}, "ok": True}
+        save(a.out, out)
         for name in POLICIES:
             on = run(eng, name, window, caps, init, graphs=True)
             off = run(eng, name, window, caps, init, graphs=False)
@@ -126,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["time_per_token_us_hf"] = 1e6 * hf["time_per_token_s"]
             out["policies"][name] = row
             out["ok"] &= not row["problems"]
+            save(a.out, out)  # per stage: a step cut by its timeout keeps what finished
             print(f"{name:17s} {row['decode_path_on']:12s} on {row['time_per_token_us_on']:9.1f} us/token, "
                   f"off {row['time_per_token_us_off']:9.1f} us/token ({row['speedup']:.2f}x)  "
                   + ("identical" if not row["problems"] else "DIFFERS: " + "; ".join(row["problems"])), flush=True)
@@ -140,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                "problems": compare(on, off, exact=True)}
         out["all_resident"] = row
         out["ok"] &= not row["problems"]
+        out["finished"] = True
         print(f"all-resident (E-1 slots): {row['us_per_layer_on']:.1f} us per decoder layer with {row['decode_path_on']}, "
               f"{row['us_per_layer_off']:.1f} without", flush=True)
     finally:
         eng.close()
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    save(a.out, out)
     print("graphs check:", "ok" if out["ok"] else "FAILED")
     return 0 if out["ok"] else 1
 

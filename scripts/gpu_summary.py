@@ -91,10 +91,11 @@ def main() -> None:
         out.append(f"\n## Simulator vs engine, {title} ({b['device']}, {b['dtype']}, capacity {b['capacity'][0]} of "
                    f"{b['model']['experts']}, expert {b['model']['expert_bytes'] / 2**20:.2f} MiB, VRAM budget "
                    f"{b.get('vram_budget_GiB') or '-'} GiB, copies block the host: {b.get('copies_block_host')})\n")
-        out.append("| policy | measured ms/token | simulated ms/token | error | fetches | admissions | stalls | stall ms/token | peak device MiB |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("| policy | decode path | measured ms/token | simulated ms/token | error | fetches | admissions | stalls | stall ms/token | peak device MiB |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for n, r in b["policies"].items():
-            out.append(f"| {n} | {r['measured_time_per_token_s'] * 1e3:.3f} | {r['simulated_time_per_token_s'] * 1e3:.3f} | "
+            out.append(f"| {n} | {r.get('decode_path') or '-'} | {r['measured_time_per_token_s'] * 1e3:.3f} | "
+                       f"{r['simulated_time_per_token_s'] * 1e3:.3f} | "
                        f"{r['rel_error'] * 100:+.1f}% | {r['counters']['fetches']} | {r['counters']['admissions']} | "
                        f"{r['admission_stalls']} | {r['admission_stall_s_per_token'] * 1e3:.3f} | "
                        f"{r['peak_device_bytes'] / 2**20:.0f} |")

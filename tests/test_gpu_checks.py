@@ -170,3 +170,26 @@ def test_gpu_checks_script_cpu_mode(tmp_path):
     assert bench["capacity"] == [4, 4] and bench["vram_budget_GiB"] > 0
     assert json.loads((out / "versions.json").read_text())["ok"]
     assert json.loads((out / "generate.json").read_text())["agreement"] >= 0
+
+
+def test_versions_step_replaces_preinstalled_packages_and_fails_loudly_on_a_mismatch(tmp_path):
+    """The carried wheels go in with --force-reinstall (a preinstalled transformers that imports is replaced, not
+    skipped), and the pinned-set check after them fails with a VERSION MISMATCH line when an installed version is
+    not constraints.txt's (here: a constraints file pinning a transformers that does not exist)."""
+    import sys
+
+    text = SCRIPT.read_text()
+    body = text[text.index("\noffline_wheels() {"):]
+    body = body[: body.index("\n}\n")]
+    assert "--no-deps --force-reinstall" in body and '"$p" -c "import' not in body
+    fn = text[text.index("\npinned_check() {"):]
+    fn = fn[: fn.index("\n}\n") + 3]
+    (tmp_path / "pc.sh").write_text(fn)
+    (tmp_path / "constraints.txt").write_text("transformers==0.0.1\neinops==0.0.1\n")
+    r = subprocess.run(["bash", "-c", "source pc.sh; pinned_check"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PY": sys.executable, "LOWBIT_PKGS": "einops"}, timeout=120)
+    assert r.returncode == 1 and "VERSION MISMATCH" in r.stdout and "transformers" in r.stdout, r.stdout + r.stderr
+    (tmp_path / "constraints.txt").write_text(f"transformers=={__import__('transformers').__version__}\n")
+    r = subprocess.run(["bash", "-c", "source pc.sh; pinned_check"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PY": sys.executable, "LOWBIT_PKGS": ""}, timeout=120)
+    assert r.returncode == 0 and "VERSION MISMATCH" not in r.stdout, r.stdout + r.stderr

@@ -196,3 +196,133 @@ def test_kinds_cover_the_plan_rows():
 
     kinds = np.array([HIT, FETCH, SUB, HOST, LOWBIT, DROP])
     assert on_device(kinds).tolist() == [True, True, True, False, False, False]
+
+
+def test_mask_cache_argument_follows_the_installed_signature():
+    """The mask functions get their cache under the name the installed transformers gives it (5.17:
+    past_key_values; 5.24: cache), read from the signature; a function with neither is an error naming it."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    for fn in (create_causal_mask, create_sliding_window_causal_mask):
+        name = graphs.mask_cache_kwarg(fn)
+        assert name in inspect.signature(fn).parameters
+
+    def old(config, inputs_embeds, attention_mask, past_key_values, position_ids=None):
+        return None
+
+    def both(config, inputs_embeds, attention_mask, cache=None, past_key_values=None):
+        return None
+
+    def neither(config, inputs_embeds):
+        return None
+
+    assert graphs.mask_cache_kwarg(old) == "past_key_values" and graphs.mask_cache_kwarg(both) == "cache"
+    with pytest.raises(TypeError, match="neither"):
+        graphs.mask_cache_kwarg(neither)
+
+
+def test_a_failed_capture_names_the_failed_op_and_returns_to_the_stream(ckpts, monkeypatch):
+    """A capture raising torch's generic error raised during the op's own: the report names the op's error first,
+    the stream current before the capture is made current again before the eager fallback runs."""
+    eng = Engine(emulate.load(ckpts["qwen3_moe"]), "cpu")
+    current = ["default"]
+    monkeypatch.setattr(graphs, "_current_stream", lambda device: current[0])
+    monkeypatch.setattr(graphs, "_set_stream", lambda s: current.__setitem__(0, s))
+
+    def capture(self):
+        current[0] = "capture-stream"  # what torch's graph context leaves current when capture_end raises
+        try:
+            raise RuntimeError("aten::nonzero: operation not permitted when stream is capturing")
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture") from None
+
+    monkeypatch.setattr(graphs.StepProgram, "_capture", capture)
+    try:
+        cache = PolicyCache(PRESETS["quality-first"], eng.E, eng.k, np.full(eng.L, 3), None)
+        eng.bind(cache)
+        eng.m.ctx.cache = cache
+        prog = graphs.StepProgram(eng.m.model, eng.m.ctx, eng.runner, 4, capture=True)
+        assert current[0] == "default" and prog.graphs == []
+        assert prog.capture_error.startswith("RuntimeError: aten::nonzero") and "previous error" in prog.capture_error
+        assert eng._path_name(prog, None) == f"segments: capture failed: {prog.capture_error}"
+        assert torch.isfinite(prog.step(torch.tensor([[5]]), 0)).all()
+    finally:
+        eng.m.ctx.cache = eng.m.ctx.step = None
+        eng.close()
+
+
+def test_value_branching_families_refuse_graphs(ckpts):
+    """Sliding-window caches and dynamic / longrope RoPE are not captured: the reason is in decode_path, and the
+    eager segments still run; a plain family is not refused."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(ckpts["qwen3_moe"])
+    assert graphs.graph_refusal(cfg, 2) is None
+    cfg.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    assert "RoPE type dynamic" in graphs.graph_refusal(cfg, 2)
+    cfg = AutoConfig.from_pretrained(ckpts["mixtral"])
+    cfg.sliding_window = 4
+    assert "sliding-window attention in 2 of 2 layers" in graphs.graph_refusal(cfg, 2)
+    m = emulate.load(ckpts["mixtral"])
+    m.model.config.sliding_window = 4
+    eng = Engine(m, "cpu")
+    try:
+        cache = PolicyCache(PRESETS["quality-first"], eng.E, eng.k, np.full(eng.L, 3), None)
+        eng.bind(cache)
+        eng.m.ctx.cache = cache
+        prog = graphs.StepProgram(eng.m.model, eng.m.ctx, eng.runner, 4, capture=True)
+        assert prog.graphs == [] and not prog.capture_error
+        assert eng._path_name(prog, None).startswith("segments: cuda graphs refused: sliding-window attention")
+        assert torch.isfinite(prog.step(torch.tensor([[5]]), 0)).all()
+    finally:
+        eng.m.ctx.cache = eng.m.ctx.step = None
+        eng.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_over_the_slots_equals_the_gathered_bmm(dtype):
+    """`grouped_experts`' two calls: grouped_mm over the slot tensors in place (CUDA bf16's) and the gathered bmm;
+    repeated slots, unsorted rows, empty slots full of NaN never read. Equal within one rounding of the model dtype
+    (fp32: 1e-5 of the largest output; bf16: 2**-7 of it; on this CPU bf16 they agree bit for bit)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    C, H, inter = 7, 32, 16
+    gu, dn = torch.randn(C, 2 * inter, H, generator=g).to(dtype), torch.randn(C, H, inter, generator=g).to(dtype)
+    gu[2], dn[2] = float("nan"), float("nan")  # an empty slot: no call reads it
+    x = torch.randn(1, H, generator=g).to(dtype).expand(6, -1)
+    rows = torch.tensor([3, 0, 6, 3, 1, 5])
+    w = torch.rand(6, generator=g).to(dtype)
+    a = grouped_experts(gu, dn, x, rows, w, F.silu, "bmm")
+    b = grouped_experts(gu, dn, x, rows, w, F.silu, "grouped_mm")
+    assert torch.isfinite(b).all() and a.shape == b.shape == (6, H)
+    tol = (1e-5 if dtype == torch.float32 else 2.0 ** -7) * a.float().abs().max().item()
+    assert (a.float() - b.float()).abs().max().item() <= tol
+    from runtime.backends.engine.plan import grouped_impl
+
+    assert grouped_impl(x, gu) == "bmm"  # CPU: the gathered bmm (grouped_mm is CUDA bf16's)
+
+
+def test_segments_decide_in_one_call(ckpts):
+    """The segments' decisions go through the one compiled call (runtime/core/kernel/decide.py): fetch-every-miss
+    entirely (fetches copied from its list), an admission policy partly (plans with copies via PlanRunner.apply);
+    the same logits and counters as the Hugging Face path either way (test_segments_equal_the_hf_forward_path)."""
+    eng = Engine(emulate.load(ckpts["qwen3_moe"]), "cpu", debug=True)
+    try:
+        for pol, slow in ((PRESETS["fetch-every-miss"], False), (PolicyConfig(rule="first_choice", beta=0.05), True)):
+            cache = PolicyCache(pol, eng.E, eng.k, np.full(eng.L, 3), None)
+            eng.bind(cache)
+            eng.m.ctx.cache = cache
+            prog = graphs.StepProgram(eng.m.model, eng.m.ctx, eng.runner, 12, capture=False)
+            prog.begin()
+            for t in range(12):
+                prog.step(torch.tensor([[(7 * t) % 90]]), t)
+            f = prog.fused
+            assert f is not None and f.n_fast > 0 and (f.n_slow > 0) == slow
+            assert f.n_fast + f.n_slow == 12 * eng.L and eng.runner.events_array().shape[:2] == (12, eng.L)
+            eng.m.ctx.cache = eng.m.ctx.step = None
+    finally:
+        eng.m.ctx.cache = eng.m.ctx.step = None
+        eng.close()

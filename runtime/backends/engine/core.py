@@ -39,7 +39,7 @@ from runtime.backends.engine.plan import PlanRunner, expert_forward, stream_laye
 from runtime.backends.engine.slots import SlotPool
 from runtime.backends.engine.store import build_host_store, page_aligned_empty
 from runtime.core.errors import InputError, cli_main
-from runtime.core.kernel import PolicyCache, warmup
+from runtime.core.kernel import PolicyCache, decide, warmup
 from runtime.core.policy import PolicyConfig
 from runtime.formats import costmodel
 
@@ -221,6 +221,7 @@ class Engine:
         """Start a run under `cache`: slot pools sized by its capacities and loaded with its residency."""
         self.drain()
         warmup()  # the kernel is compiled (or loaded from numba's cache) before anything is timed
+        decide.compiled()  # and the engine's one-call host decision (runtime/core/kernel/decide.py)
         self.runner.bind_lowbit(cache.policy)
         self.pool.bind(cache)
         self.runner.reset()
@@ -251,7 +252,7 @@ class Engine:
 
     def trace_events(self) -> np.ndarray:
         """Kernel events of the run since bind, int32 [T, L, N_EV] (the cost model's input)."""
-        return np.stack([np.concatenate(ev) for ev in self.runner.events], axis=1).astype(np.int32)
+        return self.runner.events_array()
 
     # ------------------------------------------------------------------ decoding
 
@@ -315,10 +316,13 @@ class Engine:
     @staticmethod
     def _path_name(prog: graphs.StepProgram | None, why: str | None) -> str:
         """How teacher-forced decoding ran: `cuda_graphs` (segments captured), `segments` (the same segments
-        eagerly: CPU device mode, or no_cuda_graphs), or `hf_forward: why` (no capture plan; calibration's
-        run with the expert math off)."""
+        eagerly: CPU device mode, or no_cuda_graphs), `segments: cuda graphs refused: why` (a family whose
+        cache or RoPE branches on values), `segments: capture failed: why`, or `hf_forward: why` (no capture
+        plan; calibration's run with the expert math off)."""
         if prog is None:
             return f"hf_forward: {why}"
+        if prog.refused:
+            return f"segments: cuda graphs refused: {prog.refused}"
         if prog.capture_error:
             return f"segments: capture failed: {prog.capture_error}"
         return "cuda_graphs" if prog.graphs else "segments"

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from runtime.backends.engine.plan import Staged, grouped_masked
+from runtime.core.errors import InputError
+from runtime.core.kernel import EV_DEV, StepResult, decide, drop_renorm_scale
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,53 @@ def kv_cache_kwarg(cls: type) -> str:
     """The name a model class's forward gives its KV cache argument (and its output's field):
     transformers >= 5.2x `cache`, earlier 5.x `past_key_values`."""
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def mask_cache_kwarg(fn) -> str:
+    """The name transformers' mask function `fn` (masking_utils.create_causal_mask and kin) gives its cache
+    argument, read from the installed function's signature: `cache` (transformers >= 5.2x) or
+    `past_key_values` (earlier 5.x, e.g. 5.17). Both accepted: `cache`."""
+    params = inspect.signature(fn).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{getattr(fn, '__qualname__', fn)}: neither `cache` nor `past_key_values` in its signature "
+                    f"{list(params)}")
+
+
+# RoPE types whose inv_freq depends on the position reached (a host branch on a value): capture would freeze one
+VALUE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_types(config) -> set[str]:
+    """Every RoPE type the config names (rope_parameters / rope_scaling, flat or per layer type)."""
+    out: set[str] = set()
+    for attr in ("rope_parameters", "rope_scaling"):
+        v = getattr(config, attr, None)
+        if not isinstance(v, dict):
+            continue
+        for d in [v, *[x for x in v.values() if isinstance(x, dict)]]:
+            t = d.get("rope_type", d.get("type"))
+            if isinstance(t, str):
+                out.add(t)
+    return out
+
+
+def graph_refusal(config, n_layers: int) -> str | None:
+    """Why the segments of a model with `config` (and `n_layers` decoder layers) must not be captured as CUDA
+    graphs (a capture records one branch of a Python test on values, and replays it forever), or None:
+    sliding-window attention (the static cache's sliding layers branch on whether the window is full), a
+    RoPE whose frequencies depend on the position (dynamic, longrope: a host sync and a branch per step).
+    Such a family decodes the same segments eagerly (`Engine.decode_path` says why)."""
+    why = []
+    sliding = [i for i in range(n_layers) if mask_kind(config, i) == "sliding_attention"]
+    if sliding:
+        why.append(f"sliding-window attention in {len(sliding)} of {n_layers} layers (the cache branches on is_full)")
+    rope = sorted(rope_types(config) & set(VALUE_DEPENDENT_ROPE))
+    if rope:
+        why.append(f"RoPE type {', '.join(rope)} (its frequencies branch on the position)")
+    return "; ".join(why) or None
 
 
 def mask_kind(config, i: int) -> str:
@@ -70,6 +119,30 @@ def capture_plan(model: nn.Module) -> str | None:
         return (f"model_type {model.config.model_type!r}: layer types {sorted(kinds - set(MASK_KINDS))} have no static "
                 "KV cache (linear attention keeps a recurrent state)")
     return None
+
+
+def _current_stream(device: torch.device):
+    """The current CUDA stream of `device` (None off CUDA)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _set_stream(stream) -> None:
+    """Make `stream` current again (nothing off CUDA)."""
+    if stream is not None:
+        torch.cuda.set_stream(stream)
+
+
+def capture_failure(exc: BaseException) -> str:
+    """One line saying why a capture failed: torch's generic capture error ("operation failed due to a previous
+    error during capture", ...) last, the exceptions it was raised during or from (`__context__` /
+    `__cause__`: the op that failed) first, the first line of each, innermost first."""
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    parts = [f"{type(x).__name__}: {str(x).splitlines()[0] if str(x) else ''}".strip() for x in reversed(chain)]
+    return " <- ".join(parts)[:400]
 
 
 class StepProgram:
@@ -104,6 +177,7 @@ class StepProgram:
         self.x = [torch.zeros(1, H, dtype=self.dtype, device=dev) for _ in range(self.S)]  # MoE inputs
         self.packed: list[torch.Tensor | None] = [None] * self.S  # [1, P_l] float32, sized by the first call
         self.packed_host: list[torch.Tensor | None] = [None] * self.S
+        self.packed_np: list[np.ndarray | None] = [None] * self.S  # the host views read() returns
         host_plans = torch.zeros(self.S, 3, self.k, dtype=torch.float32, pin_memory=self.cuda)
         self.staged = [Staged(host_plans[l_], torch.zeros(1, H, dtype=self.dtype, device=dev)) for l_ in range(self.S)]
         self.plan_dev = [p.plan.to(dev) if self.cuda else p.plan for p in self.staged]  # [3, k] each
@@ -117,14 +191,20 @@ class StepProgram:
         ctx.step = self  # the adapters hand each MoE layer's routing to `routed` (the engine unsets it after the run)
         self.begin()
         self._run_segments()
+        self.fused = OneCall.build(self)  # the host decision in one compiled call, or None
         self._build_masks(create_causal_mask, create_sliding_window_causal_mask, H)
         self.capture_error = ""  # why capturing failed (the segments then run eagerly), or ""
-        if capture:
+        self.refused = graph_refusal(cfg, len(self.layers)) if capture else None  # why not captured at all, or None
+        if capture and self.refused:
+            log.warning("CUDA graphs refused (%s); decoding the same segments eagerly", self.refused)
+        elif capture:
+            prev = _current_stream(self.device)  # the stream to return to, whatever the capture leaves current
             try:
                 self._capture()
             except RuntimeError as exc:  # e.g. a host synchronisation inside a module: say so, decode eagerly
                 self.graphs = []
-                self.capture_error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                self.capture_error = capture_failure(exc)
+                _set_stream(prev)  # torch's graph context leaves the capture stream current when capture_end raises
                 log.warning("CUDA graph capture failed (%s); decoding the same segments eagerly", self.capture_error)
                 if self.cuda:
                     torch.cuda.synchronize(self.device)
@@ -142,8 +222,9 @@ class StepProgram:
         self.begin()
         for t in range(self.W):
             for kind in rows:
-                rows[kind].append(fns[kind](config=cfg, inputs_embeds=emb, attention_mask=None, cache=self.cache,
-                                            position_ids=torch.tensor([[t]], device=dev)))
+                rows[kind].append(fns[kind](config=cfg, inputs_embeds=emb, attention_mask=None,
+                                            position_ids=torch.tensor([[t]], device=dev),
+                                            **{mask_cache_kwarg(fns[kind]): self.cache}))
             for i, (k_, v_) in enumerate(kv):
                 self.cache.update(k_, v_, i)
         for kind, r in rows.items():
@@ -214,8 +295,10 @@ class StepProgram:
     # ------------------------------------------------------------------ a step
 
     def begin(self) -> None:
-        """A new window: the static KV cache emptied in place (its addresses stay: the graphs read them)."""
+        """A new window: the static KV cache emptied in place (its addresses stay: the graphs read them); room
+        for its W tokens' kernel events."""
         self.cache.reset()
+        self.runner.reserve_events(self.W)
 
     def step(self, token: torch.Tensor, t: int) -> torch.Tensor:
         """Token [1, 1] on the device at position t of the window -> logits [1, V] (a static buffer: copy it
@@ -236,20 +319,117 @@ class StepProgram:
 
     def read(self, layer: int) -> np.ndarray:
         """MoE layer `layer`'s packed routing on the host, [1, 2k + E + 1 (+ E')] float32: the step's ONE device ->
-        host read of the layer (CUDA: into a pinned buffer, waited for on an event; CPU device mode: as is)."""
-        if not self.cuda:
-            return self.packed[layer].numpy()
-        self.packed_host[layer].copy_(self.packed[layer], non_blocking=True)
-        self.events[layer].record()
-        self.events[layer].synchronize()
-        return self.packed_host[layer].numpy()
+        host read of the layer (CUDA: into a pinned buffer, waited for on an event; CPU device mode: as is).
+        The host view is made once per layer (its buffer's address never changes)."""
+        if self.cuda:
+            self.packed_host[layer].copy_(self.packed[layer], non_blocking=True)
+            self.events[layer].record()
+            self.events[layer].synchronize()
+        return self.read_view(layer)
+
+    def read_view(self, layer: int) -> np.ndarray:
+        """The host buffer `read` fills for MoE layer `layer` [1, P] float32 (its view made once)."""
+        if self.packed_np[layer] is None:
+            self.packed_np[layer] = (self.packed_host if self.cuda else self.packed)[layer].numpy()
+        return self.packed_np[layer]
 
     def _decide(self, layer: int) -> None:
         """Between segments: MoE layer `layer`'s routing read (one float32 copy), the kernel's step, the plan
-        applied (copies, host and low-bit experts into `extra`), the plan row to the device."""
-        d = self.ctx.experts[layer].decide(self.read(layer), self.k, self.dtype)
+        applied (copies, host and low-bit experts into `extra`), the plan row to the device. With `fused`
+        (runtime/core/kernel/decide.py) the read row goes to the plan row in one compiled call, and Python
+        only copies the fetched experts, unless the plan holds more (then `PlanRunner.apply`, as below)."""
         st = self.staged[layer]
         st.begin()
-        self.runner.apply(layer, self.x[layer], d.weights, d.res, staged=st)
+        if self.fused is not None and self.fused.ready():
+            self.read(layer)  # into the host row the compiled call reads
+            self.fused.decide(layer, self.x[layer], st)
+        else:
+            d = self.ctx.experts[layer].decide(self.read(layer), self.k, self.dtype)
+            self.runner.apply(layer, self.x[layer], d.weights, d.res, staged=st)
         if self.cuda:
             self.plan_dev[layer].copy_(st.plan, non_blocking=True)
+
+
+class OneCall:
+    """The host decision of one MoE layer and token in one compiled call (`decide.decide_row`) over buffers made
+    once per program: the packed routing row -> the kernel's decisions, events and plan row; Python then
+    copies the fetched experts, or, when the plan holds admissions, queued or prefetch copies, host or low-bit
+    experts or a drop under drop_renorm, hands the same outputs to `PlanRunner.apply` (exactly what the
+    step-by-step path does with them). `build` returns None where it does not apply (a recording, a policy
+    that prefetches, a model dtype without its rounding): that run decides step by step."""
+
+    def __init__(self, ctx, runner, S: int, k: int, E: int, dtype_name: str, packed: list[np.ndarray],
+                 plans: list[np.ndarray]) -> None:
+        self.ctx, self.runner, self.S, self.k, self.E = ctx, runner, S, k, E
+        self.packed, self.plans = packed, plans  # per MoE layer: the host routing row [1, P], the plan row [3, k]
+        self.tab: np.ndarray | None = None  # decide_layer's address table (decide.address_table), per cache
+        self.tab_ev = None  # the event table the address table points at
+        b = decide.decide_buffers(1, k, E, dtype_name, cap=1)
+        self.tok, self.rnd, self.fetches = b.tok, b.rnd, b.fetches
+        self.outs = [b.out] + [decide.decide_buffers(1, k, E, dtype_name, cap=1).out for _ in range(S - 1)]
+        self.dtype = runner.dtype
+        self.cache = None  # the PolicyCache the checks below were made for
+        self.ok = self.drop_renorm = False
+        self.n_fast = self.n_slow = 0  # decisions done in the call alone / handed on to PlanRunner.apply
+
+    @classmethod
+    def build(cls, prog: StepProgram) -> OneCall | None:
+        """`prog`'s one-call decision (after its first eager pass: the routing rows exist), or None when the model
+        dtype has no rounding here (float32, bfloat16, float16 have) or a row was not packed."""
+        ctx, runner = prog.ctx, prog.runner
+        name = str(runner.dtype).removeprefix("torch.")
+        E = ctx.experts[0].num_experts if ctx.experts else 0
+        if name not in decide.DTYPE_ROUNDING or E <= 0 or any(p is None for p in prog.packed):
+            return None
+        packed = [prog.read_view(l_) for l_ in range(prog.S)]
+        return cls(ctx, runner, prog.S, prog.k, E, name, packed, [st.rows for st in prog.staged])
+
+    def ready(self) -> bool:
+        """Whether the context's cache (checked once per cache) decides through the one call: a cache of this
+        program's layers and E, no prefetch (its predicted lists are the step-by-step path's), no recording."""
+        c = self.ctx.cache
+        if c is not self.cache:
+            self.cache = c
+            self.ok = c is not None and c.prefetch_width == 0 and c.L == self.S and c.E == self.E and c.k == self.k
+            self.drop_renorm = bool(c is not None and c.policy.drop_renorm)
+            if self.ok:
+                for l_, o in enumerate(self.outs):  # each layer's last decision (views: rewritten per step)
+                    self.ctx.last[l_] = {"kind": o.kind[0], "served": o.served[0]}
+                r = self.runner
+                self.tab = decide.address_table(c._state, c.next_t, self.tok, r.ev_tab, r.ev_n, self.fetches,
+                                                list(zip(self.packed, self.plans, self.outs, strict=True)))
+                self.tab_ev = r.ev_tab
+        if self.ok and self.runner.ev_tab is not self.tab_ev:  # the runner grew its event table
+            self.tab_ev = self.runner.ev_tab
+            decide.set_row(self.tab, decide.R_SHARED + 1, self.tab_ev)
+        return self.ok and self.ctx.recorder is None
+
+    def decide(self, layer: int, x: torch.Tensor, st: Staged) -> None:
+        """MoE layer `layer`'s decision for the step's token from its packed routing row (read into the host
+        buffer `packed[layer]` already), into `st` (whose plan row is `plans[layer]`)."""
+        r, c, out = self.runner, self.cache, self.outs[layer]  # (`ready()` just made self.cache the context's)
+        n = decide.decide_layer(self.tab, layer, self.k, self.E, c._params, self.rnd, self.drop_renorm)
+        if n == decide.BAD_SCORES:
+            raise InputError(f"router scores: non-finite value at MoE layer {layer}, token 0 of this batch")
+        if self.ctx.decisions is not None:
+            self.ctx.decisions[layer].append((out.kind[0].copy(), out.served[0].copy(), out.slot[0].copy()))
+        cp = r.copies
+        if n >= 0 and not cp.pending[layer] and not cp.prefetch[layer]:  # the plan is its fetches alone
+            r.stats["device_computes"] += int(out.ev[0, 0, EV_DEV])
+            for e, s in self.fetches[:n].tolist() if n else ():
+                r.fetch(layer, e, s)
+            if r.debug:
+                r.pool.check(layer)
+            self.n_fast += 1
+            return
+        self.n_slow += 1
+        na, nq, npf = out.n_logs[0].tolist()
+        ev = r.ev_tab[layer, r.ev_n[layer] - 1 : r.ev_n[layer]]
+        res = StepResult(out.kind[0], out.served[0], out.slot[0], ev, out.adm_log[0, :na], out.q_log[0, :nq],
+                         out.pf_log[0, :npf])
+        w_np = self.tok.w[0].astype(np.float32)  # [1, k] rank order (float32 values: exact)
+        w = torch.from_numpy(w_np).to(self.dtype)
+        scale = drop_renorm_scale(res.kind, w_np) if self.drop_renorm else None
+        if scale is not None:  # as PolicyExperts.decide: a dropped miss's weight shared out
+            w = w * torch.from_numpy(scale).to(dtype=w.dtype)[:, None]
+        r.apply(layer, x, w, res, staged=st, events_recorded=True)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.backends.engine.copies import Pending
-from runtime.core.kernel import DROP, FETCH, HOST, LOWBIT, StepResult
+from runtime.core.kernel import DROP, FETCH, HOST, LOWBIT, N_EV, StepResult
 from runtime.core.policy import PolicyConfig
 
 if TYPE_CHECKING:
@@ -48,12 +48,42 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, a
     return F.linear(act(gate) * up, down)
 
 
+def grouped_impl(x: torch.Tensor, gate_up: torch.Tensor) -> str:
+    """Which grouped call `grouped_experts` makes for inputs like `x`: "grouped_mm" (torch.nn.functional.grouped_mm
+    over the slot tensors themselves, no copy of expert weights; the call transformers' grouped_mm experts make)
+    on CUDA in bfloat16 on compute capability >= 8.0 with rows of a multiple of 16 bytes (what its kernels take),
+    else "bmm" (the selected slots gathered, then a batched matmul)."""
+    rows_ok = all(n * x.element_size() % 16 == 0 for n in (gate_up.shape[1] // 2, gate_up.shape[2]))
+    if (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm") and rows_ok
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)):
+        return "grouped_mm"
+    return "bmm"
+
+
 def grouped_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
-                    act) -> torch.Tensor:
+                    act, impl: str | None = None) -> torch.Tensor:
     """M expert calls in one: slot tensors gate_up [C, 2I, H] and down [C, H, I], inputs x [M, H], the slot of
-    each call rows [M] (int64, on the device) and its gate weight w [M] -> weighted outputs [M, H]. Gather
-    by slot index and batched matmul (the Hugging Face `batched_mm` experts' math): the same number of
-    operators whatever M is, and the same shapes for a given M (what a CUDA graph needs)."""
+    each call rows [M] (int64, on the device) and its gate weight w [M] -> weighted outputs [M, H] in the
+    calls' order. The same number of operators whatever M is, and the same shapes for a given M (what a CUDA
+    graph needs). `impl` (default `grouped_impl(x, gate_up)`):
+    - "grouped_mm": the calls sorted by slot (stable), each slot's group of rows through its own weights in
+      place (`F.grouped_mm` with the groups' end offsets, found by `searchsorted`: no device sync), the rows
+      put back in call order. Reads only the selected slots' weights, copies none.
+    - "bmm": gather the selected slots' weights (`index_select`) and batched matmul (the Hugging Face
+      `batched_mm` experts' math). Reads and writes a copy of the M experts' weights.
+    The two agree within the rounding of one matmul in the model dtype (tests/test_graphs.py)."""
+    if (impl or grouped_impl(x, gate_up)) == "grouped_mm":
+        C = gate_up.shape[0]
+        order = torch.argsort(rows, stable=True)  # [M] calls by slot
+        rs = rows.index_select(0, order)  # [M] ascending slots
+        offs = torch.searchsorted(rs, torch.arange(C, device=rows.device, dtype=rs.dtype), right=True)
+        offs = offs.to(torch.int32)  # [C]: end of each slot's group (empty groups: no rows, no work)
+        xs = x.index_select(0, order)  # [M, H]
+        h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2I]
+        gate, up = h.chunk(2, dim=-1)  # [M, I] each
+        ys = F.grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)  # [M, H]
+        y = torch.empty_like(ys).index_copy_(0, order, ys)  # [M, H] back in call order
+        return y * w.to(y.dtype).unsqueeze(-1)
     h = torch.bmm(gate_up.index_select(0, rows), x.unsqueeze(-1)).squeeze(-1)  # [M, 2I]
     gate, up = h.chunk(2, dim=-1)  # [M, I] each
     y = torch.bmm(down.index_select(0, rows), (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [M, H]
@@ -124,7 +154,10 @@ class PlanRunner:
         self.store, self.pool, self.copies, self.act, self.E = store, pool, copies, act, E
         self.stats, self.ctx, self.debug = stats, ctx, debug
         self.device, self.cuda, self.dtype, self.L = pool.device, pool.cuda, pool.dtype, len(act)
-        self.events: list[list[np.ndarray]] = [[] for _ in range(self.L)]  # the plans' kernel events, per layer
+        # the plans' kernel events: one row per decided token and layer (ev_n[l] rows of layer l); the engine's
+        # one-call decision (runtime/core/kernel/decide.py) writes its rows here too
+        self.ev_tab = np.zeros((self.L, 256, N_EV), np.int32)  # [L, cap, N_EV]
+        self.ev_n = np.zeros(self.L, np.int64)  # [L]
         self.null_compute = False  # calibration only: skip the expert math (everything else runs)
         self.lowbit: list[list[tuple]] | None = None  # [L][E] (gate_up, down) QWeight on the device
         self.lowbit_key: tuple[int, int, int] | None = None  # (bits, group, experts per layer) of `lowbit`
@@ -133,7 +166,30 @@ class PlanRunner:
         self.lowbit_host: dict[tuple[int, int], dict[tuple[int, int], tuple]] = {}
 
     def reset(self) -> None:
-        self.events = [[] for _ in range(self.L)]
+        self.ev_n[:] = 0
+
+    def reserve_events(self, more: int) -> None:
+        """Room for `more` further event rows per layer (a larger table, the rows kept, when needed)."""
+        need = int(self.ev_n.max()) + int(more)
+        if need > self.ev_tab.shape[1]:
+            tab = np.zeros((self.L, max(need, 2 * self.ev_tab.shape[1]), N_EV), np.int32)
+            tab[:, : self.ev_tab.shape[1]] = self.ev_tab
+            self.ev_tab = tab
+
+    def add_events(self, layer: int, ev: np.ndarray) -> None:
+        """A plan's kernel events [N, N_EV] appended to MoE layer `layer`'s rows."""
+        n = len(ev)
+        self.reserve_events(n)
+        a = int(self.ev_n[layer])
+        self.ev_tab[layer, a : a + n] = ev
+        self.ev_n[layer] = a + n
+
+    def events_array(self) -> np.ndarray:
+        """Kernel events of the run since bind, int32 [T, L, N_EV] (every layer decided the same T tokens)."""
+        n = set(self.ev_n.tolist())
+        if len(n) != 1:
+            raise RuntimeError(f"engine: the MoE layers decided different token counts {sorted(n)}")
+        return np.ascontiguousarray(self.ev_tab[:, : n.pop()].transpose(1, 0, 2))
 
     def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, plan) -> torch.Tensor:
         """Experts' output for tokens x [N, H]: exact streaming (plan None) or the kernel's plan."""
@@ -144,11 +200,12 @@ class PlanRunner:
     # ------------------------------------------------------------------ the plan
 
     def apply(self, layer: int, x: torch.Tensor, w: torch.Tensor, plan: StepResult,
-              staged: Staged | None = None) -> torch.Tensor | None:
+              staged: Staged | None = None, events_recorded: bool = False) -> torch.Tensor | None:
         """The kernel's plan for N tokens of `layer`: x [N, H], gate weights w [N, k] -> [N, H]. With `staged`
         (the segmented decode step, runtime/backends/engine/graphs.py; N = 1) step (4)'s grouped call is
         left to the next segment: the token's plan row goes into `staged.plan`, the host and low-bit
-        experts' output into `staged.extra`, and nothing is returned."""
+        experts' output into `staged.extra`, and nothing is returned. `events_recorded`: the plan's events are
+        in the event table already (the one-call decision wrote them)."""
         kind, served, slot = plan.kind, plan.served, plan.slot  # [N, k]
         N, k = kind.shape
         cache = self.pool.cache
@@ -223,7 +280,8 @@ class PlanRunner:
                 qi += 1
         if ai != len(adm) or pi != len(pref) or qi != len(queued):
             raise RuntimeError(f"engine: MoE layer {layer}: plan rows outside tokens {t0}..{t0 + N - 1}")
-        self.events[layer].append(plan.events)
+        if not events_recorded:
+            self.add_events(layer, plan.events)
         if self.debug:
             self.pool.check(layer)
         if staged is not None:
