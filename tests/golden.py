@@ -30,7 +30,7 @@ def kernel_golden() -> dict:
             route_window=p.route_window, route_alpha=p.route_alpha,
             router_scores=c["logits"] if "logits" in mode else None)
         row: dict = {}
-        if mode != "layers":
+        if not mode.startswith("layers"):
             row["kind"] = [x for t in range(sc.T) for l_ in range(sc.L)
                            for x in (ref["kind"][t][l_] if c["valid"][t][l_] else [-1] * sc.K)]
             row["served"] = [x for t in range(sc.T) for l_ in range(sc.L)

@@ -121,6 +121,10 @@ _ACTIVE = {
     "beta set": lambda p: p.beta is not None,
     "fallback = lowbit": lambda p: p.fallback == "lowbit",
     "prefetch != off": lambda p: p.prefetch != "off",
+    # routing composes with rule fetch_all (no fetch cap) and every eviction key but belady (docs/policies.md,
+    # Additions (3)); its parameters matter only when it is on
+    "rule = fetch_all, no fetch cap, evict != belady": lambda p: (p.rule == "fetch_all" and p.fetch_cap is None
+                                                                 and p.evict != "belady"),
     "route = cache-prior": lambda p: p.route == "cache-prior",
     "route != off": lambda p: p.route != "off",
     "route = cache-route": lambda p: p.route == "cache-route",
@@ -185,7 +189,8 @@ class PolicyConfig:
     # cache-aware routing (docs/policies.md, "Additions (3)"): a stage before the hits that changes the selection
     route: str = _p("off", "--route", "cache-aware routing: cache-prior (top-k of z + lambda*D*resident) or "
                     "cache-route (true top-J, the rest from residents inside the true top-M); needs rule fetch_all",
-                    choices=ROUTES, kernel=("route", lambda p: ROUTE_CODE[p.route]))
+                    choices=ROUTES, active="rule = fetch_all, no fetch cap, evict != belady",
+                    kernel=("route", lambda p: ROUTE_CODE[p.route]))
     route_lambda: float = _p(0.5, "--route-lambda", "cache-prior: the bias lambda, in units of D (the running mean "
                              "of the per-token logit range); 0 = the model", low=0.0, active="route = cache-prior",
                              kernel=("route_lambda", lambda p: p.route_lambda))
