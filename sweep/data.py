@@ -167,8 +167,12 @@ def recorded_trace(model_dir: Path, text: Path, digest: str, max_tokens: int | N
 
 
 def scores_need(cfg: SweepConfig) -> bool:
-    """Whether the space can draw Cache-Prior routing, which replays the traces' router_scores column."""
-    return "route" in cfg.space.names and "cache-prior" in cfg.space["route"].values()
+    """Whether the space can draw Cache-Prior routing, or a named baseline routes so, which replays the traces'
+    router_scores column."""
+    from runtime.core.policy import PRESETS
+
+    return (("route" in cfg.space.names and "cache-prior" in cfg.space["route"].values())
+            or any(PRESETS[n].route == "cache-prior" for n in cfg.baseline_policies))
 
 
 def lookahead_need(cfg: SweepConfig) -> int | None:
