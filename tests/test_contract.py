@@ -128,7 +128,8 @@ def test_same_decisions_as_emulation(inputs, backend, family, name):
     for key in ("hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "lowbit_computes",
                 "prefetches", "prefetch_used", "reroutes"):
         assert got.counters[key] == emu.counters[key], key
-    assert got.counters["rerouted_mass"] == pytest.approx(emu.counters["rerouted_mass"], rel=1e-9, abs=1e-12)
+    # (the engine decodes token by token: the model's float32 gate weights round differently from the batched pass)
+    assert got.counters["rerouted_mass"] == pytest.approx(emu.counters["rerouted_mass"], rel=1e-6, abs=1e-9)
     assert got.initial_residency and emu.initial_residency.startswith("held-out")
     if other.max_memory_GiB != "auto":  # streamed: per-token NLL, the recorded trace and the warm start agree
         assert got.extra["streamed"] and not emu.extra["streamed"]
