@@ -297,4 +297,4 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"{res['policy']}: {res['time_per_token_s'] * 1e3:.3f} ms/token, "
               f"{res['speed_ratio_vs_fetch_all']:.2f}x vs fetch-every-miss, "
-              f"substituted mass {res['mass_per_token']:.4f}/token (warm start: {res['initial_residency']})")
+              f"mass {res['mass_per_token']:.4f}/token (substituted + rerouted) (warm start: {res['initial_residency']})")
