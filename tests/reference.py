@@ -343,7 +343,8 @@ def _route(how, t, sel, w, cand, resident, E, k, D):
         # "z' = z + lambda * D * m", m = 1 for the residents of the layer
         zb = [z[e] + lam * dval * (1 if e in resident else 0) for e in range(E)]
         new = list(sel[:J])  # "the true top-J are always kept"
-        others = sorted((e for e in range(E) if e not in new), key=lambda e: (-zb[e], e))  # ties lower id
+        # descending z'; equal z' by the unbiased z (rounding never reorders two residents), then lower id
+        others = sorted((e for e in range(E) if e not in new), key=lambda e: (-zb[e], -z[e], e))
         new += others[: k - J]
     else:
         Mw = min(M, E)

@@ -281,3 +281,17 @@ def test_simulator_routes_from_the_trace():
         simulate(_trace(scores=False), PRESETS["cache-prior"], 4, initial_residency=init, baselines=False)
     assert "\n" not in str(exc.value)
     simulate(_trace(scores=False), PRESETS["cache-route"], 4, initial_residency=init, baselines=False)  # no scores needed
+
+
+def test_bias_rounding_never_reorders_residents():
+    """Two resident logits one ulp apart round to one biased value (1 + 6.5 == (1 + 2**-52) + 6.5 in float64):
+    the higher logit still wins (the unbiased z breaks the tie, not the id), so no reroute happens."""
+    z = np.array([[1.0, 1.0 + 2.0**-52, -5.0, -5.5]])
+    assert z[0, 0] + 6.5 == z[0, 1] + 6.5  # the fixture's premise
+    pol = PolicyConfig(rule="fetch_all", route="cache-prior", route_lambda=1.0, route_keep=0)  # lambda*D = 6.5
+    pc = PolicyCache(pol, 4, 1, np.array([3]), [np.array([0, 1, 2], np.int32)])
+    r = pc.step(0, np.array([[1]]), np.array([[1.0]]), scores=z)
+    assert r.ids.tolist() == [[1]] and pc.counter_totals()["reroutes"] == 0
+    ref = reference_replay([[[1]]], [[[1.0]]], [[[1, 0, 2, 3]]], [[True]], 4, [3], [[0, 1, 2]], "fetch_all",
+                           route="cache-prior", route_lambda=1.0, route_keep=0, router_scores=z[None].tolist())
+    assert ref["routed_ids"][0][0] == [1] and ref["counters"][0]["reroutes"] == 0

@@ -168,7 +168,8 @@ def _fetches(rule, j, wj, tau, tau_high):
 @njit(cache=True)
 def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
     """Cache-Prior's selection into out[:k]: the true top-J (sel[:J]), then the top k - J of the others by the
-    biased score z[e] + lam_d (resident e) or z[e] (not resident), descending, ties lower id."""
+    biased score z[e] + lam_d (resident e) or z[e] (not resident), descending; equal biased scores by the
+    unbiased z (so rounding never reorders two residents), then lower id."""
     E = z.shape[0]
     n = 0
     for j in range(J):
@@ -177,6 +178,7 @@ def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
     while n < k:
         best = -1
         bv = 0.0
+        bz = 0.0
         for e in range(E):
             taken = False
             for q in range(n):
@@ -186,9 +188,10 @@ def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
             if taken:
                 continue
             v = z[e] + lam_d if expert_slot[e] >= 0 else z[e]
-            if best < 0 or v > bv:
+            if best < 0 or v > bv or (v == bv and z[e] > bz):
                 best = e
                 bv = v
+                bz = z[e]
         out[n] = best
         n += 1
 
