@@ -340,11 +340,15 @@ def _route(how, t, sel, w, cand, resident, E, k, D):
         D[0] += max(z) - min(z)
         D[1] += 1.0
         dval = D[0] / D[1]
+        # the model's selection lifted to at least the best unselected logit: the unbiased order is the model's
+        zout = max(z[e] for e in range(E) if e not in sel)
+        zt = [max(z[e], zout) if e in sel else z[e] for e in range(E)]
         # "z' = z + lambda * D * m", m = 1 for the residents of the layer
-        zb = [z[e] + lam * dval * (1 if e in resident else 0) for e in range(E)]
+        zb = [zt[e] + lam * dval * (1 if e in resident else 0) for e in range(E)]
         new = list(sel[:J])  # "the true top-J are always kept"
-        # descending z'; equal z' by the unbiased z (rounding never reorders two residents), then lower id
-        others = sorted((e for e in range(E) if e not in new), key=lambda e: (-zb[e], -z[e], e))
+        # descending z'; equal z': the model's selection first, in its rank order, the others by z; then lower id
+        others = sorted((e for e in range(E) if e not in new),
+                        key=lambda e: (-zb[e], 0 if e in sel else 1, sel.index(e) if e in sel else -z[e], e))
         new += others[: k - J]
     else:
         Mw = min(M, E)

@@ -295,3 +295,18 @@ def test_bias_rounding_never_reorders_residents():
     ref = reference_replay([[[1]]], [[[1.0]]], [[[1, 0, 2, 3]]], [[True]], 4, [3], [[0, 1, 2]], "fetch_all",
                            route="cache-prior", route_lambda=1.0, route_keep=0, router_scores=z[None].tolist())
     assert ref["routed_ids"][0][0] == [1] and ref["counters"][0]["reroutes"] == 0
+
+
+def test_unbiased_order_is_the_models_selection():
+    """A model whose top-k disagrees with its logits' top-k (its softmax rounded two probabilities to one and
+    it kept expert 0 over expert 1, whose logit is one ulp higher): lambda = 0, or every candidate resident,
+    keeps the model's selection (no reroute); the kernel and the reference agree."""
+    z = np.array([[1.0, 1.0 + 2.0**-52, -5.0, -5.5]])
+    for lam, init in ((0.0, [3]), (1.0, [0, 1, 2])):
+        pol = PolicyConfig(rule="fetch_all", route="cache-prior", route_lambda=lam, route_keep=0)
+        pc = PolicyCache(pol, 4, 1, np.array([3]), [np.array(init, np.int32)])
+        r = pc.step(0, np.array([[0]]), np.array([[1.0]]), scores=z)
+        assert r.ids.tolist() == [[0]] and pc.counter_totals()["reroutes"] == 0, lam
+        ref = reference_replay([[[0]]], [[[1.0]]], [[[0, 1, 2, 3]]], [[True]], 4, [3], [init], "fetch_all",
+                               route="cache-prior", route_lambda=lam, route_keep=0, router_scores=z[None].tolist())
+        assert ref["routed_ids"][0][0] == [0] and ref["counters"][0]["reroutes"] == 0, lam

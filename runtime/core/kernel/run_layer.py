@@ -168,9 +168,19 @@ def _fetches(rule, j, wj, tau, tau_high):
 @njit(cache=True)
 def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
     """Cache-Prior's selection into out[:k]: the true top-J (sel[:J]), then the top k - J of the others by the
-    biased score z[e] + lam_d (resident e) or z[e] (not resident), descending; equal biased scores by the
-    unbiased z (so rounding never reorders two residents), then lower id."""
+    key (z~[e] + lam_d if e is resident else z~[e], e in sel, -rank in sel or z[e]), descending, then lower id:
+    z~ lifts the model's selection to at least the best unselected logit, so the unbiased order is exactly
+    the model's (docs/policies.md, Additions (3))."""
     E = z.shape[0]
+    zout = -np.inf  # the best logit outside the model's selection
+    for e in range(E):
+        inside = False
+        for j in range(k):
+            if sel[j] == e:
+                inside = True
+                break
+        if not inside and z[e] > zout:
+            zout = z[e]
     n = 0
     for j in range(J):
         out[n] = sel[j]
@@ -178,7 +188,8 @@ def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
     while n < k:
         best = -1
         bv = 0.0
-        bz = 0.0
+        ba = 0
+        bb = 0.0
         for e in range(E):
             taken = False
             for q in range(n):
@@ -187,11 +198,20 @@ def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
                     break
             if taken:
                 continue
-            v = z[e] + lam_d if expert_slot[e] >= 0 else z[e]
-            if best < 0 or v > bv or (v == bv and z[e] > bz):
+            jr = -1  # e's rank in the model's selection
+            for j in range(k):
+                if sel[j] == e:
+                    jr = j
+                    break
+            zt = max(z[e], zout) if jr >= 0 else z[e]
+            v = zt + lam_d if expert_slot[e] >= 0 else zt
+            a = 1 if jr >= 0 else 0
+            b = -float(jr) if jr >= 0 else z[e]
+            if best < 0 or v > bv or (v == bv and (a > ba or (a == ba and b > bb))):
                 best = e
                 bv = v
-                bz = z[e]
+                ba = a
+                bb = b
         out[n] = best
         n += 1
 
