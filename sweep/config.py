@@ -175,11 +175,16 @@ def _read_batch(where: str, b: Any, got: dict[str, Any]) -> dict[str, Any]:
     return {"batch": b if b == "auto" else _int(where, b, 1)}
 
 
+# the default named baselines: every preset but the cache-aware routing ones (docs/policies.md, Additions (3)),
+# which a config names itself (Cache-Prior replays router scores that a given trace may lack)
+DEFAULT_BASELINES = tuple(n for n, p in PRESETS.items() if p.route == "off")
+
+
 def _read_baselines(where: str, b: Any, got: dict[str, Any]) -> dict[str, Any]:
     b = b or {}
     if not isinstance(b, dict) or set(b) - {"policies", "capacity_fraction"}:
         raise InputError(f"{where} = {b!r}: expected {{policies: [...], capacity_fraction: F}}")
-    pols = b.get("policies", list(PRESETS))
+    pols = b.get("policies", list(DEFAULT_BASELINES))
     if not isinstance(pols, list) or any(p not in PRESETS for p in pols):
         raise InputError(f"{where}.policies = {pols!r} (choose from {', '.join(PRESETS)})")
     cf = b.get("capacity_fraction")
@@ -303,10 +308,11 @@ class SweepConfig:
     batch: int | str = _k("auto", "simulator evaluations per Ray task (auto: about task_seconds each)", "custom",
                           reader=_read_batch)
     task_seconds: float = _k(2.0, "seconds of simulation per Ray task with batch: auto", "number")
-    baseline_policies: tuple[str, ...] = _k(tuple(PRESETS), "{policies: [...], capacity_fraction: F}: the named "
+    baseline_policies: tuple[str, ...] = _k(DEFAULT_BASELINES, "{policies: [...], capacity_fraction: F}: the named "
                                             "policies, screened first on every host and emulated at the full "
                                             "budget", "custom", key="baselines", reader=_read_baselines,
-                                            shown="every preset at the space's capacity")
+                                            shown="every preset but cache-prior and cache-route, at the space's "
+                                                  "capacity")
     baseline_capacity_fraction: float | None = None  # set by `baselines`
     emulation: Emulation = _k(None, "the ladder (sweep/ladder.py): {rungs, eta, max_full, engine, cpus}; "
                               "false: off. cpus: Ray CPUs (= torch threads) of each recording "

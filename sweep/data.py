@@ -127,10 +127,14 @@ def sha_file(path: Path | str) -> str:
     return h.hexdigest()
 
 
-def trace_key(digest: str, text: Path, max_tokens: int | None, lookahead: int, dtype: str) -> str:
+def trace_key(digest: str, text: Path, max_tokens: int | None, lookahead: int, dtype: str,
+              scores: bool = False) -> str:
     """The cache key of a recorded trace: the checkpoint, the text's bytes and the recording parameters
-    (max_memory_GiB is not one: a streamed recording equals the in-memory one, runtime/backends/stream.py)."""
+    (max_memory_GiB is not one: a streamed recording equals the in-memory one, runtime/backends/stream.py);
+    `scores`: with the router_scores column (Cache-Prior replays it)."""
     parts = [str(RECORDER_VERSION), digest, sha_file(text), str(max_tokens), str(lookahead), dtype]
+    if scores:  # (keys of traces without the column are unchanged)
+        parts.append("router_scores")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -141,9 +145,10 @@ def cache_root() -> Path:
 
 
 def recorded_trace(model_dir: Path, text: Path, digest: str, max_tokens: int | None, lookahead: int,
-                   dtype: str, max_memory: float | str) -> tuple[Path, bool]:
+                   dtype: str, max_memory: float | str, scores: bool = False) -> tuple[Path, bool]:
     """The trace of `text` on this node's cache (recorded now unless cached): (path, was cached)."""
-    dest = cache_root() / "traces" / f"{model_dir.name}-{trace_key(digest, text, max_tokens, lookahead, dtype)}.parquet"
+    key = trace_key(digest, text, max_tokens, lookahead, dtype, scores)
+    dest = cache_root() / "traces" / f"{model_dir.name}-{key}.parquet"
     if dest.is_file():
         log.info("router trace of %s: cached %s", text, dest)
         return dest, True
@@ -154,11 +159,20 @@ def recorded_trace(model_dir: Path, text: Path, digest: str, max_tokens: int | N
     log.info("recording the router trace of %s (dtype %s, max_memory_GiB %s)", text, dtype, max_memory)
     try:
         record_trace(model_dir, text, tmp, max_tokens=max_tokens, progress=False, lookahead=lookahead, dtype=dtype,
-                     max_memory=max_memory)
+                     max_memory=max_memory, router_scores=scores)
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
     return dest, False
+
+
+def scores_need(cfg: SweepConfig) -> bool:
+    """Whether the space can draw Cache-Prior routing, or a named baseline routes so, which replays the traces'
+    router_scores column."""
+    from runtime.core.policy import PRESETS
+
+    return (("route" in cfg.space.names and "cache-prior" in cfg.space["route"].values())
+            or any(PRESETS[n].route == "cache-prior" for n in cfg.baseline_policies))
 
 
 def lookahead_need(cfg: SweepConfig) -> int | None:
@@ -175,7 +189,7 @@ def lookahead_need(cfg: SweepConfig) -> int | None:
 
 
 def record_on_node(model: str, text: str | None, calib_text: str | None, max_tokens: int | None,
-                   look_need: int | None, dtype: str, max_memory: float | str) -> dict[str, Any]:
+                   look_need: int | None, dtype: str, max_memory: float | str, scores: bool = False) -> dict[str, Any]:
     """Body of the recording task (sweep/worker.py `record_task`), on a node holding the model: resolve
     the texts beside the model, record (or reuse) their traces, return them as bytes."""
     model_dir = resolve_model(model)
@@ -194,12 +208,13 @@ def record_on_node(model: str, text: str | None, calib_text: str | None, max_tok
     out: dict[str, Any] = {"model_dir": str(model_dir), "text": str(text_p), "digest": digest,
                            "calib_text": str(calib_p) if calib_p else None, "config_json": config_json,
                            "model_name": model_dir.name}
-    tag = f"{model_dir.name}-{digest[:12]}-{max_tokens or 'all'}" + (f"-look{look}" if look else "")
+    tag = (f"{model_dir.name}-{digest[:12]}-{max_tokens or 'all'}" + (f"-look{look}" if look else "")
+           + ("-scores" if scores else ""))
     for role, src in (("eval", text_p), ("calib", calib_p)):
         if src is None:
             out[role] = None
             continue
-        path, cached = recorded_trace(model_dir, src, digest, max_tokens, look, dtype, max_memory)
+        path, cached = recorded_trace(model_dir, src, digest, max_tokens, look, dtype, max_memory, scores)
         name = f"eval-{tag}.parquet" if role == "eval" else f"calib-{src.stem}-{tag}.parquet"
         out[role] = {"name": name, "data": path.read_bytes(), "cached": cached, "cache": str(path)}
     return out
@@ -272,7 +287,7 @@ def prepare(cfg: SweepConfig, out: Path, loc: Located, record: Any = None) -> In
     elif model_dir is not None:
         got = (record or record_on_node)(model=model_dir, text=text, calib_text=calib_text,
                                          max_tokens=cfg.max_tokens, look_need=lookahead_need(cfg), dtype=cfg.dtype,
-                                         max_memory=cfg.max_memory_GiB)
+                                         max_memory=cfg.max_memory_GiB, scores=scores_need(cfg))
         model_dir, text, calib_text, digest = got["model_dir"], got["text"], got["calib_text"], got["digest"]
         conf_dir = folder / got["model_name"]
         conf_dir.mkdir(parents=True, exist_ok=True)

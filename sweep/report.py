@@ -134,7 +134,7 @@ def equal_memory_ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def family(params: dict[str, Any]) -> str:
-    """The policy's family: its rule, what a non-fetched miss becomes, admission and prefetch."""
+    """The policy's family: its rule, what a non-fetched miss becomes, admission, prefetch and routing."""
     p = policy_of(params)
     if p.rule == "substitute_all" and p.fallback == "host":
         out = "host-compute"
@@ -145,6 +145,8 @@ def family(params: dict[str, Any]) -> str:
         out += "+admission"
     if p.prefetch != "off":
         out += f"+prefetch:{p.prefetch}"
+    if p.route != "off":  # cache-aware routing (docs/policies.md, Additions (3))
+        out += f"+route:{p.route}"
     return out
 
 

@@ -26,9 +26,11 @@ def kernel_golden() -> dict:
             p.rule, tau=p.tau, beta=p.beta, evict=p.evict, gamma=p.gamma, half_life=p.half_life,
             admission_delay=p.admission_delay, fallback=p.fallback, tau_high=p.tau_high, prefetch=p.prefetch,
             prefetch_n=p.prefetch_n, lookahead=c["lookahead"], fetch_cap=p.fetch_cap, pin_fraction=p.pin_fraction,
-            s3_small=p.s3_small)
+            s3_small=p.s3_small, route=p.route, route_lambda=p.route_lambda, route_keep=p.route_keep,
+            route_window=p.route_window, route_alpha=p.route_alpha,
+            router_scores=c["logits"] if "logits" in mode else None)
         row: dict = {}
-        if mode != "layers":
+        if not mode.startswith("layers"):
             row["kind"] = [x for t in range(sc.T) for l_ in range(sc.L)
                            for x in (ref["kind"][t][l_] if c["valid"][t][l_] else [-1] * sc.K)]
             row["served"] = [x for t in range(sc.T) for l_ in range(sc.L)

@@ -83,6 +83,7 @@ the pinned hot set (``n = C - P`` slots):
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
@@ -91,6 +92,7 @@ RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "cpu", "ban
 EVICTS = ("lfu", "lru", "crf", "belady", "lfuda", "s3fifo")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
+ROUTES = ("off", "cache-prior", "cache-route")
 
 COUNTER_KEYS = (
     "calls",
@@ -105,6 +107,8 @@ COUNTER_KEYS = (
     "prefetch_used",
     "substituted_mass",
     "lowbit_mass",
+    "reroutes",
+    "rerouted_mass",
 )
 
 
@@ -144,8 +148,19 @@ def reference_replay(
     fetch_cap=None,
     pin_fraction=0.0,
     s3_small=0.1,
+    route="off",
+    route_lambda=0.5,
+    route_keep=1,
+    route_window=16,
+    route_alpha=1.0,
+    router_scores=None,
+    weight_norm="softmax_topk",
 ):
     """Replay a router trace under one policy, literally as docs/policies.md says.
+
+    Cache-aware routing (Additions (3)): ``route`` in off|cache-prior|cache-route with its parameters;
+    ``router_scores [T][L][E]`` the router logits (cache-prior), ``weight_norm`` softmax_topk|softmax_all.
+    The result's ``routed_ids`` / ``routed_weights [T][L][k]`` hold the selection every later step used.
 
     Arguments: ``topk_ids [T][L][k]`` ints, ``topk_weights [T][L][k]`` floats,
     ``ranking [T][L][M]`` (starts with the top-k, ``M >= k``), ``valid [T][L]``
@@ -199,6 +214,13 @@ def reference_replay(
         rule, fallback = "substitute_all", "host"
     if prefetch not in PREFETCHES:
         raise ValueError(f"unknown prefetch {prefetch!r}")
+    if route not in ROUTES:
+        raise ValueError(f"unknown route {route!r}")
+    if route != "off" and (rule != "fetch_all" or fetch_cap is not None or evict == "belady"):
+        raise ValueError("route needs rule fetch_all, no fetch cap and no belady")
+    if route == "cache-prior" and (router_scores is None or weight_norm not in ("softmax_topk", "softmax_all")):
+        raise ValueError("cache-prior needs router scores and a softmax weight normalisation")
+    zs = _plain(router_scores) if router_scores is not None else None
     if prefetch == "lookahead" and lookahead is None:
         raise ValueError("prefetch lookahead needs the lookahead lists")
     if evict == "crf" and (half_life is None or not half_life > 0):
@@ -252,6 +274,8 @@ def reference_replay(
     kind = [[None] * L for _ in range(T)]
     served = [[None] * L for _ in range(T)]
     mass = [[None] * L for _ in range(T)]
+    routed_ids = [[None] * L for _ in range(T)]
+    routed_weights = [[None] * L for _ in range(T)]
     counters, final_resident, final_state, admission_log = [], [], [], []
 
     # Caches are per layer and independent: replay each layer on its own.
@@ -279,8 +303,12 @@ def reference_replay(
             pins[layer],
             s3_small,
             init[layer][: len(pins[layer])],
+            (route, route_lambda, route_keep, route_window, route_alpha, weight_norm,
+             [zs[t][layer] for t in range(T)] if zs is not None else None),
         )
         for t in range(T):
+            routed_ids[t][layer] = out["routed"][t][0]
+            routed_weights[t][layer] = out["routed"][t][1]
             kind[t][layer] = out["kind"][t]
             served[t][layer] = out["served"][t]
             mass[t][layer] = out["mass"][t]
@@ -297,12 +325,81 @@ def reference_replay(
         "final_resident": final_resident,
         "final_state": final_state,
         "admission_log": admission_log,
+        "routed_ids": routed_ids,
+        "routed_weights": routed_weights,
     }
+
+
+def _route(how, t, sel, w, cand, resident, E, k, D):
+    """Additions (3), cache-aware routing, for one token-layer: (new selection, its weights, displaced experts).
+    ``D`` is the layer's ``[sum, count]`` of logit ranges (updated here under cache-prior)."""
+    route, lam, J, M, alpha, norm, zrows = how
+    if route == "cache-prior":
+        z = [float(x) for x in zrows[t]]
+        # "D is the running mean of the per-token range (max - min) of the layer's router logits, this token's included"
+        D[0] += max(z) - min(z)
+        D[1] += 1.0
+        dval = D[0] / D[1]
+        # the model's selection lifted to at least the best unselected logit: the unbiased order is the model's
+        zout = max(z[e] for e in range(E) if e not in sel)
+        zt = [max(z[e], zout) if e in sel else z[e] for e in range(E)]
+        # "z' = z + lambda * D * m", m = 1 for the residents of the layer
+        zb = [zt[e] + lam * dval * (1 if e in resident else 0) for e in range(E)]
+        new = list(sel[:J])  # "the true top-J are always kept"
+        # descending z'; equal z': the model's selection first, in its rank order, the others by z; then lower id
+        others = sorted((e for e in range(E) if e not in new),
+                        key=lambda e: (-zb[e], 0 if e in sel else 1, sel.index(e) if e in sel else -z[e], e))
+        new += others[: k - J]
+    else:
+        Mw = min(M, E)
+        new = list(cand[:J])  # "keep the true top-J"
+        for m in range(J, Mw):  # "fill the other k - J places with resident experts ranked inside the true top-M"
+            if len(new) < k and cand[m] in resident:
+                new.append(cand[m])
+        for m in range(J, len(cand)):  # "where too few are resident there, take the true ranking"
+            if len(new) < k and cand[m] not in new:
+                new.append(cand[m])
+    if set(new) == set(sel):  # the model's set: its order and weights, unchanged
+        return sel, w, []
+    displaced = [j for j in range(k) if sel[j] not in new]  # positions j, rank order
+    if route == "cache-prior":
+        if norm == "softmax_topk":  # softmax over the routed selection's logits (the model's renormalisation)
+            zmax = max(z[e] for e in new)
+            ex = [math.exp(z[e] - zmax) for e in new]
+            den = 0.0
+            for x in ex:
+                den += x
+        else:  # softmax over all E logits (no renormalisation)
+            zmax = max(z)
+            den = 0.0
+            for e in range(E):
+                den += math.exp(z[e] - zmax)
+            ex = [math.exp(z[e] - zmax) for e in new]
+        return new, [x / den for x in ex], displaced
+    nw = []
+    r = 0
+    for e in new:
+        if e in sel:
+            nw.append(w[sel.index(e)])  # a kept expert keeps w_j
+        else:  # the r-th replacement takes alpha times the r-th displaced expert's weight
+            nw.append(alpha * w[displaced[r]])
+            r += 1
+    if alpha != 1.0:  # "scaled back to the model's sum"
+        tot = 0.0
+        for x in w:
+            tot += x
+        tot2 = 0.0
+        for x in nw:
+            tot2 += x
+        f = tot / tot2
+        nw = [x * f for x in nw]
+    return new, nw, displaced
 
 
 def _replay_layer(
     ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d,
     fallback, tau_high, plists, fetch_cap=None, hot=frozenset(), s3_small=0.1, hot_list=(),
+    how=("off", 0.0, 0, 0, 1.0, "softmax_topk", None),
 ):
     """One layer's cache over the whole trace (lists indexed by token t); `hot`: the pinned hot set."""
     T = len(ids)
@@ -326,9 +423,12 @@ def _replay_layer(
     cnt = {key: 0 for key in COUNTER_KEYS}
     cnt["substituted_mass"] = 0.0
     cnt["lowbit_mass"] = 0.0
+    cnt["rerouted_mass"] = 0.0
     kind_out = [None] * T
     served_out = [None] * T
     mass_out = [None] * T
+    routed_out = [(None, None)] * T
+    dsum = [0.0, 0.0]  # cache-prior: the sum of the logit ranges, their count
 
     def next_use(e, start):
         """Next processed token >= start at which this layer's router selects e."""
@@ -473,6 +573,23 @@ def _replay_layer(
                 arrived(e)
                 loaded.append(e)
 
+        # ---- Additions (3): cache-aware routing, on the residency left by admissions and prefetch ----
+        model_sel = sel
+        rerouted = set()
+        if how[0] != "off":
+            new, nw, displaced = _route(how, t, sel, w, cand, resident, E, k, dsum)
+            rerouted = set(new) - set(sel)  # resident by construction: "neither a hit nor a substitution"
+            if not rerouted <= resident:
+                raise AssertionError(f"token {t}: a rerouted expert is not resident ({sorted(rerouted - resident)})")
+            rm = 0.0
+            for j in displaced:
+                rm += w[j]  # the moved gate mass: the model's weights of the displaced experts
+                a[sel[j]] += w[j]  # they join the admission accumulator
+            cnt["reroutes"] += len(rerouted)
+            cnt["rerouted_mass"] += rm
+            sel, w = new, nw
+        routed_out[t] = (list(sel), list(w))
+
         # ---- 1. Hits and misses: "e_j is a hit if resident, else a miss." ----
         is_hit = [e in resident for e in sel]
 
@@ -584,7 +701,9 @@ def _replay_layer(
 
         cnt["calls"] += k
         for j in range(k):
-            if decision[j] == HIT:
+            if decision[j] == HIT and sel[j] in rerouted:
+                pass  # counted as a reroute above
+            elif decision[j] == HIT:
                 cnt["hits"] += 1
             elif decision[j] == FETCH:
                 cnt["fetches"] += 1
@@ -599,8 +718,8 @@ def _replay_layer(
         cnt["substituted_mass"] += m
         cnt["lowbit_mass"] += lm
         cnt["prefetches"] += len(loaded)
-        # "prefetched experts that the token then selected"
-        cnt["prefetch_used"] += sum(1 for e in loaded if e in selected)
+        # "prefetched experts that the token then selected" (the model's selection, before any routing)
+        cnt["prefetch_used"] += sum(1 for e in loaded if e in set(model_sel))
 
         # ---- 6 (queueing). "after the token, every expert that is neither
         # resident nor already queued and has a[e] >= beta is queued for
@@ -630,6 +749,7 @@ def _replay_layer(
                   "A": age["A"], "small": list(small), "main": list(main), "ghost": list(ghost),
                   "freq": list(freq)},
         "log": log,
+        "routed": routed_out,
     }
 
 

@@ -282,6 +282,8 @@ def test_rule_invariants_on_a_skewed_trace():
     init = warm_residency(ids[:50], valid[:50], 16, caps)
     got = {}
     for name, pol in PRESETS.items():
+        if pol.route != "off":  # cache-aware routing: tests/test_routing.py (it needs router scores)
+            continue
         cache, kind, _ = drive_kernel(pol, ids, w, ranking, valid, 16, caps, init, [])
         got[name] = tot = cache.counter_totals()
         assert tot["calls"] == 200 * 2 * 4

@@ -94,13 +94,22 @@ class Recorder:
     ranking: list[list[np.ndarray]] = field(default_factory=list)
     lookahead_depth: int = 0  # P: also record the lookahead lists (0: no)
     lookahead: list[list[np.ndarray]] = field(default_factory=list)  # [L] of list of [N, P]
+    keep_scores: bool = False  # also record every expert's router score (the trace's router_scores column)
+    scores: list[list[np.ndarray]] = field(default_factory=list)  # [L] of list of [N, E] float32
 
     @classmethod
-    def empty(cls, num_layers: int, depth: int, lookahead: int = 0) -> Recorder:
-        """Record ids, weights, the ranking to `depth` and, when `lookahead` P > 0, the lookahead lists."""
+    def empty(cls, num_layers: int, depth: int, lookahead: int = 0, scores: bool = False) -> Recorder:
+        """Record ids, weights, the ranking to `depth` and, when `lookahead` P > 0, the lookahead lists; with
+        `scores` every expert's router score too."""
         L = num_layers
         return cls(depth, [[] for _ in range(L)], [[] for _ in range(L)], [[] for _ in range(L)], lookahead,
-                   [[] for _ in range(L)])
+                   [[] for _ in range(L)], scores, [[] for _ in range(L)])
+
+    def scores_array(self) -> np.ndarray | None:
+        """float32 [T, L, E]: every expert's router score (None unless `keep_scores`)."""
+        if not self.keep_scores:
+            return None
+        return np.stack([np.concatenate(x) for x in self.scores], axis=1).astype(np.float32)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids int32 [T, L, k], weights float32 [T, L, k], ranking int32 [T, L, M]."""
@@ -294,6 +303,8 @@ class PolicyExperts(nn.Module):
             rec.ranking[self.layer].append(rank_np[:, : rec.depth])
             if P_rec:
                 rec.lookahead[self.layer].append(look[:, :P_rec])
+            if rec.keep_scores:
+                rec.scores[self.layer].append(np.array(score_np, np.float32))
         if ctx.cache is None:
             return None
         predicted = None
@@ -309,6 +320,8 @@ class PolicyExperts(nn.Module):
                 ctx.pending[self.layer + 1].append(np.ascontiguousarray(look[:, :P_pol]))
         res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted,
                              scores=score_np.astype(np.float64))
+        if res.ids is not None:  # cache-aware routing: the routed selection and weights (docs/policies.md, Additions (3))
+            ids_np, w_np = res.ids, res.weights
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:
             ctx.decisions[self.layer].append((res.kind, res.served, res.slot))
@@ -328,6 +341,9 @@ class PolicyExperts(nn.Module):
         perm_d = torch.from_numpy(perm).to(top_k_index.device)
         ids = torch.gather(top_k_index, 1, perm_d)  # [N, k] rank order
         w = torch.gather(top_k_weights, 1, perm_d)  # [N, k]
+        if res.ids is not None:  # cache-aware routing: the routed selection, its weights in the model's dtype
+            ids = torch.from_numpy(res.ids.astype(np.int64)).to(ids.device)
+            w = d.weights.to(device=w.device)
         if scale is not None:  # a dropped miss's weight shared out over the computed experts (outputs only)
             w = w * torch.from_numpy(scale).to(device=w.device, dtype=w.dtype)[:, None]
         kind = torch.from_numpy(res.kind.astype(np.int64)).to(ids.device)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.backends.adapters import Recorder, decision_arrays
+from runtime.backends.adapters import Recorder, decision_arrays, weight_norm_of
 from runtime.backends.hfmodel import (  # noqa: F401 - re-exported for callers of runtime.backends.emulate
     Lane,
     Loaded,
@@ -190,11 +190,14 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
     lanes, runs = [], []
     for spec in specs:
         run = resolve(spec, ex.source)  # slots per layer (after capacity_alloc), the warm start, its source
-        cache = PolicyCache(spec.policy, m.E, m.k, run.capacities, run.initial_residency)
+        cache = PolicyCache(spec.policy, m.E, m.k, run.capacities, run.initial_residency,
+                            weight_norm=weight_norm_of(m.model.config))
         lane = Lane(cache=cache, substitute_weight=spec.substitute_weight, desc=spec.label,
                     decisions=[[] for _ in range(m.num_layers)] if spec.record_decisions else None)
         if spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
-            lane.recorder = Recorder.empty(m.num_layers, m.E, max(m.k, cache.prefetch_width))
+            # (+ the router_scores column when the policy routes by them: Cache-Prior, docs/policies.md Additions (3))
+            lane.recorder = Recorder.empty(m.num_layers, m.E, max(m.k, cache.prefetch_width),
+                                           scores=spec.policy.route == "cache-prior")
         lanes.append(lane)
         runs.append(run)
     extras: list[dict] = [{} for _ in specs]
@@ -226,7 +229,7 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
             r = lane.recorder
             pids, pw, prank = r.arrays()
             save_trace(make_trace(m, pids, pw, prank, windows, ex.sha, f"runtime.backends.emulate policy={pol.label()}",
-                                  r.lookahead_array()), spec.trace_out)
+                                  r.lookahead_array(), r.scores_array()), spec.trace_out)
         decisions = decision_arrays(lane.decisions) if spec.record_decisions else None
         point, lo, hi = bootstrap_change(nll_exact, nll)
         extra.update({"seconds": lane.seconds, "exact_seconds": ex.seconds, "streamed": m.streamed, "substitute_weight":

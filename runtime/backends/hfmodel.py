@@ -411,12 +411,16 @@ def run_stream(m: Loaded, windows: np.ndarray, batch_windows: int = 8, progress:
 
 
 def record_routing(m: Loaded, windows: np.ndarray, depth: int, lookahead: int = 0, batch_windows: int = 8,
-                   progress: bool = False, cache: PolicyCache | None = None, desc: str = "record"):
+                   progress: bool = False, cache: PolicyCache | None = None, desc: str = "record",
+                   scores: bool = False):
     """Run the stream under `cache` (None: the exact model) recording the routing. Returns ids [T, L, k],
-    weights, ranking [T, L, depth], lookahead [T, L, P] (None when `lookahead` is 0) and the NLL [n, W-1]."""
-    rec = adapters.Recorder.empty(m.num_layers, depth, lookahead)
+    weights, ranking [T, L, depth], lookahead [T, L, P] (None when `lookahead` is 0) and the NLL [n, W-1];
+    with `scores` also every expert's router score [T, L, E] (the trace's router_scores column), sixth."""
+    rec = adapters.Recorder.empty(m.num_layers, depth, lookahead, scores)
     nll = run_lanes(m, windows, [Lane(cache=cache, recorder=rec, desc=desc)], batch_windows, progress)[0]
     ids, w, rank = rec.arrays()
+    if scores:
+        return ids, w, rank, rec.lookahead_array(), nll, rec.scores_array()
     return ids, w, rank, rec.lookahead_array(), nll
 
 
@@ -428,8 +432,8 @@ def record(m: Loaded, windows: np.ndarray, depth: int, batch_windows: int = 8, p
 
 
 def make_trace(m: Loaded, ids, w, rank, windows: np.ndarray, text_sha: str, source: str,
-               lookahead: np.ndarray | None = None) -> Trace:
-    """The Trace of a recording (with its lookahead column [T, L, P] when given)."""
+               lookahead: np.ndarray | None = None, router_scores: np.ndarray | None = None) -> Trace:
+    """The Trace of a recording (with its lookahead column [T, L, P] and router_scores [T, L, E] when given)."""
     T = ids.shape[0]
     n, W = windows.shape
     meta = TraceMeta(model=f"{m.model.config.model_type}:{m.model_dir.resolve()}", num_experts=m.E, top_k=m.k,
@@ -438,7 +442,7 @@ def make_trace(m: Loaded, ids, w, rank, windows: np.ndarray, text_sha: str, sour
                      lookahead_depth=0 if lookahead is None else int(lookahead.shape[2]))
     return Trace(topk_ids=ids, topk_weights=w, ranking=rank, valid=np.ones((T, m.num_layers), bool),
                  seq_id=np.repeat(np.arange(n, dtype=np.int32), W), position=np.tile(np.arange(W, dtype=np.int32), n),
-                 meta=meta, lookahead=lookahead)
+                 meta=meta, lookahead=lookahead, router_scores=router_scores)
 
 
 def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, calib_max_tokens: int, window: int,

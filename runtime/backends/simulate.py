@@ -78,7 +78,20 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
         for l_ in range(L):
             nxt[l_], first = next_use(trace.topk_ids[:, l_], trace.valid[:, l_], trace.E, 0)
             first_use.append(first)
-    cache = PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use)
+    # cache-aware routing (docs/policies.md, Additions (3)): Cache-Prior reads the trace's router_scores column
+    # and follows its weight normalisation; CACHE_ROUTE needs only the ranking
+    scores, norm = None, "softmax_topk"
+    if policy.route == "cache-prior":
+        if getattr(trace, "router_scores", None) is None:
+            raise InputError("--route = 'cache-prior' needs the trace column router_scores, which this trace lacks "
+                             "(record it with `record --router-scores` or `emulate --trace-out` under the policy)")
+        if trace.meta.weight_norm not in ("softmax_topk", "softmax_all"):
+            raise InputError(f"--route = 'cache-prior' needs a softmax router; the trace's weight_norm is "
+                             f"{trace.meta.weight_norm!r}")
+        scores = np.ascontiguousarray(np.asarray(trace.router_scores, np.float64).swapaxes(0, 1))
+        norm = trace.meta.weight_norm
+    cache = PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use,
+                        weight_norm=norm)
     # written here, so its pages are faulted in before the timed loop (np.zeros maps them lazily: the first
     # write to each page inside the kernel cost ~15% of a replay's time)
     events = np.full((L, T, N_EV), 0, np.int32)
@@ -88,11 +101,14 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     # compile (or load from numba's cache) the one kernel build this replay takes, on a one-token copy of its
     # inputs, before timing: not every build (warmup()), which a fresh process, e.g. a sweep worker, pays in full
     first = [np.ascontiguousarray(a[:, :1]) for a in (ids, ws, ranks, valids)]
-    PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use).step_layers(
+    PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use,
+                weight_norm=norm).step_layers(
         *first, np.zeros((L, min(T, 1), N_EV), np.int32), nxt=None if nxt is None else np.ascontiguousarray(nxt[:, :1]),
-        predicted=None if pred is None else np.ascontiguousarray(pred[:, :1]), decisions=decisions)
+        predicted=None if pred is None else np.ascontiguousarray(pred[:, :1]), decisions=decisions,
+        scores=None if scores is None else np.ascontiguousarray(scores[:, :1]))
     t_start = time.perf_counter()
-    dec = cache.step_layers(ids, ws, ranks, valids, events, nxt=nxt, predicted=pred, decisions=decisions)
+    dec = cache.step_layers(ids, ws, ranks, valids, events, nxt=nxt, predicted=pred, decisions=decisions,
+                            scores=scores)
     seconds = time.perf_counter() - t_start
     if dec is not None:  # [T, L, k] per field
         dec = {f: np.ascontiguousarray(a.transpose(1, 0, 2)) for f, a in zip(("kind", "served", "slot"), dec, strict=True)}
@@ -281,4 +297,4 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"{res['policy']}: {res['time_per_token_s'] * 1e3:.3f} ms/token, "
               f"{res['speed_ratio_vs_fetch_all']:.2f}x vs fetch-every-miss, "
-              f"substituted mass {res['mass_per_token']:.4f}/token (warm start: {res['initial_residency']})")
+              f"mass {res['mass_per_token']:.4f}/token (substituted + rerouted) (warm start: {res['initial_residency']})")

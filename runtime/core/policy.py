@@ -30,10 +30,16 @@ EVICTS = ("lfu", "lru", "crf", "belady", "lfuda", "s3fifo")  # codes are positio
 CAPACITY_ALLOCS = ("uniform", "calibrated")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
+ROUTES = ("off", "cache-prior", "cache-route")  # cache-aware routing (docs/policies.md, Additions (3)); codes are positions
 RULE_CODE = {r: i for i, r in enumerate(RULES)}
 EVICT_CODE = {e: i for i, e in enumerate(EVICTS)}
 FALLBACK_CODE = {f: i for i, f in enumerate(FALLBACKS)}
 PREFETCH_CODE = {p: i for i, p in enumerate(PREFETCHES)}
+ROUTE_CODE = {r: i for i, r in enumerate(ROUTES)}
+# how the model normalises its gate weights (a trace's / an adapter's weight_norm), as the kernel reads it for
+# Cache-Prior's recomputed weights: the record's `route_norm` (set by PolicyCache, not a policy field)
+WEIGHT_NORMS = ("softmax_topk", "softmax_all", "sigmoid_topk")
+WEIGHT_NORM_CODE = {n: i for i, n in enumerate(WEIGHT_NORMS)}
 RULE_ALIASES = {"cpu": ("substitute_all", "host")}  # alias -> (rule, fallback)
 
 
@@ -115,6 +121,13 @@ _ACTIVE = {
     "beta set": lambda p: p.beta is not None,
     "fallback = lowbit": lambda p: p.fallback == "lowbit",
     "prefetch != off": lambda p: p.prefetch != "off",
+    # routing composes with rule fetch_all (no fetch cap) and every eviction key but belady (docs/policies.md,
+    # Additions (3)); its parameters matter only when it is on
+    "rule = fetch_all, no fetch cap, evict != belady": lambda p: (p.rule == "fetch_all" and p.fetch_cap is None
+                                                                 and p.evict != "belady"),
+    "route = cache-prior": lambda p: p.route == "cache-prior",
+    "route != off": lambda p: p.route != "off",
+    "route = cache-route": lambda p: p.route == "cache-route",
     # a drop needs a non-fetched miss (the rule, or a fetch cap) whose fallback is substitute or drop
     "drops possible": lambda p: p.fallback in ("substitute", "drop") and not (p.rule == "fetch_all"
                                                                               and p.fetch_cap is None),
@@ -173,6 +186,24 @@ class PolicyConfig:
     drop_renorm: bool = _p(False, "--drop-renorm", "scale the computed experts' gate weights so a dropped miss's "
                            "weight is shared out (outputs only: no decision or counter changes)",
                            choices=(False, True), active="drops possible")
+    # cache-aware routing (docs/policies.md, "Additions (3)"): a stage before the hits that changes the selection
+    route: str = _p("off", "--route", "cache-aware routing: cache-prior (top-k of z + lambda*D*resident) or "
+                    "cache-route (true top-J, the rest from residents inside the true top-M); needs rule fetch_all",
+                    choices=ROUTES, active="rule = fetch_all, no fetch cap, evict != belady",
+                    kernel=("route", lambda p: ROUTE_CODE[p.route]))
+    route_lambda: float = _p(0.5, "--route-lambda", "cache-prior: the bias lambda, in units of D (the running mean "
+                             "of the per-token logit range); 0 = the model", low=0.0, active="route = cache-prior",
+                             kernel=("route_lambda", lambda p: p.route_lambda))
+    route_keep: int = _p(1, "--route-keep", "J: the true top-J experts are always kept (fetched on a miss); "
+                         "cache-prior's max-rank option (0: none)", low=0, active="route != off",
+                         kernel=("route_keep", lambda p: p.route_keep))
+    route_window: int = _p(16, "--route-window", "cache-route: M, replacements only from the true top-M "
+                           "(clamped to E; needs M >= k and a ranking that deep)", low=1, active="route = cache-route",
+                           kernel=("route_window", lambda p: p.route_window))
+    route_alpha: float = _p(1.0, "--route-alpha", "cache-route: a replacement gets alpha * the displaced expert's "
+                            "weight, then the token's weights are scaled back to the model's sum (1: no scaling)",
+                            low=0.0, low_open=True, active="route = cache-route",
+                            kernel=("route_alpha", lambda p: p.route_alpha))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -201,6 +232,16 @@ class PolicyConfig:
                              "(belady is the bound of fetching every miss)")
         if self.prefetch == "oracle" and self.evict == "belady":
             raise InputError(f"{where}--prefetch = 'oracle' with evict = 'belady' is not supported")
+        if self.route != "off":
+            if self.rule != "fetch_all":
+                raise InputError(f"{where}--route = {self.route!r} needs rule fetch_all (every miss of the routed "
+                                 f"selection is fetched); rule = {self.rule!r}")
+            if self.fetch_cap is not None:
+                raise InputError(f"{where}--fetch-cap = {self.fetch_cap} with route = {self.route!r} is not supported "
+                                 "(every miss of the routed selection is fetched)")
+            if self.evict == "belady":
+                raise InputError(f"{where}--evict = 'belady' with route = {self.route!r} is not supported (its next "
+                                 "uses are the model's selections, not the routed ones)")
         return self
 
     @property
@@ -255,6 +296,11 @@ class PolicyConfig:
             parts.append(f"alloc={self.capacity_alloc}")
         if self.drop_renorm:
             parts.append("drop-renorm")
+        if self.route == "cache-prior":
+            parts.append(f"cache-prior(lambda={self.route_lambda:g},J={self.route_keep})")
+        elif self.route == "cache-route":
+            parts.append(f"cache-route(J={self.route_keep},M={self.route_window}"
+                         + (f",alpha={self.route_alpha:g}" if self.route_alpha != 1.0 else "") + ")")
         return " + ".join(parts)
 
     def to_dict(self) -> dict:
@@ -284,7 +330,10 @@ PARAMS: tuple[Param, ...] = tuple(
 )
 PARAM_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMS)
 # the kernel's policy record: one field per table row with a `kernel` encoding (ints for codes and counts)
-KERNEL_DTYPE = np.dtype([(p.kernel[0], np.int64 if p.type in (str, int, bool) else np.float64) for p in PARAMS if p.kernel])
+# (+ `route_norm`: the model's weight normalisation, WEIGHT_NORM_CODE, set by PolicyCache from its caller's
+# weight_norm; not a policy field)
+KERNEL_DTYPE = np.dtype([(p.kernel[0], np.int64 if p.type in (str, int, bool) else np.float64) for p in PARAMS if p.kernel]
+                        + [("route_norm", np.int64)])
 
 
 def kernel_record(policy: PolicyConfig) -> np.ndarray:
@@ -305,6 +354,10 @@ PRESETS: dict[str, PolicyConfig] = {
     "host-compute": PolicyConfig(rule="cpu"),
     "quality-first": PolicyConfig(rule="threshold", tau=0.15, beta=0.5),
     "speed-first": PolicyConfig(rule="first_choice", beta=0.5),
+    # cache-aware routing (docs/policies.md, Additions (3)): Skliar et al.'s Cache-Prior with max-rank J = 1 and
+    # lambda = 0.5 (our choice inside the paper's range), colibri's CACHE_ROUTE with J = 1, M = 16, no alpha scaling
+    "cache-prior": PolicyConfig(rule="fetch_all", route="cache-prior", route_lambda=0.5, route_keep=1),
+    "cache-route": PolicyConfig(rule="fetch_all", route="cache-route", route_keep=1, route_window=16),
 }
 
 

@@ -384,7 +384,9 @@ class Result:
 
     @property
     def mass_per_token(self) -> float:
-        return self.counters["substituted_mass"] / max(self.tokens, 1)
+        """The gate mass per token that the model's own experts did not compute: substituted and dropped
+        misses' and, under cache-aware routing, the displaced experts' (rerouted_mass, 0 otherwise)."""
+        return (self.counters["substituted_mass"] + self.counters.get("rerouted_mass", 0.0)) / max(self.tokens, 1)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat JSON-ready dict (the result keys of earlier versions kept: counters at the top level)."""
@@ -395,7 +397,8 @@ class Result:
         d.update(self.counters)
         calls = max(self.counters.get("calls", 0), 1)
         d["mass_per_token"] = self.mass_per_token
-        d["mass_per_token_layer"] = self.counters["substituted_mass"] / max(self.tokens * self.num_layers, 1)
+        d["mass_per_token_layer"] = ((self.counters["substituted_mass"] + self.counters.get("rerouted_mass", 0.0))
+                                     / max(self.tokens * self.num_layers, 1))
         d["substituted_call_fraction"] = (self.counters["substitutions"] + self.counters["drops"]) / calls
         if self.ppl_ci_low is not None:
             d["ppl_change_ci95"] = [self.ppl_ci_low, self.ppl_ci_high]

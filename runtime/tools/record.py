@@ -1,7 +1,7 @@
 """Router-trace recording: the exact model's top-k, gate weights and candidate ranking for a text.
 
 `python -m runtime.record --model DIR --text FILE --out TRACE.parquet [--depth M] [--max-tokens N]
-[--lookahead P] [--dtype auto|fp32|bf16|fp16] [--max-memory GIB] [--device cpu|cuda]` writes the trace format of docs/traces.md (one row per token and MoE layer), with a
+[--lookahead P] [--router-scores] [--dtype auto|fp32|bf16|fp16] [--max-memory GIB] [--device cpu|cuda]` writes the trace format of docs/traces.md (one row per token and MoE layer), with a
 progress bar; `--lookahead P` adds the lookahead column (layer l + 1's router applied to layer l's
 router input, first P ids) that `--prefetch lookahead` replays. `--device cuda` computes on the GPU:
 a model that fits is moved there, a larger one has each layer streamed through it
@@ -29,9 +29,9 @@ from runtime.formats.trace import save_trace
 def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike,
                  max_tokens: int | None = None, depth: int | None = None, window: int | None = None,
                  batch_windows: int = 8, progress: bool = False, lookahead: int = 0, dtype: str = "auto",
-                 max_memory: float | str = "auto", device: str | None = None) -> Path:
+                 max_memory: float | str = "auto", device: str | None = None, router_scores: bool = False) -> Path:
     """Record the exact model's routing over a text into `out_path` (.parquet or .arrow); `lookahead` P > 0
-    also records the lookahead lists."""
+    also records the lookahead lists, `router_scores` every expert's router score (Cache-Prior replays it)."""
     out = Path(out_path)
     if out.suffix not in (".parquet", ".arrow"):
         raise InputError(f"--out {out}: use a .parquet or .arrow file name")
@@ -43,8 +43,10 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
     if not (0 <= lookahead <= m.E):
         raise InputError(f"--lookahead = {lookahead} must be between 0 (none) and E={m.E}")
     windows, sha = tokenize_file(m, text_path, max_tokens, window or default_window(m))
-    ids, w, rank, look, _ = record_routing(m, windows, M, lookahead, batch_windows, progress)
-    save_trace(make_trace(m, ids, w, rank, windows, sha, f"runtime.tools.record {Path(text_path).name}", look), out)
+    got = record_routing(m, windows, M, lookahead, batch_windows, progress, scores=router_scores)
+    ids, w, rank, look = got[:4]
+    save_trace(make_trace(m, ids, w, rank, windows, sha, f"runtime.tools.record {Path(text_path).name}", look,
+                          got[5] if router_scores else None), out)
     return out
 
 
@@ -58,11 +60,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lookahead", type=int, default=0,
                    help="also record per token and layer the first P ids of the next layer's router on this "
                         "layer's router input (for --prefetch lookahead); default 0: none")
+    p.add_argument("--router-scores", action="store_true",
+                   help="also record every expert's router score per token and layer (the router_scores column "
+                        "that --route cache-prior replays; E floats per row)")
     p.add_argument("--device", default=None, help="cpu | cuda: where the layers compute (default: the host, plainly); "
                    "a model larger than the device is streamed through it layer by layer")
     add_model_flags(p)
     a = p.parse_args(argv)
     out = record_trace(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, a.batch_windows, progress=True,
                        lookahead=a.lookahead, dtype=a.dtype, max_memory=a.max_memory,
-                       device=a.device)
+                       device=a.device, router_scores=a.router_scores)
     print(out)

@@ -345,7 +345,8 @@ class Engine:
             policy, caps, initial_residency = policy.policy, policy.capacities, policy.initial_residency
         else:
             caps = resolve_capacities(capacities, self.L, self.E, self.k)
-        cache = PolicyCache(policy, self.E, self.k, caps, initial_residency)
+        cache = PolicyCache(policy, self.E, self.k, caps, initial_residency,
+                            weight_norm=adapters.weight_norm_of(m.model.config))
         m.ctx.substitute_weight = substitute_weight
         m.ctx.decisions = [[] for _ in range(self.L)] if record_decisions else None
         try:

@@ -27,7 +27,7 @@ from runtime.core.kernel.plan import (
 from runtime.core.kernel.run_layer import F_SUBSTITUTE, run_layers
 from runtime.core.kernel.selfcheck import UNIT
 from runtime.core.kernel.state import FIELDS, Q_RES, allocate
-from runtime.core.policy import PolicyConfig, kernel_record, pinned_count
+from runtime.core.policy import WEIGHT_NORM_CODE, PolicyConfig, kernel_record, pinned_count
 
 __all__ = ["COUNTER_NAMES", "PolicyCache", "kernel_signatures", "next_use", "predicted_layers", "predicted_lists",
            "warmup"]
@@ -146,7 +146,10 @@ class PolicyCache:
         belady_first_use: list[np.ndarray] | None = None,
         *,
         allow_full: bool = False,
+        weight_norm: str = "softmax_topk",
     ) -> None:
+        """`weight_norm`: how the model normalises its gate weights (a trace's metadata, the adapter's family):
+        Cache-Prior's recomputed weights follow it (docs/policies.md, Additions (3))."""
         policy.validate()
         ensure(UNIT)  # the compiled kernel checked once per process (runtime/core/compiled.py)
         self.policy = policy
@@ -202,7 +205,57 @@ class PolicyCache:
         self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.core.policy.KERNEL_DTYPE)
         r = self._params  # the lean build decides it (step: unless router scores are given)
         self._lean = bool(r["evict"] == ek.K_LFU and r["gamma"] == 1.0 and r["fallback"] == F_SUBSTITUTE
-                          and r["fetch_cap"] == -1 and self.prefetch_width == 0 and not self.npin.any())
+                          and r["fetch_cap"] == -1 and self.prefetch_width == 0 and not self.npin.any()
+                          and p.route == "off")
+        self._route_checks(weight_norm)
+
+    def _route_checks(self, weight_norm: str) -> None:
+        """Cache-aware routing's configuration against the model (k, E, weight normalisation): one-line errors."""
+        p = self.policy
+        if weight_norm not in WEIGHT_NORM_CODE:
+            raise InputError(f"weight_norm = {weight_norm!r} is unknown (choose from {', '.join(WEIGHT_NORM_CODE)})")
+        self.weight_norm = weight_norm
+        self.routed: tuple[np.ndarray, np.ndarray] | None = None  # step_layers: the routed ids and weights
+        self._params["route_norm"] = WEIGHT_NORM_CODE[weight_norm]
+        if p.route == "off":
+            return
+        if p.route_keep > self.k:
+            raise InputError(f"--route-keep = {p.route_keep} must be <= k = {self.k} (policy field route_keep)")
+        if p.route == "cache-route" and min(p.route_window, self.E) < self.k:
+            raise InputError(f"--route-window = {p.route_window} must be >= k = {self.k} (policy field route_window)")
+        if p.route == "cache-prior" and weight_norm == "sigmoid_topk":
+            raise InputError("--route = 'cache-prior' with a sigmoid router (weight_norm sigmoid_topk) is not "
+                             "implemented: its gate needs the score-correction bias, not in the router scores")
+
+    @property
+    def route_depth(self) -> int:
+        """The ranking depth cache-route reads (min(M, E)); 0 for the other policies."""
+        return min(self.policy.route_window, self.E) if self.policy.route == "cache-route" else 0
+
+    def _route_inputs(self, ids: np.ndarray, rank: np.ndarray, scores: np.ndarray | None,
+                      where: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ranking, scores) as the route stage reads them: cache-prior the router scores (logits) [.., E], required;
+        cache-route a ranking at least min(M, E) deep (from the scores when the ranking is shallower)."""
+        p = self.policy
+        if p.route == "cache-prior":
+            if scores is None:
+                raise InputError(f"--route = 'cache-prior' needs the router scores (trace column router_scores; "
+                                 f"record or emulate --trace-out with this policy writes it){where}")
+            sc = np.ascontiguousarray(scores, dtype=np.float64)
+            if sc.shape != (*ids.shape[:-1], self.E):
+                raise InputError(f"router scores: shape {sc.shape}, expected {[*ids.shape[:-1], self.E]}{where}")
+            return rank, sc
+        depth = self.route_depth
+        if rank.shape[-1] >= depth:
+            return rank, np.zeros((*ids.shape[:-2], 0, 0))
+        if scores is None:
+            raise InputError(f"--route-window = {self.policy.route_window} needs a ranking {depth} deep; this one "
+                             f"keeps {rank.shape[-1]} (record a deeper ranking){where}")
+        sc = np.asarray(scores, dtype=np.float64)
+        rest = sc.copy()
+        np.put_along_axis(rest, ids.astype(np.int64), -np.inf, axis=-1)
+        others = np.argsort(-rest, axis=-1, kind="stable")[..., : depth - ids.shape[-1]]
+        return np.ascontiguousarray(np.concatenate([ids, others.astype(np.int32)], -1)), np.zeros((*ids.shape[:-2], 0, 0))
 
     def step(
         self,
@@ -236,12 +289,16 @@ class PolicyCache:
         `decisions=False` (the simulator: counters and events only): the per-slot decisions go to one
         scratch row, rewritten per token, and the result's kind, served and slot are None; every counter,
         event and log is the same."""
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        routed = self.policy.route != "off"  # the kernel rewrites the selection: our own copies
+        ids = np.array(ids, dtype=np.int32, order="C", copy=True) if routed else np.ascontiguousarray(ids, dtype=np.int32)
         T, k = ids.shape
-        w = np.ascontiguousarray(weights, dtype=np.float64)
+        w = (np.array(weights, dtype=np.float64, order="C", copy=True) if routed
+             else np.ascontiguousarray(weights, dtype=np.float64))
         rank = ids if ranking is None else np.ascontiguousarray(ranking, dtype=np.int32)
         valid = np.ones(T, np.bool_) if valid is None else np.ascontiguousarray(valid, dtype=np.bool_)
-        if scores is None or rank.shape[1] == self.E:  # a full ranking: walk it (stops after a few entries)
+        if routed:
+            rank, sc = self._route_inputs(ids, rank, scores, f" (layer {layer})")
+        elif scores is None or rank.shape[1] == self.E:  # a full ranking: walk it (stops after a few entries)
             sc = np.zeros((0, 0))
         else:
             # C-contiguous, whatever the caller holds (the adapters pass a strided slice of their pack): one
@@ -278,7 +335,7 @@ class PolicyCache:
         if not decisions:
             kind = served = slot = None
         return StepResult(kind, served, slot, ev, adm_log[: min(na, len(adm_log))], q_log[: min(nq, len(q_log))],
-                          pf_log[: min(npf, len(pf_log))])
+                          pf_log[: min(npf, len(pf_log))], ids if routed else None, w if routed else None)
 
     def _predicted(self, pred: np.ndarray, lead: tuple[int, ...], where: str) -> np.ndarray:
         """Predicted lists as the kernel takes them (int32, C-contiguous), their leading shape `lead` and ids
@@ -300,14 +357,19 @@ class PolicyCache:
         nxt: np.ndarray | None = None,
         predicted: np.ndarray | None = None,
         decisions: bool = False,
+        scores: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Decide every layer over the same tokens in one kernel call (the simulator's replay; `step` per layer
         makes the same decisions). ids [L, T, k] int32, weights [L, T, k] float64, ranking [L, T, M] int32,
         valid [L, T] bool (converted if need be), events [L, T, N_EV] int32 C-contiguous (added to); nxt [L, T, k] (belady) or
         None; predicted [L, T, P] int32 (as `step`'s, a row of -1 at layer 0) or None. Writes no logs.
-        Returns (kind, served, slot), each [L, T, k], with `decisions`, else None."""
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        weights = np.ascontiguousarray(weights, dtype=np.float64)
+        Returns (kind, served, slot), each [L, T, k], with `decisions`, else None. `scores` [L, T, E]: the
+        trace's router scores (cache-prior needs them). With cache-aware routing the kernel rewrites copies of ids
+        and weights: `routed` holds them afterwards (docs/policies.md, Additions (3))."""
+        routed = self.policy.route != "off"
+        ids = np.array(ids, dtype=np.int32, order="C", copy=True) if routed else np.ascontiguousarray(ids, dtype=np.int32)
+        weights = (np.array(weights, dtype=np.float64, order="C", copy=True) if routed
+                   else np.ascontiguousarray(weights, dtype=np.float64))
         ranking = np.ascontiguousarray(ranking, dtype=np.int32)
         valid = np.ascontiguousarray(valid, dtype=np.bool_)
         L, T, k = ids.shape
@@ -327,11 +389,15 @@ class PolicyCache:
             pred = np.zeros((L, 0, 0), np.int32)
         else:
             pred = self._predicted(np.asarray(predicted)[:, :, : self.prefetch_width], (L, T), "")
+        sc = np.zeros((L, 0, 0))
+        if routed:
+            ranking, sc = self._route_inputs(ids, ranking, scores, "")
+        self.routed = (ids, weights) if routed else None
         rows = T if decisions else 1
         out = Outputs(np.empty((L, rows, k), np.int8), np.empty((L, rows, k), np.int32),
                       np.empty((L, rows, k), np.int32), events, np.empty((L, 0, 3), np.int64),
                       np.empty((L, 0, 2), np.int64), np.empty((L, 0, 3), np.int64), np.zeros((L, 3), np.int64))
-        run_layers(Tokens(ids, weights, ranking, valid, np.zeros((L, 0, 0)), nxt, pred), t0, self._params, self._state,
+        run_layers(Tokens(ids, weights, ranking, valid, sc, nxt, pred), t0, self._params, self._state,
                    out, 0, self._lean)
         return (out.kind, out.served, out.slot) if decisions else None
 

@@ -4,6 +4,8 @@ Per token (docs/policies.md, "Per token, per layer, in this order" and "Addition
   0. `admit_due`: apply the admissions that are due (queued at t - d or earlier), batch by batch
   0b. `prefetch_list`: load the experts of this token's predicted list P that are not resident
       (victims: min key, never in P nor admitted at this token); no key changes
+  0c. `route`: cache-aware routing (Additions (3)): the token's selection and weights rewritten in place
+      (`_prior_select` / `_window_select`, `_routed_weights`); the displaced experts feed the accumulators
   1. `hits`   2.+3. `miss_rule`: the miss rule (at most fetch_cap fetches), the fetches in rank order
      (victim = min key, unpinned), the fallbacks other than substitute
   4. `substitutes`: the first resident, unused experts of the ranking, else drops
@@ -58,6 +60,7 @@ from runtime.core.kernel.plan import (
     C_LOWBIT,
     C_PREF,
     C_PREF_USED,
+    C_REROUTES,
     C_SUBS,
     DROP,
     EV_ADM_POPPED,
@@ -72,6 +75,7 @@ from runtime.core.kernel.plan import (
     HOST,
     LOWBIT,
     M_LOWBIT,
+    M_REROUTE,
     M_SUB,
     MISS,
     N_INT,
@@ -81,7 +85,7 @@ from runtime.core.kernel.plan import (
 )
 from runtime.core.kernel.search import best_resident, free_slot, victim, victim_int
 from runtime.core.kernel.state import Q_AGE, Q_HEAD, Q_LEN, Q_RES, Q_STAMP, layer_state
-from runtime.core.policy import FALLBACKS, RULES
+from runtime.core.policy import FALLBACKS, ROUTES, RULES, WEIGHT_NORMS
 
 
 def _codes(implemented: tuple[str, ...], table: tuple[str, ...], what: str) -> tuple[int, ...]:
@@ -104,6 +108,9 @@ F_SUBSTITUTE, F_DROP, F_HOST, F_LOWBIT = _codes(("substitute", "drop", "host", "
 KY_INT, KY_INT_GAMMA1, KY_FLOAT, KY_QUEUE = _codes(("int", "int-gamma1", "float", "queue"), ek.KEYS,
                                                   "runtime.core.kernel.evict.KEYS")
 OL_NONE, OL_LFUDA, OL_S3FIFO = _codes(("none", "lfuda", "s3fifo"), ek.ON_LOADS, "runtime.core.kernel.evict.ON_LOADS")
+RT_OFF, RT_PRIOR, RT_WINDOW = _codes(("off", "cache-prior", "cache-route"), ROUTES, "runtime.core.policy.ROUTES")
+WN_TOPK, WN_ALL, WN_SIGMOID = _codes(("softmax_topk", "softmax_all", "sigmoid_topk"), WEIGHT_NORMS,
+                                     "runtime.core.policy.WEIGHT_NORMS")
 T_LFU, T_LRU, T_CRF, T_BELADY, T_LFUDA, T_S3FIFO = _codes(("lfu", "lru", "crf", "belady", "lfuda", "s3fifo"),
                                                           ek.TOUCHES, "runtime.core.kernel.evict.TOUCHES")
 # run_layer asks for token i + PF_AHEAD's input rows while deciding token i: a replay streams
@@ -158,6 +165,161 @@ def _fetches(rule, j, wj, tau, tau_high):
     raise ValueError("run_layer: a miss rule without its branch in _fetches")
 
 
+@njit(cache=True)
+def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
+    """Cache-Prior's selection into out[:k]: the true top-J (sel[:J]), then the top k - J of the others by the
+    key (z~[e] + lam_d if e is resident else z~[e], e in sel, -rank in sel or z[e]), descending, then lower id:
+    z~ lifts the model's selection to at least the best unselected logit, so the unbiased order is exactly
+    the model's (docs/policies.md, Additions (3))."""
+    E = z.shape[0]
+    zout = -np.inf  # the best logit outside the model's selection
+    for e in range(E):
+        inside = False
+        for j in range(k):
+            if sel[j] == e:
+                inside = True
+                break
+        if not inside and z[e] > zout:
+            zout = z[e]
+    n = 0
+    for j in range(J):
+        out[n] = sel[j]
+        n += 1
+    while n < k:
+        best = -1
+        bv = 0.0
+        ba = 0
+        bb = 0.0
+        for e in range(E):
+            taken = False
+            for q in range(n):
+                if out[q] == e:
+                    taken = True
+                    break
+            if taken:
+                continue
+            jr = -1  # e's rank in the model's selection
+            for j in range(k):
+                if sel[j] == e:
+                    jr = j
+                    break
+            zt = max(z[e], zout) if jr >= 0 else z[e]
+            v = zt + lam_d if expert_slot[e] >= 0 else zt
+            a = 1 if jr >= 0 else 0
+            b = -float(jr) if jr >= 0 else z[e]
+            if best < 0 or v > bv or (v == bv and (a > ba or (a == ba and b > bb))):
+                best = e
+                bv = v
+                ba = a
+                bb = b
+        out[n] = best
+        n += 1
+
+
+@njit(cache=True)
+def _window_select(rank_row, k, J, Mw, expert_slot, out):
+    """CACHE_ROUTE's selection into out[:k]: the true top-J, then the residents of true ranks J..Mw-1 in rank
+    order, then (too few) the true ranking from rank J on, skipping what was taken (Mw >= k: it ends by rank
+    k - 1)."""
+    n = 0
+    for j in range(J):
+        out[n] = rank_row[j]
+        n += 1
+    m = J
+    while n < k and m < Mw:
+        e = rank_row[m]
+        if expert_slot[e] >= 0:
+            out[n] = e
+            n += 1
+        m += 1
+    m = J
+    while n < k:
+        e = rank_row[m]
+        if not (m < Mw and expert_slot[e] >= 0):
+            out[n] = e
+            n += 1
+        m += 1
+
+
+@njit(cache=True)
+def _same_set(sel, new, k):
+    """new[:k] holds the same experts as sel[:k]."""
+    for q in range(k):
+        found = False
+        for j in range(k):
+            if sel[j] == new[q]:
+                found = True
+                break
+        if not found:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _routed_weights(family, z, norm, sel, w, new, k, alpha, out_w):
+    """The gate weights out_w[:k] of the routed selection new[:k] (docs/policies.md, Additions (3)):
+    cache-prior: the unbiased router's, normalised as the model does (norm: WN_TOPK softmax over the selection
+    (also gpt-oss), WN_ALL softmax over all E); cache-route: a kept expert keeps w_j, the q-th replacement gets
+    alpha times the q-th displaced expert's w_j (rank order), then with alpha != 1 every weight is scaled so the
+    token's sum is the model's."""
+    if family == RT_PRIOR:
+        if norm == WN_TOPK:
+            zmax = z[new[0]]
+            for q in range(1, k):
+                if z[new[q]] > zmax:
+                    zmax = z[new[q]]
+            den = 0.0
+            for q in range(k):
+                out_w[q] = np.exp(z[new[q]] - zmax)
+                den += out_w[q]
+        elif norm == WN_ALL:
+            zmax = z[0]
+            for e in range(1, z.shape[0]):
+                if z[e] > zmax:
+                    zmax = z[e]
+            den = 0.0
+            for e in range(z.shape[0]):
+                den += np.exp(z[e] - zmax)
+            for q in range(k):
+                out_w[q] = np.exp(z[new[q]] - zmax)
+        else:  # sigmoid_topk: refused by PolicyCache (the bias is not in the scores)
+            raise ValueError("run_layer: cache-prior weights for this weight normalisation are not implemented")
+        for q in range(k):
+            out_w[q] = out_w[q] / den
+        return
+    r = 0  # the next displaced expert (rank order) whose weight the next replacement takes
+    for q in range(k):
+        jq = -1
+        for j in range(k):
+            if sel[j] == new[q]:
+                jq = j
+                break
+        if jq >= 0:
+            out_w[q] = w[jq]
+            continue
+        while True:  # the r-th displaced: sel[r] not in new
+            inside = False
+            for p in range(k):
+                if new[p] == sel[r]:
+                    inside = True
+                    break
+            if not inside:
+                break
+            r += 1
+        out_w[q] = alpha * w[r]
+        r += 1
+    if alpha != 1.0:
+        tot = 0.0
+        for j in range(k):
+            tot += w[j]
+        tot2 = 0.0
+        for q in range(k):
+            tot2 += out_w[q]
+        f = tot / tot2
+        for q in range(k):
+            out_w[q] = out_w[q] * f
+
+
 @njit(cache=True, error_model="numpy")
 def run_layer(tok, t0, pol, st, out, lean):
     """Run one layer's cache over tokens t0 .. t0+T-1: `tok` Tokens, `pol` the policy record
@@ -199,7 +361,13 @@ def run_layer(tok, t0, pol, st, out, lean):
     sb = 0  # slot bits of a slot key (evict.slot_key): 2**sb >= cap
     while (1 << sb) < cap:
         sb += 1
-    cand = np.empty(k + qcap + npw + k, np.int64)  # admission candidates: non-fetched misses, evicted experts
+    cand = np.empty(k + qcap + npw + 2 * k, np.int64)  # admission candidates: non-fetched misses, evicted and
+    # displaced (route) experts
+    rfam = RT_OFF if lean else pol.route  # cache-aware routing (never in the lean build)
+    rkeep, rwin, rlam, ralpha, rnorm = pol.route_keep, min(pol.route_window, E), pol.route_lambda, pol.route_alpha, \
+        pol.route_norm
+    rnew = np.empty(k, np.int64)  # route: the routed selection of the token
+    rw = np.empty(k, np.float64)  # route: its weights
     subs = np.empty(k, np.int64)  # this token's substitutes, in rank order
     sel_mark = np.full(E if smode else 0, -1, np.int64)  # score mode: e selected by token i
     bslots = np.empty(cap, np.int64)  # slots admitted in the current batch
@@ -349,6 +517,54 @@ def run_layer(tok, t0, pol, st, out, lean):
                     cnt[C_PREF_USED] += 1
                     break
         return stamp, nc, npl
+
+    def route(i, nc):
+        """Step 0c (docs/policies.md, Additions (3)): cache-aware routing on the residency left by steps 0-0b.
+        Cache-Prior updates D (the running mean of the valid tokens' logit ranges, this one included) and
+        selects by the biased logits; CACHE_ROUTE by the true ranking's window. A routed set that is the
+        model's keeps the model's order and weights; otherwise ids[i] and w[i] are rewritten (the caller's
+        copies), the replacements counted as reroutes (resident by construction: never a hit) and the
+        displaced experts' weights as the rerouted mass, each joining its accumulator as an admission
+        candidate. Returns (nc, nrr)."""
+        sel = ids[i]
+        if rfam == RT_PRIOR:
+            z = score[i]
+            zlo = z[0]
+            zhi = z[0]
+            for e in range(1, E):
+                if z[e] < zlo:
+                    zlo = z[e]
+                if z[e] > zhi:
+                    zhi = z[e]
+            st.route_d[0] += zhi - zlo
+            st.route_d[1] += 1.0
+            _prior_select(z, sel, k, rkeep, rlam * (st.route_d[0] / st.route_d[1]), expert_slot, rnew)
+        else:
+            z = score[i] if smode else w[i]  # (unused by cache-route's weights)
+            _window_select(rank[i], k, rkeep, rwin, expert_slot, rnew)
+        if _same_set(sel, rnew, k):
+            return nc, 0
+        _routed_weights(rfam, z, rnorm, sel, w[i], rnew, k, ralpha, rw)
+        nrr = 0
+        moved = 0.0
+        for j in range(k):  # the displaced experts, in rank order
+            inside = False
+            for q in range(k):
+                if rnew[q] == sel[j]:
+                    inside = True
+                    break
+            if not inside:
+                nrr += 1
+                moved += w[i, j]
+                acc[sel[j]] += w[i, j]  # (as `candidate` does for a miss not fetched)
+                cand[nc] = sel[j]
+                nc += 1
+        cnt[C_REROUTES] += nrr
+        st.mass[M_REROUTE] += moved
+        for q in range(k):
+            ids[i, q] = rnew[q]
+            w[i, q] = rw[q]
+        return nc, nrr
 
     def hits(i, oi, st_):
         """Step 1: hits (pinned for the token: skey = IMAX on the integer-key paths, pin = the token's stamp
@@ -617,11 +833,14 @@ def run_layer(tok, t0, pol, st, out, lean):
         t = t0 + i
         q_head, q_len, stamp, nc, nts = admit_due(i, t, q_head, q_len, stamp, 0)
         stamp, nc, npl = prefetch_list(i, t, stamp, nc, nts)
+        nrr = 0
+        if rfam != RT_OFF:
+            nc, nrr = route(i, nc)
         stamp += 1
         st_ = stamp
         n_calls += k
         nm, npn = hits(i, oi, st_)
-        n_hits += npn
+        n_hits += npn - nrr  # (a rerouted expert is resident: counted as a reroute, not a hit)
         nf, nh, nlow, ndrop, nneed, mtok, ltok, nc, npn = miss_rule(i, oi, nm, npn, nc, st_)
         n_fetch += nf
         cnt[C_HOST] += nh

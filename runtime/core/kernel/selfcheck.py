@@ -50,6 +50,21 @@ CASES: dict[str, tuple[dict, str]] = {
     "scores-drop-lru": ({"rule": "first_choice", "fallback": "drop", "evict": "lru"}, "scores"),
     "layers-threshold-beta0.1": ({"rule": "threshold", "tau": 0.15, "beta": 0.1}, "layers"),
     "layers-substitute_all-lru": ({"rule": "substitute_all", "evict": "lru", "beta": 0.1}, "layers"),
+    # cache-aware routing (docs/policies.md, Additions (3)): "logits" passes the case's router logits as scores
+    "cache-prior-J0": ({"rule": "fetch_all", "route": "cache-prior", "route_lambda": 0.5, "route_keep": 0},
+                       "logits"),
+    "cache-prior-J1-lru-beta0.2": ({"rule": "fetch_all", "route": "cache-prior", "route_lambda": 1.0,
+                                    "evict": "lru", "beta": 0.2}, "logits"),
+    "layers-cache-prior-lfuda": ({"rule": "fetch_all", "route": "cache-prior", "route_lambda": 0.3,
+                                  "evict": "lfuda", "route_keep": 1}, "layers-logits"),
+    "cache-route-J1-M6": ({"rule": "fetch_all", "route": "cache-route", "route_keep": 1, "route_window": 6}, "step"),
+    "cache-route-alpha0.5-oracle-beta0.2": ({"rule": "fetch_all", "route": "cache-route", "route_keep": 0,
+                                             "route_window": 8, "route_alpha": 0.5, "prefetch": "oracle",
+                                             "beta": 0.2}, "step"),
+    "scores-cache-route-J2": ({"rule": "fetch_all", "route": "cache-route", "route_keep": 2, "route_window": 5},
+                              "scores"),
+    "layers-cache-route-s3fifo": ({"rule": "fetch_all", "route": "cache-route", "route_keep": 1, "route_window": 7,
+                                   "evict": "s3fifo", "pin_fraction": 0.25}, "layers"),
 }
 
 
@@ -67,7 +82,8 @@ def _hash(*xs: int) -> int:
 def case() -> dict:
     """The fixed trace as plain lists: ids [T][L][K], weights [T][L][K] (float64 values of float32s, descending),
     ranking [T][L][E] (the selection first, then a skewed order of the rest), valid [T][L], lookahead [T][L][P]
-    (on layer l's row a guess at layer l + 1's selection)."""
+    (on layer l's row a guess at layer l + 1's selection), logits [T][L][E] (router logits whose descending
+    order is the ranking: float32 values, strictly decreasing along it)."""
     ids, w, rank, valid, look = [], [], [], [], []
     for t in range(T):
         row_i, row_w, row_r, row_v, row_l = [], [], [], [], []
@@ -93,7 +109,18 @@ def case() -> dict:
             keep = list(nxt[: _hash(t, l_, 7) % (K + 1)])
             rest = [e for e in sorted(range(E), key=lambda e, t=t, l_=l_: _hash(t, l_, e, 9)) if e not in keep]
             look[t][l_] = keep + rest[: P - len(keep)]
-    return {"ids": ids, "weights": w, "ranking": rank, "valid": valid, "lookahead": look}
+    logits = []
+    for t in range(T):
+        row = []
+        for l_ in range(L):
+            z = [0.0] * E
+            v = 2.0 + (_hash(t, l_, 201) % 1000) / 500.0  # the first choice's logit
+            for e in rank[t][l_]:
+                z[e] = float(np.float32(v))
+                v -= 0.05 + (_hash(t, l_, e, 202) % 1000) / 1000.0  # strictly decreasing (float32-distinct)
+            row.append(z)
+        logits.append(row)
+    return {"ids": ids, "weights": w, "ranking": rank, "valid": valid, "lookahead": look, "logits": logits}
 
 
 def _run(name: str, fields: dict, mode: str, c: dict) -> dict:
@@ -107,15 +134,17 @@ def _run(name: str, fields: dict, mode: str, c: dict) -> dict:
     rank = np.array(c["ranking"], np.int32)  # [T, L, E]
     valid = np.array(c["valid"], np.bool_)  # [T, L]
     look = np.array(c["lookahead"], np.int32)  # [T, L, P]
+    logits = np.array(c["logits"], np.float64)  # [T, L, E]
     nxt = first = None
     if pol.evict == "belady":
         nxt, first = zip(*(next_use(np.ascontiguousarray(ids[:, l_]), np.ascontiguousarray(valid[:, l_]), E, 0)
                            for l_ in range(L)), strict=True)
     pc = PolicyCache(pol, E, K, np.array(CAPS), [np.array(r, np.int32) for r in INIT], belady_first_use=first)
     out: dict = {}
-    if mode == "layers":
+    if mode in ("layers", "layers-logits"):
         lay = [np.ascontiguousarray(a.swapaxes(0, 1)) for a in (ids, w, rank, valid)]
-        pc.step_layers(*lay, np.zeros((L, T, N_EV), np.int32), predicted=predicted_layers(pol, ids, valid, look))
+        pc.step_layers(*lay, np.zeros((L, T, N_EV), np.int32), predicted=predicted_layers(pol, ids, valid, look),
+                       scores=np.ascontiguousarray(logits.swapaxes(0, 1)) if mode == "layers-logits" else None)
     else:
         kind = np.full((T, L, K), -1, np.int64)
         served = np.full((T, L, K), -1, np.int64)
@@ -128,6 +157,8 @@ def _run(name: str, fields: dict, mode: str, c: dict) -> dict:
                     for i in range(b - a):
                         sc[i, rank[a + i, l_]] = np.arange(E, 0, -1, dtype=np.float64)
                     kw["scores"] = sc
+                elif mode == "logits":
+                    kw["scores"] = logits[a:b, l_]
                 else:
                     kw["ranking"] = rank[a:b, l_]
                 r = pc.step(l_, ids[a:b, l_], w[a:b, l_], valid=valid[a:b, l_], t0=a,
@@ -146,7 +177,8 @@ def _run(name: str, fields: dict, mode: str, c: dict) -> dict:
 
 # the counters compared (those tests/reference.py keeps: the kernel's COUNTER_NAMES beyond them are derived)
 COUNTER_KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "lowbit_computes",
-                "admissions", "prefetches", "prefetch_used", "substituted_mass", "lowbit_mass")
+                "admissions", "prefetches", "prefetch_used", "substituted_mass", "lowbit_mass", "reroutes",
+                "rerouted_mass")
 
 
 def exercise() -> dict:

@@ -28,7 +28,7 @@ class Field(NamedTuple):
     """One row of the state table."""
 
     name: str
-    axis: str  # "layer" (one scalar per layer), "C", "E", "E+1", "Q", "N_INT", "N_FLOAT"
+    axis: str  # "layer" (one scalar per layer), "C", "E", "E+1", "Q", "N_INT", "N_FLOAT", "R" (2)
     dtype: type
     fill: float  # initial value (evict.init_state sets kind-specific ones)
     doc: str
@@ -52,6 +52,7 @@ FIELDS: tuple[Field, ...] = (
     Field("age_count", "E", np.int64, 0, "per-expert count: lfuda's c[e], s3fifo's freq[e]"),
     Field("queue", "E", np.int8, 0, "s3fifo: 0 none (not resident, or pinned), 1 small, 2 main, 3 ghost"),
     Field("ghost", "E+1", np.int32, 0, "s3fifo: the ghost FIFO (ring, Q_GHEAD / Q_GLEN)"),
+    Field("route_d", "R", np.float64, 0, "cache-prior: the sum of the per-token logit ranges and their count (D)"),
 )
 NAMES = tuple(f.name for f in FIELDS)
 
@@ -64,7 +65,8 @@ CacheState.__doc__ = "Every layer's cache: PolicyCache's [L, ...] arrays (row l 
 def allocate(num_layers: int, num_experts: int, max_slots: int) -> CacheState:
     """Every field of the table at its initial value, [L, ...]."""
     n = {"layer": (), "C": (max_slots,), "E": (num_experts,), "E+1": (num_experts + 1,), "Q": (NQ,),
-         "N_INT": (N_INT,), "N_FLOAT": (len(FLOAT_COUNTERS),)}
+         "N_INT": (N_INT,), "N_FLOAT": (len(FLOAT_COUNTERS),),
+         "R": (2,)}
     return CacheState(*(np.full((num_layers, *n[f.axis]), f.fill, f.dtype) for f in FIELDS))
 
 

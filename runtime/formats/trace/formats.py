@@ -3,7 +3,9 @@
 A trace records, for every token of a stream and every traced MoE layer, the router's top-k
 selection (in router order), the gate weights the model applied, and the first M entries of the
 candidate ranking (M >= k; M = E keeps it exact); optionally a lookahead list per token and layer
-(the first P ids of layer l + 1's router applied to layer l's router input, for prefetch). This module
+(the first P ids of layer l + 1's router applied to layer l's router input, for prefetch), and
+optionally the router scores of every expert (`router_scores`, float32 [T, L, E]: the logits of a softmax
+router, the selection scores `sigmoid(z) + b` of a sigmoid one; Cache-Prior routing needs them). This module
 holds `Trace` and `TraceMeta`, the on-disk formats (Parquet / Arrow IPC, one row per (token, layer);
 `.npz` import of recorder dumps), the validation every loaded trace goes through (one-line
 `InputError`s naming file, field, value and location) and the calibration split of a stream.
@@ -61,6 +63,8 @@ class Trace:
     # int32 [T, L, P] or None: on layer l's row the first P ids, in score order, of layer l + 1's router
     # applied to layer l's router input (lookahead prefetch); the last layer's rows are -1 (none)
     lookahead: np.ndarray | None = None
+    # float32 [T, L, E] or None: every expert's router score (the column `router_scores`; docs/traces.md)
+    router_scores: np.ndarray | None = None
 
     @property
     def T(self) -> int:
@@ -87,7 +91,8 @@ class Trace:
         s = slice(a, b)
         return Trace(self.topk_ids[s], self.topk_weights[s], self.ranking[s], self.valid[s],
                      self.seq_id[s], self.position[s], self.meta,
-                     None if self.lookahead is None else self.lookahead[s])
+                     None if self.lookahead is None else self.lookahead[s],
+                     None if self.router_scores is None else self.router_scores[s])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +223,21 @@ def _validate_lookahead(where: str, look: np.ndarray | None, valid: np.ndarray, 
                          f"layer has no next layer (expected -1)")
 
 
+def _validate_scores(where: str, trace: Trace) -> None:
+    """The optional router_scores column: float32 [T, L, E], finite on valid cells."""
+    sc = trace.router_scores
+    if sc is None:
+        return
+    want = (trace.T, trace.L, trace.meta.num_experts)
+    if tuple(sc.shape) != want:
+        raise InputError(f"{where}: router_scores has shape {tuple(sc.shape)}, expected {list(want)}")
+    if sc.dtype != np.float32:
+        raise InputError(f"{where}: router_scores has dtype {sc.dtype}, expected float32")
+    i = _first(~np.isfinite(sc) & trace.valid[..., None])
+    if i is not None:
+        raise InputError(f"{where}: router_scores[{_loc(i)}] = {_fmt(sc[tuple(i)])} is not finite")
+
+
 def validate_trace(trace: Trace, path: str | os.PathLike[str] = "<trace>") -> None:
     """Check shapes, dtypes, id ranges, repeats, weights, the ranking and the lookahead lists; raise a
     one-line InputError.
@@ -230,6 +250,7 @@ def validate_trace(trace: Trace, path: str | os.PathLike[str] = "<trace>") -> No
                         getattr(trace.meta, "lookahead_depth", 0))
     if trace.lookahead is not None and trace.lookahead.dtype != np.int32:
         raise InputError(f"{where}: lookahead has dtype {trace.lookahead.dtype}, expected int32")
+    _validate_scores(where, trace)
     for name, a, dt in (("topk_ids", trace.topk_ids, np.int32), ("ranking", trace.ranking, np.int32),
                         ("topk_weights", trace.topk_weights, np.float32),
                         ("valid", trace.valid, np.bool_), ("seq_id", trace.seq_id, np.int32),
@@ -248,6 +269,8 @@ def _normalise_invalid(trace: Trace) -> None:
         trace.topk_weights[bad] = 0.0
         if trace.lookahead is not None:
             trace.lookahead[bad] = -1
+        if trace.router_scores is not None:
+            trace.router_scores[bad] = 0.0
 
 
 def _warn_order(where: str, trace: Trace) -> None:
@@ -262,7 +285,7 @@ def _warn_order(where: str, trace: Trace) -> None:
 # Parquet / Arrow IPC
 
 
-def _schema(meta: TraceMeta, k: int, M: int, P: int = 0) -> pa.Schema:
+def _schema(meta: TraceMeta, k: int, M: int, P: int = 0, scores: bool = False) -> pa.Schema:
     fields = [
         pa.field("token", pa.int32(), nullable=False),
         pa.field("seq_id", pa.int32(), nullable=False),
@@ -275,6 +298,8 @@ def _schema(meta: TraceMeta, k: int, M: int, P: int = 0) -> pa.Schema:
     ]
     if P:
         fields.append(pa.field("lookahead", pa.list_(pa.int32(), P), nullable=False))
+    if scores:
+        fields.append(pa.field("router_scores", pa.list_(pa.float32(), meta.num_experts), nullable=False))
     info = {"format_version": FORMAT_VERSION, **dataclasses.asdict(meta)}
     info["layer_ids"] = [int(x) for x in meta.layer_ids]
     return pa.schema(fields, metadata={META_KEY: json.dumps(info).encode()})
@@ -303,7 +328,9 @@ def _to_table(trace: Trace) -> pa.Table:
     if trace.lookahead is not None:
         P = trace.lookahead.shape[2]
         cols.append(fsl(trace.lookahead, P))
-    return pa.Table.from_arrays(cols, schema=_schema(trace.meta, k, M, P))
+    if trace.router_scores is not None:
+        cols.append(fsl(trace.router_scores, trace.E))
+    return pa.Table.from_arrays(cols, schema=_schema(trace.meta, k, M, P, trace.router_scores is not None))
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
@@ -473,12 +500,17 @@ def _from_table(where: str, table: pa.Table, num_experts: int | None) -> Trace:
         if "lookahead" not in names:
             raise InputError(f"{where}: metadata lookahead_depth = {meta.lookahead_depth} but column 'lookahead' is missing")
         look = rows(_list_values(where, table, "lookahead", meta.lookahead_depth)).reshape(T, L, meta.lookahead_depth)
+    scores = None
+    if "router_scores" in names:
+        E = meta.num_experts
+        scores = rows(_list_values(where, table, "router_scores", E)).reshape(T, L, E)
 
-    return _build(where, ids, w, ranking, valid, seq_id, position, meta, look)
+    return _build(where, ids, w, ranking, valid, seq_id, position, meta, look, scores)
 
 
 def _build(where: str, ids: np.ndarray, w: np.ndarray, ranking: np.ndarray, valid: np.ndarray,
-           seq_id: np.ndarray, position: np.ndarray, meta: TraceMeta, lookahead: np.ndarray | None = None) -> Trace:
+           seq_id: np.ndarray, position: np.ndarray, meta: TraceMeta, lookahead: np.ndarray | None = None,
+           router_scores: np.ndarray | None = None) -> Trace:
     """Cast to the Trace dtypes (always copying: callers' arrays are never modified) and validate."""
     arrays = (ids, w, ranking, valid, seq_id, position)
     dtypes = (np.int32, np.float32, np.int32, np.bool_, np.int32, np.int32)
@@ -496,7 +528,12 @@ def _build(where: str, ids: np.ndarray, w: np.ndarray, ranking: np.ndarray, vali
             raise InputError(f"{where}: lookahead holds id {int(lookahead.max())} (or {int(lookahead.min())}) "
                              f"outside the int32 range")
         lookahead = np.array(lookahead, dtype=np.int32, order="C")
-    trace = Trace(*(np.array(a, dtype=dt, order="C") for a, dt in zip(arrays, dtypes, strict=True)), meta, lookahead)
+    if router_scores is not None:
+        if router_scores.dtype.kind != "f":
+            raise InputError(f"{where}: router_scores has dtype {router_scores.dtype}, expected floats")
+        router_scores = np.array(router_scores, dtype=np.float32, order="C")
+    trace = Trace(*(np.array(a, dtype=dt, order="C") for a, dt in zip(arrays, dtypes, strict=True)), meta, lookahead,
+                  router_scores)
     validate_trace(trace, where)
     return trace
 
@@ -625,14 +662,14 @@ def _load_npz(where: str, path: Path, num_experts: int | None) -> Trace:
         weight_norm = "unknown"
     model = str(_npz_scalar(where, z, "model", "U")) if "model" in z else "unknown"
     extra = sorted(set(z) - {"topk_ids", "topk_weights", "ranking", "valid", "num_experts", "top_k",
-                             "layers", "call_idx", "weight_norm", "model", "lookahead"})
+                             "layers", "call_idx", "weight_norm", "model", "lookahead", "router_scores"})
     if extra:
         logger.debug("%s: ignoring fields %s", where, ", ".join(extra))
 
     meta = TraceMeta(model=model, num_experts=E, top_k=k, ranking_depth=int(ranking.shape[2]),
                      layer_ids=layer_ids, weight_norm=weight_norm, source=path.name,
                      lookahead_depth=0 if look is None else int(look.shape[2]))
-    return _build(where, ids, w, ranking, valid, seq_id, position, meta, look)
+    return _build(where, ids, w, ranking, valid, seq_id, position, meta, look, z.get("router_scores"))
 
 
 # ----------------------------------------------------------------------------------------------
