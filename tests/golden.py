@@ -1,7 +1,8 @@
 """Golden tables of the compiled units' post-load checks (runtime/core/compiled.py), from independent references.
 
 `kernel_golden()` replays runtime/core/kernel/selfcheck.py's fixed case under each of its policies through the
-pure-Python reference of docs/policies.md (tests/reference.py), never through the kernel; `timing_golden()` runs
+pure-Python reference of docs/policies.md (tests/reference.py), never through the kernel, and reads the
+reference's decisions on decide.py's fixed case as the engine's plan rows (`decide_golden`); `timing_golden()` runs
 the cost model's event replay as the Python function numba compiles (`py_func`: the interpreter, not the
 compiler). `python -m tests.golden` writes both tables (what tests/test_compile_once.py checks them against).
 """
@@ -38,7 +39,54 @@ def kernel_golden() -> dict:
         row["counters"] = [{k: layer[k] for k in sc.COUNTER_KEYS} for layer in ref["counters"]]
         row["resident"] = [sorted(r) for r in ref["final_resident"]]
         out[name] = row
+    out["decide"] = decide_golden()
     return out
+
+
+def decide_golden() -> dict:
+    """What decide_layer must give on its fixed case, from the reference: the selection in rank order
+    (descending score, ties lower id), the reference's decisions per token, each fetched expert in the slot of
+    the expert it evicted, the plan row [slot, gate weight as bfloat16 (torch's conversion), on device] per
+    rank, the fetch count returned (nothing else to apply under fetch-every-miss), the events and counters."""
+    import numpy as np
+    import torch
+
+    from runtime.core.kernel.decide import EXERCISE_ROWS
+    from runtime.core.kernel.plan import COUNTER_NAMES, FLOAT_COUNTERS, N_EV
+
+    k, E = 2, 4  # decide.exercise(): E = 4, k = 2, C = 2, fetch-every-miss, experts 0 and 1 in slots 0 and 1
+    ids, ws = [], []
+    for r in EXERCISE_ROWS:
+        row = np.array(r, np.float32)
+        sel = sorted(range(k), key=lambda j, row=row: (-row[2 * k + int(row[j])], int(row[j])))
+        ids.append([[int(row[j]) for j in sel]])
+        ws.append([[float(row[k + j]) for j in sel]])
+    T = len(EXERCISE_ROWS)
+    slot_of, prev = {0: 0, 1: 1}, {0, 1}
+    res: dict = {"returns": [], "plans": [], "kinds": [], "slots": []}
+    events = []
+    for t in range(T):
+        ref = reference_replay(ids[: t + 1], ws[: t + 1], ids[: t + 1], [[True]] * (t + 1), E, [2], [[0, 1]],
+                               "fetch_all")
+        now = set(ref["final_resident"][0])
+        gone, new = sorted(prev - now), sorted(now - prev)
+        assert len(gone) == len(new) <= 1, "decide's fixed case: one eviction per token at most (slots unambiguous)"
+        for g, n in zip(gone, new, strict=True):
+            slot_of[n] = slot_of.pop(g)
+        prev = now
+        kinds = [int(x) for x in ref["kind"][t][0]]
+        slots = [slot_of[e] for e in ids[t][0]]
+        bf16 = [float(torch.tensor(w, dtype=torch.float32).to(torch.bfloat16).float()) for w in ws[t][0]]
+        res["returns"].append(sum(x == 1 for x in kinds))  # FETCH
+        res["plans"].append([float(s) for s in slots] + bf16 + [1.0] * k)  # every rank on device (no fallback)
+        res["kinds"].append(kinds)
+        res["slots"].append(slots)
+        events += [k, sum(x == 1 for x in kinds)] + [0] * (N_EV - 2)
+    res["events"] = events
+    final = ref["counters"][0]
+    res["counters"] = {n: (float(final.get(n, 0.0)) if n in FLOAT_COUNTERS else int(final.get(n, 0)))
+                       for n in COUNTER_NAMES}
+    return res
 
 
 def timing_golden() -> dict:
@@ -48,11 +96,11 @@ def timing_golden() -> dict:
 
 
 def write() -> None:
-    from runtime.core.kernel import selfcheck as kc
-    from runtime.formats.costmodel import selfcheck as tc
+    from runtime.core.kernel.cache import UNIT as kernel
+    from runtime.formats.costmodel.timing import UNIT as costmodel
 
-    for path, table, what in ((kc.UNIT.golden, kernel_golden(), "tests/reference.py"),
-                              (tc.UNIT.golden, timing_golden(), "timing._replay_loop.py_func, interpreted")):
+    for path, table, what in ((kernel.golden, kernel_golden(), "tests/reference.py"),
+                              (costmodel.golden, timing_golden(), "timing._replay_loop.py_func, interpreted")):
         doc = {"about": f"expected results of {path.parent.name}/selfcheck.py's exercise(), from {what}; "
                         "written by `python -m tests.golden`", "expected": table}
         path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")

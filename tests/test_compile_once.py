@@ -28,8 +28,8 @@ KERNEL = ("import json, logging; logging.basicConfig(level=logging.WARNING); "
           "from runtime.core.kernel import selfcheck, warmup; from runtime.core.kernel.cache import kernel_signatures; "
           "warmup(); print(json.dumps({'got': selfcheck.exercise(), 'compiled': kernel_signatures()['compiled']}))")
 COSTMODEL = ("import json, logging; logging.basicConfig(level=logging.WARNING); from runtime.core import compiled; "
-             "from runtime.formats.costmodel import selfcheck as sc; compiled.ensure(sc.UNIT); "
-             "print(json.dumps({'got': sc.exercise(), 'compiled': compiled.compiled_here(sc.UNIT)}))")
+             "from runtime.formats.costmodel import selfcheck as sc, timing; compiled.ensure(timing.UNIT); "
+             "print(json.dumps({'got': sc.exercise(), 'compiled': compiled.compiled_here(timing.UNIT)}))")
 
 
 def _env(cache: Path) -> dict:
@@ -71,21 +71,26 @@ def _kill_after(code: str, cache: Path, pattern: str, n: int) -> list[str]:
 def test_kernel_golden_table_is_the_reference():
     """runtime/core/kernel/selfcheck.json holds what tests/reference.py decides on the fixed case (`python -m
     tests.golden` writes it), and the case reaches every decision kind, admission and prefetch."""
+    from runtime.core import compiled
     from runtime.core.kernel import selfcheck
+    from runtime.core.kernel.cache import UNIT
 
-    stored = json.loads(selfcheck.UNIT.golden.read_text())["expected"]
+    stored = json.loads(UNIT.golden.read_text())["expected"]
     ref = kernel_golden()
     assert stored == ref
-    total = {k: sum(layer[k] for row in ref.values() for layer in row["counters"]) for k in selfcheck.COUNTER_KEYS}
+    total = {k: sum(layer[k] for n, row in ref.items() if n != "decide" for layer in row["counters"])
+             for k in selfcheck.COUNTER_KEYS}
     assert all(total[k] > 0 for k in ("hits", "fetches", "substitutions", "drops", "host_computes", "lowbit_computes",
                                       "admissions", "prefetches", "prefetch_used")), total
-    assert selfcheck.exercise() == ref  # this process's kernel (pytest's own compile) too
+    assert compiled.exercise(UNIT) == ref  # this process's kernel (pytest's own compile) too
+    assert ref["decide"]["returns"] == [1, 1, 1] and ref["decide"]["kinds"][0] == [1, 0]  # fetches, a hit
 
 
 def test_costmodel_golden_table_is_the_interpreted_replay():
     from runtime.formats.costmodel import selfcheck
+    from runtime.formats.costmodel.timing import UNIT
 
-    assert json.loads(selfcheck.UNIT.golden.read_text())["expected"] == timing_golden()
+    assert json.loads(UNIT.golden.read_text())["expected"] == timing_golden()
     assert selfcheck.exercise() == timing_golden()
 
 
@@ -143,7 +148,7 @@ def test_a_damaged_cache_is_recovered_with_one_warning(costmodel_cache, damage):
         for f in _files(cache, "timing.*.nb[ic]"):
             f.unlink()
         poison = ("from runtime.core import compiled; from runtime.formats.costmodel import selfcheck as sc, timing; "
-                  "compiled._checked.add(sc.UNIT.slug); timing._S_DENSE, timing._S_HOST = timing._S_HOST, "
+                  "compiled._checked.add(timing.UNIT.slug); timing._S_DENSE, timing._S_HOST = timing._S_HOST, "
                   "timing._S_DENSE; sc.exercise(); print('{}')")
         _run(poison, cache)
         assert _files(cache, "timing.*.nbc")
@@ -161,8 +166,8 @@ def test_a_fresh_compile_that_disagrees_is_an_error(tmp_path):
     golden["expected"]["pinned"]["total"] += 1.0
     bad = tmp_path / "golden.json"
     bad.write_text(json.dumps(golden))
-    code = ("import dataclasses; from runtime.core import compiled; from runtime.formats.costmodel import selfcheck "
-            f"as sc; compiled.ensure(dataclasses.replace(sc.UNIT, golden=__import__('pathlib').Path({str(bad)!r})))")
+    code = ("import dataclasses; from runtime.core import compiled; from runtime.formats.costmodel import timing; "
+            f"compiled.ensure(dataclasses.replace(timing.UNIT, golden=__import__('pathlib').Path({str(bad)!r})))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(tmp_path / "numba"), capture_output=True,
                        text=True, timeout=600)
     assert r.returncode != 0
@@ -175,7 +180,7 @@ def test_guard_drops_stale_kernels(tmp_path, monkeypatch):
     write's temporary file) when any of its sources' hash differs from the stored one, and keeps them while it
     is the same; other packages' files in the folder stay."""
     from runtime.core import compiled
-    from runtime.core.kernel.selfcheck import UNIT
+    from runtime.core.kernel.cache import UNIT
 
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     d = compiled.cache_dirs(UNIT)[1]

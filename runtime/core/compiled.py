@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,8 @@ class Unit:
     package_dir: Path  # the folder of the unit's modules (numba's cache of them: its __pycache__ or NUMBA_CACHE_DIR/...)
     modules: tuple[str, ...]  # dotted names, callees before their callers (the recompile order)
     sources: tuple[Path, ...]  # hashed by the guard: every file whose code is compiled into the unit
-    exercise: Callable[[], dict]  # runs the fixed case through every compiled variant: JSON-like results
+    exercise: str  # "module:function" running the fixed case through every compiled variant (JSON-like
+    # results); named, not imported, so the fixed case may drive the unit's own entry points without an import cycle
     golden: Path  # the results expected of `exercise` (JSON)
 
 
@@ -186,9 +186,15 @@ def difference(got, want, where: str = "") -> str | None:
     return None
 
 
+def exercise(unit: Unit) -> dict:
+    """Run the unit's fixed case (no check): its results as JSON gives them back (tuples as lists)."""
+    mod, fn = unit.exercise.split(":")
+    return json.loads(json.dumps(getattr(importlib.import_module(mod), fn)()))
+
+
 def _check(unit: Unit, want: dict) -> str | None:
     try:
-        got = json.loads(json.dumps(unit.exercise()))  # the table's own form (tuples -> lists)
+        got = exercise(unit)
     except Exception as exc:  # noqa: BLE001 - a cache file numba cannot read, or code that crashes
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     return difference(got, want)

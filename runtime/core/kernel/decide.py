@@ -271,6 +271,13 @@ def compiled() -> bool:
     return True
 
 
+# exercise()'s packed rows: ids (model order), weights, the E = 4 scores, the finite flag; one miss per token
+# (tests/golden.py reads the slots off the reference's residency), a tie of scores, a weight bfloat16 rounds
+EXERCISE_ROWS = ((1, 2, 0.25, 0.75, 0.1, 0.2, 0.9, 0.3, 1.0),
+                 (3, 2, 0.6, 0.4, 0.5, 0.1, 0.2, 0.7, 1.0),
+                 (2, 1, 0.1, 0.30000001, 0.0, 0.4, 0.4, 0.0, 1.0))
+
+
 def exercise() -> dict:
     """`decide_row` on a fixed tiny case (E = 4, k = 2, C = 2, fetch-every-miss, experts 0 and 1 resident, three
     tokens) through the engine's entry `decide_layer` -> its outputs as plain ints and floats: a post-load check
@@ -282,9 +289,7 @@ def exercise() -> dict:
     k, E = 2, 4
     pc = PolicyCache(PRESETS["fetch-every-miss"], E, k, np.array([2]), [np.array([0, 1])])
     b = decide_buffers(1, k, E, "bfloat16", cap=4)
-    rows = [[1, 2, 0.25, 0.75, 0.1, 0.2, 0.9, 0.3, 1.0],  # ids (model order), weights, scores, finite flag
-            [3, 0, 0.6, 0.4, 0.5, 0.1, 0.2, 0.7, 1.0],
-            [2, 1, 0.1, 0.30000001, 0.0, 0.4, 0.4, 0.0, 1.0]]
+    rows = EXERCISE_ROWS
     packed = np.zeros((1, 2 * k + E + 1), np.float32)  # [1, 2k + E + 1]: the row decide_layer reads
     tab = address_table(pc._state, pc.next_t, b.tok, b.ev_tab, b.ev_n, b.fetches, [(packed, b.plan_scratch, b.out)])
     res: dict = {"returns": [], "plans": [], "kinds": [], "slots": []}

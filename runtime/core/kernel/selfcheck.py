@@ -6,20 +6,16 @@ hot set and per-layer capacity, through every way a caller enters the compiled c
 the lean and the full specialization of `run_layer`, with a ranking and with router scores, in two chunks;
 `step_layers` (the simulator's call) on both specializations; `next_use` (Belady). It returns every counter
 per layer, every decision and the final residency. `selfcheck.json` (package data) holds what the
-independent pure-Python reference (tests/reference.py) gives for the same runs; tests/test_compile_once.py
-regenerates it (`EXPERTSWEEP_WRITE_GOLDEN=1`) and checks it. runtime/core/compiled.py runs the comparison
-once per process before the kernel decides anything (`UNIT`).
+independent pure-Python reference (tests/reference.py) gives for the same runs, written by `python -m
+tests.golden` and checked by tests/test_compile_once.py. runtime/core/compiled.py runs the comparison once
+per process before the kernel decides anything (the unit is `runtime.core.kernel.cache.UNIT`). Also the
+engine's one compiled call per layer (decide.py `decide_layer`) on its own fixed case (`decide.exercise`),
+against tests/golden.py's reading of the reference's decisions as a plan row.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-
-from runtime.core.compiled import Unit
-
-_HERE = Path(__file__).resolve().parent
 
 T, L, E, K, P = 40, 2, 12, 3, 3  # tokens, layers, experts, top-k, lookahead depth
 CAPS = (5, 4)  # per-layer capacities (C_l differ)
@@ -184,16 +180,9 @@ COUNTER_KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_comp
 def exercise() -> dict:
     """Every case of CASES through the compiled kernel: {name: {"counters", "resident", "kind" and "served" but
     for step_layers' cases}} as plain ints and floats."""
+    from runtime.core.kernel import decide
+
     c = case()
-    return {name: _run(name, fields, mode, c) for name, (fields, mode) in CASES.items()}
-
-
-UNIT = Unit(
-    name="policy kernel",
-    slug="kernel",
-    package_dir=_HERE,
-    modules=tuple(f"runtime.core.kernel.{m}" for m in ("search", "evict", "run_layer", "cache")),
-    sources=(*sorted(_HERE.glob("*.py")), _HERE.parent / "policy.py", _HERE.parent / "compiled.py"),
-    exercise=exercise,
-    golden=_HERE / "selfcheck.json",
-)
+    out = {name: _run(name, fields, mode, c) for name, (fields, mode) in CASES.items()}
+    out["decide"] = decide.exercise()
+    return out

@@ -5,18 +5,13 @@ low-bit, prefetch; invalid cells) through `timing._replay_loop` with pinned and 
 returns the clock, every per-token time and every statistic. `selfcheck.json` (package data) holds the same
 run interpreted by Python (`_replay_loop.py_func`: the source numba compiles, run without the compiler),
 written by `python -m tests.golden`; runtime/core/compiled.py compares the two once per process before
-`replay_time` returns anything (`UNIT`).
+`replay_time` returns anything (the unit is `runtime.formats.costmodel.timing.UNIT`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
-from runtime.core.compiled import Unit
-
-_HERE = Path(__file__).resolve().parent
 T, L = 12, 3
 
 
@@ -58,14 +53,3 @@ def exercise(interpreted: bool = False) -> dict:
         out[name] = {"total": float(total), "token_s": token_s.tolist(), "stats": stats.tolist(),
                      "err": err.tolist()}
     return out
-
-
-UNIT = Unit(
-    name="cost model replay",
-    slug="costmodel",
-    package_dir=_HERE,
-    modules=("runtime.formats.costmodel.timing",),
-    sources=(_HERE / "timing.py", _HERE / "selfcheck.py", _HERE.parents[1] / "core" / "compiled.py"),
-    exercise=exercise,
-    golden=_HERE / "selfcheck.json",
-)

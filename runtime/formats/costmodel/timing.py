@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from numba import njit
 
-from runtime.core.compiled import ensure
+from runtime.core.compiled import Unit, ensure
 from runtime.formats.costmodel.hosts import HostProfile
-from runtime.formats.costmodel.selfcheck import UNIT as _CHECKED
 from runtime.formats.costmodel.shapes import (
     ModelShape,
     dense_bytes_per_layer,
@@ -32,6 +32,19 @@ from runtime.formats.costmodel.shapes import (
 )
 
 log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+# the compiled replay as runtime/core/compiled.py checks it (selfcheck.py: the fixed case; its golden table: the
+# same replay interpreted by Python)
+UNIT = Unit(
+    name="cost model replay",
+    slug="costmodel",
+    package_dir=_HERE,
+    modules=("runtime.formats.costmodel.timing",),
+    sources=(_HERE / "timing.py", _HERE / "selfcheck.py", _HERE.parents[1] / "core" / "compiled.py"),
+    exercise="runtime.formats.costmodel.selfcheck:exercise",
+    golden=_HERE / "selfcheck.json",
+)
 
 EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
 N_EV = 5  # columns every event array has; EV_LOWBIT and EV_PREFETCH are read when present (kernel: 7)
@@ -253,7 +266,7 @@ def replay_time(events: np.ndarray, valid: np.ndarray, params: CostParams) -> Ti
     max(device + low-bit, host) expert compute; background admission copies start on the link.
     After the token's last layer: final norm + LM head. docs/cost_model.md has the details.
     """
-    ensure(_CHECKED)  # the compiled replay checked once per process (runtime/core/compiled.py)
+    ensure(UNIT)  # the compiled replay checked once per process (runtime/core/compiled.py)
     ev = np.asarray(events)
     va = np.asarray(valid)
     if ev.ndim != 3 or ev.shape[2] not in (N_EV, N_EV_FULL) or not np.issubdtype(ev.dtype, np.integer):
