@@ -356,7 +356,8 @@ class OneCall:
     copies the fetched experts, or, when the plan holds admissions, queued or prefetch copies, host or low-bit
     experts or a drop under drop_renorm, hands the same outputs to `PlanRunner.apply` (exactly what the
     step-by-step path does with them). `build` returns None where it does not apply (a recording, a policy
-    that prefetches, a model dtype without its rounding): that run decides step by step."""
+    that prefetches or routes toward residents, a model dtype without its rounding): that run decides step by
+    step."""
 
     def __init__(self, ctx, runner, S: int, k: int, E: int, dtype_name: str, packed: list[np.ndarray],
                  plans: list[np.ndarray]) -> None:
@@ -390,7 +391,10 @@ class OneCall:
         c = self.ctx.cache
         if c is not self.cache:
             self.cache = c
-            self.ok = c is not None and c.prefetch_width == 0 and c.L == self.S and c.E == self.E and c.k == self.k
+            # cache-aware routing decides step by step: it rewrites the selection and its weights (StepResult.ids /
+            # .weights) and reads up to route_window ranks, which the call's rank-ordered selection does not hold
+            self.ok = (c is not None and c.prefetch_width == 0 and c.L == self.S and c.E == self.E and c.k == self.k
+                       and c.policy.route == "off")
             self.drop_renorm = bool(c is not None and c.policy.drop_renorm)
             if self.ok:
                 for l_, o in enumerate(self.outs):  # each layer's last decision (views: rewritten per step)
