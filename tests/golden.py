@@ -26,7 +26,7 @@ def kernel_golden() -> dict:
             p.rule, tau=p.tau, beta=p.beta, evict=p.evict, gamma=p.gamma, half_life=p.half_life,
             admission_delay=p.admission_delay, fallback=p.fallback, tau_high=p.tau_high, prefetch=p.prefetch,
             prefetch_n=p.prefetch_n, lookahead=c["lookahead"], fetch_cap=p.fetch_cap, pin_fraction=p.pin_fraction,
-            s3_small=p.s3_small)
+            s3_small=p.s3_small, copy_buffers=p.copy_buffers)
         row: dict = {}
         if mode != "layers":
             row["kind"] = [x for t in range(sc.T) for l_ in range(sc.L)

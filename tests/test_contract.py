@@ -52,6 +52,10 @@ POLICIES = {
     "lfuda-pin": PolicyConfig(rule="threshold", tau=0.15, evict="lfuda", pin_fraction=0.34, beta=0.3),
     "calibrated": PolicyConfig(rule="first_choice", evict="lfuda", capacity_alloc="calibrated", beta=0.3),
     "cap-renorm": PolicyConfig(rule="fetch_all", fetch_cap=1, fallback="drop", drop_renorm=True),
+    # Additions (3): a bounded copy pool per layer (admissions wait for a buffer, prefetches are cut)
+    "buffers-1-d2": PolicyConfig(rule="threshold", tau=0.15, beta=0.1, admission_delay=2, copy_buffers=1),
+    "lookahead-buffers-1": PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=3, beta=0.3,
+                                        copy_buffers=1),
 }
 ENGINE_FAMILIES = {f for f in FAMILIES if f != "gpt_oss"}  # the engine needs bias-free fused experts
 CAPACITY, WINDOW, TOKENS = 3, 16, 96
@@ -115,7 +119,7 @@ def test_same_decisions_as_emulation(inputs, backend, family, name):
         diff = np.argwhere(a != b)
         assert diff.size == 0, f"{field} differs first at token, layer, slot {diff[0].tolist()}"
     for key in ("hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "lowbit_computes",
-                "prefetches", "prefetch_used"):
+                "prefetches", "prefetch_used", "admissions_waited", "prefetch_unbuffered", "admissions_skipped"):
         assert got.counters[key] == emu.counters[key], key
     assert got.initial_residency and emu.initial_residency.startswith("held-out")
     if other.max_memory_GiB != "auto":  # streamed: per-token NLL, the recorded trace and the warm start agree
@@ -145,6 +149,9 @@ def test_policies_exercise_every_decision(inputs):
     assert sum(res["calibrated"].capacity) == 2 * CAPACITY
     assert [r["capacity"] for r in res["calibrated"].per_layer] == res["calibrated"].capacity
     assert res["cap-renorm"].counters["drops"] > 0
+    # the bounded copy pool is exercised: admissions waited for a buffer, prefetches were cut
+    assert counters["buffers-1-d2"]["admissions_waited"] > 0 and counters["buffers-1-d2"]["admissions"] > 0
+    assert counters["lookahead-buffers-1"]["prefetch_unbuffered"] > 0
 
 
 REFUSED = [

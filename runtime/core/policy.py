@@ -115,6 +115,7 @@ _ACTIVE = {
     "beta set": lambda p: p.beta is not None,
     "fallback = lowbit": lambda p: p.fallback == "lowbit",
     "prefetch != off": lambda p: p.prefetch != "off",
+    "beta set or prefetch != off": lambda p: p.beta is not None or p.prefetch != "off",
     # a drop needs a non-fetched miss (the rule, or a fetch cap) whose fallback is substitute or drop
     "drops possible": lambda p: p.fallback in ("substitute", "drop") and not (p.rule == "fetch_all"
                                                                               and p.fetch_cap is None),
@@ -164,6 +165,12 @@ class PolicyConfig:
     prefetch: str = _p("off", "--prefetch", "prefetch of the next layer's experts", choices=PREFETCHES)
     prefetch_n: int | None = _p(None, "--prefetch-n", "experts prefetched per token-layer (unset: k)", low=1,
                                 nullable=True, active="prefetch != off")
+    copy_buffers: int | None = _p(None, "--copy-buffers", "copy buffers per MoE layer for the background copies "
+                                  "(admissions, prefetches); a copy with no free buffer waits (admission) or is "
+                                  "not made (prefetch); the budget charges L * copy_buffers buffers (unset: "
+                                  "unbounded, charged the worst case)", low=1, nullable=True,
+                                  active="beta set or prefetch != off",
+                                  kernel=("copy_buffers", lambda p: -1 if p.copy_buffers is None else p.copy_buffers))
     pin_fraction: float = _p(0.0, "--pin-fraction", "pin the first floor(pin_fraction * C_l) experts of each layer's "
                              "warm start (count order): never evicted; needs C_l - P_l >= k and a warm start",
                              low=0.0, high=1.0, high_open=True)
@@ -199,8 +206,6 @@ class PolicyConfig:
         if self.fetch_cap is not None and self.evict == "belady":
             raise InputError(f"{where}--fetch-cap = {self.fetch_cap} with evict = 'belady' is not supported "
                              "(belady is the bound of fetching every miss)")
-        if self.prefetch == "oracle" and self.evict == "belady":
-            raise InputError(f"{where}--prefetch = 'oracle' with evict = 'belady' is not supported")
         return self
 
     @property
@@ -249,6 +254,8 @@ class PolicyConfig:
             parts.append(f"beta={self.beta:g}" + (f",d={self.admission_delay}" if self.admission_delay != 1 else ""))
         if self.prefetch != "off":
             parts.append(f"prefetch={self.prefetch}" + (f"({self.prefetch_n})" if self.prefetch_n else ""))
+        if self.copy_buffers is not None and (self.beta is not None or self.prefetch != "off"):
+            parts.append(f"buffers={self.copy_buffers}")
         if self.pin_fraction:
             parts.append(f"pin={self.pin_fraction:g}")
         if self.capacity_alloc != "uniform":

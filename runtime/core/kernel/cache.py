@@ -265,7 +265,7 @@ class PolicyCache:
         ev = np.zeros((T, N_EV), np.int32) if events is None else np.ascontiguousarray(events, dtype=np.int32)
         n_adm = min(T * k, 1 << 20) + self.E if logs else 0  # the simulator needs no logs
         adm_log = np.empty((n_adm, 3), np.int64)
-        q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
+        q_log = np.empty((n_adm, 2), np.int64)  # copies started: this chunk's queued and the E that may wait
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
         run_layers(Tokens(ids[None], w[None], rank[None], valid[None], sc[None], nxt[None], pred[None]), t0,
