@@ -505,29 +505,35 @@ def test_engine_device_bytes_are_the_budgets_breakdown(tmp_path, family):
     d = build_tiny(family, tmp_path / family, num_experts=16, top_k=4, seed=3)
     eng = Engine(emulate.load(d), DEVICE)
     windows = np.random.default_rng(7).integers(0, 90, size=(2, 24)).astype(np.int64)
-    waited = 0
+    waited = high = 0
     try:
         for name, pol in BUDGET_POLICIES.items():
             if pol.fallback == "lowbit":
                 pytest.importorskip("hqq")
-            gib = eng.budget_for_capacities(6, [pol]) + 1e-9
-            caps = eng.capacities_for_budget(gib, [pol])
-            assert caps.tolist() == [6] * eng.L, name
-            b = costmodel.budget_breakdown(eng.shape, gib, pol, context_bytes=eng.budget_context_bytes)
+            if eng.shape is None:  # a family the cost model does not describe (deepseek_v3): no budget, the pool
+                with pytest.raises(InputError, match="--vram-budget: the cost model has no shape"):
+                    eng.capacities_for_budget(1.0, [pol])
+                caps, b = np.full(eng.L, 6), None
+            else:
+                gib = eng.budget_for_capacities(6, [pol]) + 1e-9
+                caps = eng.capacities_for_budget(gib, [pol])
+                assert caps.tolist() == [6] * eng.L, name
+                b = costmodel.budget_breakdown(eng.shape, gib, pol, context_bytes=eng.budget_context_bytes)
             cache = PolicyCache(pol, eng.E, eng.k, caps, [np.arange(6)] * eng.L)
             eng.teacher_forced(eng.m, windows, cache)
             rep = eng.report()
-            assert rep["slot_bytes"] == b.slots_per_layer * eng.L * b.slot, name
-            assert rep["staging_bytes"] == b.staging, name
-            assert rep["lowbit_bytes"] == b.lowbit, name
+            if b is not None:
+                assert rep["slot_bytes"] == b.slots_per_layer * eng.L * b.slot, name
+                assert rep["staging_bytes"] == b.staging, name
+                assert rep["lowbit_bytes"] == b.lowbit, name
             pool = eng.L * (pol.copy_buffers or 0)
             assert rep["staging_buffers"] == 2 + pool, name
             assert rep["copy_buffers_high_water"] <= pool, name
             tot = cache.counter_totals()
             waited += tot["admissions_waited"] + tot["prefetch_unbuffered"]
-            if pol.beta is not None:  # not vacuous: copies were made; the engine started the kernel's
-                assert rep["copy_buffers_high_water"] >= 1 and tot["admissions"] > 0, name
-                assert rep["admission_copies"] == int(eng.trace_events()[:, :, EV_ADM_QUEUED].sum()), name
-        assert waited > 0  # the pools were small enough for copies to wait or be cut
+            # the engine started exactly the admission copies the kernel started
+            assert rep["admission_copies"] == int(eng.trace_events()[:, :, EV_ADM_QUEUED].sum()), name
+            high = max(high, rep["copy_buffers_high_water"])
+        assert high >= 1 and waited > 0  # not vacuous: copies were made, and the pools made some wait or be cut
     finally:
         eng.close()
