@@ -55,9 +55,13 @@ rule is written once in runtime/tools/findings/rules.py, with the paper's claim 
 comes from. Verdicts: `holds` (the interval lies on the paper's side of no effect, and inside the paper's
 range or around its figure where it gives one), `differs` (the interval excludes the paper's direction, range or
 figure), `inconclusive here` (the interval contains no effect, or overlaps the paper's range without lying in it).
-Admission on the demo model at C/k = 2 (issue 35 reported that it cost perplexity there; at this commit it does not,
-and admission regret, measured on every routing below, does not separate harm from help): docs/tiny_models.md,
-"Admission on the demo model" (`python -m runtime.tools.findings.admission --model demo`).
+Admission on the demo model at C/k = 2: docs/tiny_models.md, "Admission on the demo model" (`python -m
+runtime.tools.findings.admission --model demo`). **Equal slots, not equal memory**: every row below, the admission
+rows 4a, 4b, 5 and 5q included, compares policies at the same slots per layer (the column's C); at equal device
+memory an admission policy also pays for its copy buffers (docs/policies.md "Additions (3)", `copy_buffers`): with
+the unbounded pool the presets use that was L x k x d buffers, which on the demo's main job left quality-first 8
+slots per layer of fetch-every-miss's 16 and is why admission cost perplexity there (issue 40; docs/tiny_models.md
+and docs/sweep.md give the equal-memory figures, with one copy buffer per layer: 15 slots).
 """
 
 

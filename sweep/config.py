@@ -175,7 +175,7 @@ def _read_batch(where: str, b: Any, got: dict[str, Any]) -> dict[str, Any]:
     return {"batch": b if b == "auto" else _int(where, b, 1)}
 
 
-# the default named baselines: every preset but the cache-aware routing ones (docs/policies.md, Additions (3)),
+# the default named baselines: every preset but the cache-aware routing ones (docs/policies.md, Additions (4)),
 # which a config names itself (Cache-Prior replays router scores that a given trace may lack)
 DEFAULT_BASELINES = tuple(n for n, p in PRESETS.items() if p.route == "off")
 

@@ -648,7 +648,7 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
         searchers = {h: HostStudy(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i, cfg.population),
                                   storage, f"{cfg.name}:{h}", h) for i, h in enumerate(host_names)}
         base_params = [(n, complete({**PRESETS[n].to_dict(), **cfg.baseline_capacity()}))
-                       for n in cfg.baseline_policies]
+                       for n in cfg.baseline_policies] + _bound_runs(cfg, inputs)
         baselines = {h: [{"key": f"{h}:baseline:{n}", "number": None, "baseline": n, "params": p}
                          for n, p in base_params if f"{h}:baseline:{n}" not in ledger.keys] for h in host_names}
         search = HostSearch(searchers, baselines, cfg.trials, cfg.batch, cfg.task_seconds,
@@ -732,6 +732,7 @@ def _answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str],
     if not rep["answer"].empty:
         tracker.log_table(rep["answer"], "tables/answer.json")
         tracker.log_parent_metrics(_answer_metrics(rep["answer"]))
+    _log_bound_metrics(tracker, rep)
     tracker.flush()
     stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
     stats["fit_window"] = fit_window
@@ -801,6 +802,21 @@ def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and v == v
+
+
+def _log_bound_metrics(tracker, rep: dict[str, Any]) -> None:  # noqa: ANN001
+    """The computed bounds as MLflow parent metrics (per host and kind: ms/token, speed ratio)."""
+    from sweep.bounds import bound_metrics
+
+    if rep.get("bounds") is not None and not rep["bounds"].empty:
+        tracker.log_parent_metrics(bound_metrics(rep["bounds"]))
+
+
+def _bound_runs(cfg, inputs) -> list[tuple[str, dict[str, Any]]]:  # noqa: ANN001
+    """The offline bounds computed beside the baselines (sweep/bounds.py), at the baselines' capacity."""
+    from sweep.bounds import bound_params
+
+    return bound_params(cfg.baseline_capacity(), int(inputs.dims[2]))
 
 
 def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFrame

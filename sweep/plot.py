@@ -71,7 +71,8 @@ def plot_panels(panels: dict[str, dict[str, Any]], path: Path, title: str, budge
         for j, (_, b) in enumerate(p.get("bounds", pd.DataFrame()).iterrows()):
             for a in (ax, bx):  # an offline bound: a line at its time, not a point among the policies
                 a.axhline(b["time_per_token_ms"], color=c, ls=(0, (4, 2 + 2 * j)), lw=0.9)
-                a.annotate(f"bound: {b['bound']}" + (f" ({host})" if not one else "") +
+                a.annotate(f"bound ({'with' if 'prefetch' in b['bound'] else 'no'} prefetch), {b['bound']}"
+                           + (f" ({host})" if not one else "") +
                            f" {b['time_per_token_ms']:.3f} ms", (0.01 + 0.33 * (j % 3), b["time_per_token_ms"]),
                            xycoords=("axes fraction", "data"), fontsize=7, color=c, xytext=(0, 2),
                            textcoords="offset points")

@@ -8,7 +8,7 @@ fields again: names, types, ranges and conditions all come from that table. A pa
     rule: threshold                      # a fixed value
     evict: {choices: [lfu, lru, crf]}    # a categorical choice
     tau: {low: 0.02, high: 0.5, log: true}          # a float (or int) range, optional step
-    beta: {low: 0.1, high: 2.0, log: true, off: true}  # beta, prefetch_n: also try None (admission off / k)
+    beta: {low: 0.1, high: 2.0, log: true, off: true}  # beta, prefetch_n, copy_buffers: also try None
     beta: {choices: [off, 0.25, 0.5, 1.0]}
 
 Conditional parameters follow the table's activity conditions (docs/policies.md) and need no
@@ -39,7 +39,8 @@ POLICY_FIELDS = PARAM_NAMES
 CAPACITY_FIELDS = ("capacity_fraction", "vram_budget_GiB")
 PARAMETERS = POLICY_FIELDS + CAPACITY_FIELDS
 OFF = "off"
-OFFABLE = ("beta", "prefetch_n")  # nullable fields whose None is a setting (admission off; k experts)
+# nullable fields whose None is a setting (admission off; k experts; an unbounded copy pool)
+OFFABLE = ("beta", "prefetch_n", "copy_buffers")
 _DEFAULTS = {p.name: p.default for p in PARAMS}
 _CAPACITY = {"capacity_fraction": (0.0, 1.0), "vram_budget_GiB": (0.0, math.inf)}  # open intervals
 _RANGE_KEYS = {"low", "high", "log", "step", "off"}

@@ -29,7 +29,7 @@ def kernel_golden() -> dict:
             prefetch_n=p.prefetch_n, lookahead=c["lookahead"], fetch_cap=p.fetch_cap, pin_fraction=p.pin_fraction,
             s3_small=p.s3_small, route=p.route, route_lambda=p.route_lambda, route_keep=p.route_keep,
             route_window=p.route_window, route_alpha=p.route_alpha,
-            router_scores=c["logits"] if "logits" in mode else None)
+            router_scores=c["logits"] if "logits" in mode else None, copy_buffers=p.copy_buffers)
         row: dict = {}
         if not mode.startswith("layers"):
             row["kind"] = [x for t in range(sc.T) for l_ in range(sc.L)

@@ -105,6 +105,8 @@ COUNTER_KEYS = (
     "admissions",
     "prefetches",
     "prefetch_used",
+    "admissions_waited",
+    "prefetch_unbuffered",
     "substituted_mass",
     "lowbit_mass",
     "reroutes",
@@ -155,10 +157,11 @@ def reference_replay(
     route_alpha=1.0,
     router_scores=None,
     weight_norm="softmax_topk",
+    copy_buffers=None,
 ):
     """Replay a router trace under one policy, literally as docs/policies.md says.
 
-    Cache-aware routing (Additions (3)): ``route`` in off|cache-prior|cache-route with its parameters;
+    Cache-aware routing (Additions (4)): ``route`` in off|cache-prior|cache-route with its parameters;
     ``router_scores [T][L][E]`` the router logits (cache-prior), ``weight_norm`` softmax_topk|softmax_all.
     The result's ``routed_ids`` / ``routed_weights [T][L][k]`` hold the selection every later step used.
 
@@ -229,6 +232,8 @@ def reference_replay(
         raise ValueError("evict belady is only defined with rule fetch_all")
     if int(admission_delay) != admission_delay or admission_delay < 1:
         raise ValueError("admission_delay must be an integer >= 1")
+    if copy_buffers is not None and (int(copy_buffers) != copy_buffers or copy_buffers < 1):
+        raise ValueError("copy_buffers must be an integer >= 1 (or None: unbounded)")
     if len(init) != L:
         raise ValueError("initial_residency needs one list per layer")
     for t in range(T):
@@ -305,6 +310,7 @@ def reference_replay(
             init[layer][: len(pins[layer])],
             (route, route_lambda, route_keep, route_window, route_alpha, weight_norm,
              [zs[t][layer] for t in range(T)] if zs is not None else None),
+            copy_buffers,
         )
         for t in range(T):
             routed_ids[t][layer] = out["routed"][t][0]
@@ -331,7 +337,7 @@ def reference_replay(
 
 
 def _route(how, t, sel, w, cand, resident, E, k, D):
-    """Additions (3), cache-aware routing, for one token-layer: (new selection, its weights, displaced experts).
+    """Additions (4), cache-aware routing, for one token-layer: (new selection, its weights, displaced experts).
     ``D`` is the layer's ``[sum, count]`` of logit ranges (updated here under cache-prior)."""
     route, lam, J, M, alpha, norm, zrows = how
     if route == "cache-prior":
@@ -399,7 +405,7 @@ def _route(how, t, sel, w, cand, resident, E, k, D):
 def _replay_layer(
     ids, weights, ranks, ok, E, k, C, init, rule, tau, beta, evict, gamma, half_life, d,
     fallback, tau_high, plists, fetch_cap=None, hot=frozenset(), s3_small=0.1, hot_list=(),
-    how=("off", 0.0, 0, 0, 1.0, "softmax_topk", None),
+    how=("off", 0.0, 0, 0, 1.0, "softmax_topk", None), B=None,
 ):
     """One layer's cache over the whole trace (lists indexed by token t); `hot`: the pinned hot set."""
     T = len(ids)
@@ -418,7 +424,8 @@ def _replay_layer(
     s_target = max(1, int(round(s3_small * n_evictable)))
     small, main, ghost = [], [e for e in reversed(init) if e not in hot], []
     freq = [0] * E
-    pending = []  # admission batches, oldest first: (t_queued, [experts in queue order])
+    pending = []  # admission batches whose copies started, oldest first: (t_started, [experts in queue order])
+    waiting = []  # queued admissions whose copies have not started, in queue order: (t_queued, e)
     log = []
     cnt = {key: 0 for key in COUNTER_KEYS}
     cnt["substituted_mass"] = 0.0
@@ -527,9 +534,26 @@ def _replay_layer(
         if cand[:k] != sel:
             raise ValueError(f"token {t}: ranking {cand} does not start with top-k {sel}")
 
+        # ---- Additions (3), prefetch: "the copies of P are issued before the admissions
+        # due at t: for its first B - (admission copies in flight) members not resident
+        # now; P is cut after the last of them" ----
+        P = plists[t]
+        if P and B is not None:
+            free = B - sum(len(b) for _, b in pending)
+            issued, cut = 0, len(P)
+            for pos, e in enumerate(P):
+                if e not in resident:
+                    if issued < free:
+                        issued += 1
+                    else:
+                        cut = min(cut, pos)
+                        cnt["prefetch_unbuffered"] += 1
+            P = P[:cut]
+
         admitted_now = set()  # experts admitted right before this token (all batches)
         # ---- 6 (applying). "The experts queued at token t become resident, in
-        # queue order, before the layer is processed for token t + d." ----
+        # queue order, before the layer is processed for token t + d." (Additions (3):
+        # d tokens after their copies started) ----
         while pending and pending[0][0] + d <= t:
             _, batch = pending.pop(0)
             admitted_in_batch = set()
@@ -559,7 +583,6 @@ def _replay_layer(
         # P nor admitted by the admissions of the same token (a prefetch with no such
         # resident is skipped). A prefetch changes no f, a or lru key." ----
         loaded = []
-        P = plists[t]
         if P:
             protected = set(P) | (admitted_now & resident)
             for e in P:
@@ -573,7 +596,7 @@ def _replay_layer(
                 arrived(e)
                 loaded.append(e)
 
-        # ---- Additions (3): cache-aware routing, on the residency left by admissions and prefetch ----
+        # ---- Additions (4): cache-aware routing, on the residency left by admissions and prefetch ----
         model_sel = sel
         rerouted = set()
         if how[0] != "off":
@@ -725,15 +748,27 @@ def _replay_layer(
         # resident nor already queued and has a[e] >= beta is queued for
         # admission, largest a[e] first (ties: lower id)" ----
         if beta is not None:
-            queued = set()
+            queued = {e for _, e in waiting}
             for _, batch in pending:
                 queued.update(batch)
             new = [e for e in range(E) if e not in resident and e not in queued and a[e] >= beta]
             new.sort(key=lambda e: (-a[e], e))
             for e in new:
                 a[e] = 0.0  # "a[e] is reset to 0 when e is queued"
-            if new:
-                pending.append((t, new))
+            waiting.extend((t, e) for e in new)
+            # Additions (3): "the waiting admissions start their copies in queue order
+            # while a copy buffer is free; one resident by then leaves the queue"
+            in_flight = sum(len(b) for _, b in pending)
+            started = []
+            while waiting and (B is None or in_flight + len(started) < B):
+                tq, e = waiting.pop(0)
+                if e in resident:
+                    continue
+                if tq < t:
+                    cnt["admissions_waited"] += 1
+                started.append(e)
+            if started:
+                pending.append((t, started))
 
         kind_out[t] = decision
         served_out[t] = srv

@@ -52,11 +52,15 @@ POLICIES = {
     "lfuda-pin": PolicyConfig(rule="threshold", tau=0.15, evict="lfuda", pin_fraction=0.34, beta=0.3),
     "calibrated": PolicyConfig(rule="first_choice", evict="lfuda", capacity_alloc="calibrated", beta=0.3),
     "cap-renorm": PolicyConfig(rule="fetch_all", fetch_cap=1, fallback="drop", drop_renorm=True),
-    # Additions (3), cache-aware routing (the presets cache-prior and cache-route are above): with admission, lru
+    # Additions (4), cache-aware routing (the presets cache-prior and cache-route are above): with admission, lru
     "cache-route-alpha": PolicyConfig(rule="fetch_all", route="cache-route", route_keep=0, route_window=6,
                                       route_alpha=0.5, evict="lru", beta=0.3),
+    # Additions (3): a bounded copy pool per layer (admissions wait for a buffer, prefetches are cut)
+    "buffers-1-d2": PolicyConfig(rule="threshold", tau=0.15, beta=0.1, admission_delay=2, copy_buffers=1),
+    "lookahead-buffers-1": PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=3, beta=0.3,
+                                        copy_buffers=1),
 }
-SIGMOID_FAMILIES = {"deepseek_v3"}  # Cache-Prior is refused there (docs/policies.md, Additions (3))
+SIGMOID_FAMILIES = {"deepseek_v3"}  # Cache-Prior is refused there (docs/policies.md, Additions (4))
 ENGINE_FAMILIES = {f for f in FAMILIES if f != "gpt_oss"}  # the engine needs bias-free fused experts
 CAPACITY, WINDOW, TOKENS = 3, 16, 96
 
@@ -126,7 +130,8 @@ def test_same_decisions_as_emulation(inputs, backend, family, name):
         diff = np.argwhere(a != b)
         assert diff.size == 0, f"{field} differs first at token, layer, slot {diff[0].tolist()}"
     for key in ("hits", "fetches", "substitutions", "drops", "host_computes", "admissions", "lowbit_computes",
-                "prefetches", "prefetch_used", "reroutes"):
+                "prefetches", "prefetch_used", "reroutes", "admissions_waited", "prefetch_unbuffered",
+                "admissions_skipped"):
         assert got.counters[key] == emu.counters[key], key
     # (the engine decodes token by token: the model's float32 gate weights round differently from the batched pass)
     assert got.counters["rerouted_mass"] == pytest.approx(emu.counters["rerouted_mass"], rel=1e-6, abs=1e-9)
@@ -161,6 +166,9 @@ def test_policies_exercise_every_decision(inputs):
     for name in ("cache-prior", "cache-route", "cache-route-alpha"):  # routing happens, and is its own counter
         c = counters[name]
         assert c["reroutes"] > 0 and c["rerouted_mass"] > 0 and c["hits"] + c["fetches"] + c["reroutes"] == c["calls"]
+    # the bounded copy pool is exercised: admissions waited for a buffer, prefetches were cut
+    assert counters["buffers-1-d2"]["admissions_waited"] > 0 and counters["buffers-1-d2"]["admissions"] > 0
+    assert counters["lookahead-buffers-1"]["prefetch_unbuffered"] > 0
 
 
 REFUSED = [

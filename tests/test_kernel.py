@@ -84,17 +84,16 @@ def drive_kernel(policy, ids, w, ranking, valid, E, caps, init, chunks, lookahea
     return cache, kind, served
 
 
-def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap, pin=0.0, s3=0.1):
+def _policy(rule, tau, beta, evict, gamma, h, d, fallback, prefetch, n, cap, pin=0.0, s3=0.1, buffers=None):
     if evict == "belady":
         rule = "fetch_all"
         cap = None
-        prefetch = "lookahead" if prefetch == "oracle" else prefetch
     return PolicyConfig(
         rule=rule, tau=tau if rule in ("threshold", "band") else None,
         tau_high=tau + 0.2 if rule == "band" else None,
         fallback="substitute" if rule == "cpu" else fallback,
         beta=beta, evict=evict, gamma=gamma, half_life=h, admission_delay=d, prefetch=prefetch, prefetch_n=n,
-        fetch_cap=cap, pin_fraction=pin, s3_small=s3)
+        fetch_cap=cap, pin_fraction=pin, s3_small=s3, copy_buffers=buffers)
 
 
 POLICY_ARGS = dict(
@@ -111,6 +110,7 @@ POLICY_ARGS = dict(
     cap=st.sampled_from([None, None, None, 1, 2]),
     pin=st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.5, 0.34]),
     s3=st.sampled_from([0.1, 0.1, 0.3, 0.6]),
+    buffers=st.sampled_from([None, None, 1, 1, 2, 3]),  # copy_buffers: 1-3 per layer make copies wait
 )
 policies = st.builds(_policy, **POLICY_ARGS)
 
@@ -166,7 +166,7 @@ def check_against_reference(seed, T, L, E, data, policy):
         half_life=policy.half_life, admission_delay=policy.admission_delay, fallback=policy.fallback,
         tau_high=policy.tau_high, prefetch=policy.prefetch, prefetch_n=policy.prefetch_n,
         lookahead=None if look is None else look.tolist(), fetch_cap=policy.fetch_cap,
-        pin_fraction=policy.pin_fraction, s3_small=policy.s3_small,
+        pin_fraction=policy.pin_fraction, s3_small=policy.s3_small, copy_buffers=policy.copy_buffers,
     )
     for t in range(T):
         for l_ in range(L):

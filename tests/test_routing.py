@@ -1,4 +1,4 @@
-"""Cache-aware routing (docs/policies.md, "Additions (3)"): the kernel's route stage against tests/reference.py.
+"""Cache-aware routing (docs/policies.md, "Additions (4)"): the kernel's route stage against tests/reference.py.
 
 Random traces whose ranking is the descending order of random router logits (coarse, so ties happen: lower
 id first), random routing policies composed with every eviction kind but belady, admission, prefetch and a

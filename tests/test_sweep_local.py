@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from sweep.bounds import BOUNDS, bound_of
 from tests.sweep_fixtures import REPO, driver_cmd, env, free_port, ledger, run_driver, write_config
 
 
@@ -84,8 +85,12 @@ def test_embedded_sweep_end_to_end(tmp_path):
     assert "#/experiments/" in proc.stdout
     rows = ledger(out)
     keys = [r["key"] for r in rows]
-    assert len(keys) == len(set(keys)) == 2 * (5 + 8)
+    # beside the baselines, the offline bounds computed once per host (sweep/bounds.py): never sampled
+    bound_rows = [r for r in rows if bound_of(r.get("baseline")) is not None]
+    assert {bound_of(r["baseline"]) for r in bound_rows} == set(BOUNDS) and len(bound_rows) % 2 == 0
+    assert len(keys) == len(set(keys)) == 2 * (5 + 8) + len(bound_rows)
     assert all(r["status"] == "ok" for r in rows)
+    assert "## Offline bounds" in (out / "summary.md").read_text() and (out / "bounds.csv").stat().st_size > 0
     for host in ("rtx3090", "rtx4090"):
         order = [r["baseline"] is not None for r in rows if r["host"] == host]
         assert order == sorted(order, reverse=True), f"{host}: a search trial finished before a baseline"

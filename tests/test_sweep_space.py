@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from dataclasses import replace
 
 import numpy as np
 import optuna
@@ -14,6 +15,7 @@ import yaml
 
 from runtime.core.errors import InputError
 from runtime.core.policy import PRESETS
+from runtime.formats import costmodel
 from sweep import config as sweep_config
 from sweep.ladder import screening_candidates
 from sweep.ledger import Ledger
@@ -45,7 +47,7 @@ SPACE = {
     ({**SPACE, "rule": "thresh"}, "space.rule = 'thresh' is unknown (choose from fetch_all"),
     ({**SPACE, "admission_delay": {"low": 1.5, "high": 3}}, "must be an integer"),
     ({**SPACE, "tau": {"low": 0.1, "high": 0.3, "colour": 1}}, "unknown key 'colour'"),
-    ({**SPACE, "gamma": {"low": 0.9, "high": 1.0, "off": True}}, "only beta and prefetch_n can be switched off"),
+    ({**SPACE, "gamma": {"low": 0.9, "high": 1.0, "off": True}}, "only beta and prefetch_n and copy_buffers can be switched off"),
     ({k: v for k, v in SPACE.items() if k != "capacity_fraction"}, "exactly one of capacity_fraction"),
     ({k: v for k, v in SPACE.items() if k != "tau"}, "rule can be threshold but tau is not given"),
     ({**SPACE, "evict": {"choices": ["lfu", "belady"]}}, "belady is an offline bound"),
@@ -459,16 +461,20 @@ def test_offline_bounds_are_drawn_never_answered(tmp_path):
     real = rows[4]
     oracle = complete({"rule": "fetch_all", "prefetch": "oracle", "capacity_fraction": 0.25})
     belady = complete({"rule": "fetch_all", "evict": "belady", "capacity_fraction": 0.25})
-    for i, params in enumerate((oracle, belady)):
-        rows.append({**real, "key": f"a:bound{i}", "params": params, "baseline": None, "mass_per_token": 0.0,
+    for i, (params, name) in enumerate(((oracle, "bound:oracle prefetch B=1"), (belady, "bound:Belady eviction"))):
+        rows.append({**real, "key": f"a:bound{i}", "params": params, "baseline": name, "mass_per_token": 0.0,
                      "time_per_token_s": 1e-5 * (1 + i), "policy": policy_of(params).label()})
+    # a sampled trial that happens to use the future, faster than the computed bound: screened, not a bound
+    sampled = complete({"rule": "fetch_all", "prefetch": "oracle", "prefetch_n": 1, "capacity_fraction": 0.25})
+    rows.append({**real, "key": "a:sampled-oracle", "params": sampled, "baseline": None, "mass_per_token": 0.0,
+                 "time_per_token_s": 5e-6, "policy": policy_of(sampled).label()})
     for r in (real, rows[-2], rows[-1]):  # all three measured exact at the full budget
         rows.append({"key": f"emulation:full:{r['key']}", "params": r["params"], "host": "all",
                      "fidelity": "emulation", "budget": "full", "status": "ok", "ppl_change_pct": 0.0,
                      "ppl_ci_low": 0.0, "ppl_ci_high": 0.0, "mass_per_token": r["mass_per_token"]})
     rep = write_report(tmp_path, rows, ["a"], ("time_per_token_s", "mass_per_token"),
                        {"name": "t", "objectives": ("time_per_token_s", "mass_per_token"), "budgets": [1.0]})
-    bound_keys = {policy_key(oracle), policy_key(belady)}
+    bound_keys = {policy_key(oracle), policy_key(belady), policy_key(sampled)}
     ans = pd.read_csv(tmp_path / "answer.csv")
     assert list(ans["policy_key"]) == [policy_key(real["params"])]
     # the answer gives the device memory the policy uses beside its time
@@ -601,8 +607,15 @@ def test_the_main_job_compares_policies_at_equal_memory():
         sweep_config.load_config(root / "demo.yaml"), _demo_shape()), _demo_shape())
     assert demo.space["vram_budget_GiB"].value == pytest.approx(2.4713)
     assert "lowbit" not in demo.space["fallback"].values()  # its copies of every expert do not fit 2.47 GiB
-    # admission stages L x k x delay buffers, prefetch L x n: only a delay of 1 and at most 8 prefetches fit
-    assert demo.space["admission_delay"].value == 1 and demo.space["prefetch_n"].high == 8
+    # issue 40: a bounded copy pool (copy_buffers B per layer, charged L x B) fits every admission delay and
+    # prefetch width; unbounded (off), admission is charged L x k x delay buffers, prefetch L x n
+    assert demo.space["admission_delay"].high == 4 and demo.space["prefetch_n"].high == 16
+    assert demo.space["copy_buffers"].off and demo.space["copy_buffers"].low == 1
+    shape, gib = _demo_shape(), demo.space["vram_budget_GiB"].value
+    qf = PRESETS["quality-first"]
+    slots = {b: int(costmodel.capacities_for_budget(shape, gib, replace(qf, copy_buffers=b))[0]) for b in (None, 1, 2)}
+    assert slots == {None: 8, 1: 15, 2: 14}  # unbounded: 32 buffers, half the 16 slots fetch-every-miss gets
+    assert int(costmodel.capacities_for_budget(shape, gib, PRESETS["fetch-every-miss"])[0]) == 16
 
 
 def test_speed_ratios_at_equal_memory_divide_by_fetch_every_miss_in_the_same_budget(tmp_path):

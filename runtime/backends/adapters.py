@@ -320,7 +320,7 @@ class PolicyExperts(nn.Module):
                 ctx.pending[self.layer + 1].append(np.ascontiguousarray(look[:, :P_pol]))
         res = ctx.cache.step(self.layer, ids_np, w_np.astype(np.float64), rank_np, predicted=predicted,
                              scores=score_np.astype(np.float64))
-        if res.ids is not None:  # cache-aware routing: the routed selection and weights (docs/policies.md, Additions (3))
+        if res.ids is not None:  # cache-aware routing: the routed selection and weights (docs/policies.md, Additions (4))
             ids_np, w_np = res.ids, res.weights
         ctx.last[self.layer] = {"kind": res.kind, "served": res.served}
         if ctx.decisions is not None:

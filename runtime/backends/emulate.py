@@ -195,7 +195,7 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
         lane = Lane(cache=cache, substitute_weight=spec.substitute_weight, desc=spec.label,
                     decisions=[[] for _ in range(m.num_layers)] if spec.record_decisions else None)
         if spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
-            # (+ the router_scores column when the policy routes by them: Cache-Prior, docs/policies.md Additions (3))
+            # (+ the router_scores column when the policy routes by them: Cache-Prior, docs/policies.md Additions (4))
             lane.recorder = Recorder.empty(m.num_layers, m.E, max(m.k, cache.prefetch_width),
                                            scores=spec.policy.route == "cache-prior")
         lanes.append(lane)

@@ -78,7 +78,7 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
         for l_ in range(L):
             nxt[l_], first = next_use(trace.topk_ids[:, l_], trace.valid[:, l_], trace.E, 0)
             first_use.append(first)
-    # cache-aware routing (docs/policies.md, Additions (3)): Cache-Prior reads the trace's router_scores column
+    # cache-aware routing (docs/policies.md, Additions (4)): Cache-Prior reads the trace's router_scores column
     # and follows its weight normalisation; CACHE_ROUTE needs only the ranking
     scores, norm = None, "softmax_topk"
     if policy.route == "cache-prior":

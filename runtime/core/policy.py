@@ -30,7 +30,7 @@ EVICTS = ("lfu", "lru", "crf", "belady", "lfuda", "s3fifo")  # codes are positio
 CAPACITY_ALLOCS = ("uniform", "calibrated")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
-ROUTES = ("off", "cache-prior", "cache-route")  # cache-aware routing (docs/policies.md, Additions (3)); codes are positions
+ROUTES = ("off", "cache-prior", "cache-route")  # cache-aware routing (docs/policies.md, Additions (4)); codes are positions
 RULE_CODE = {r: i for i, r in enumerate(RULES)}
 EVICT_CODE = {e: i for i, e in enumerate(EVICTS)}
 FALLBACK_CODE = {f: i for i, f in enumerate(FALLBACKS)}
@@ -122,12 +122,13 @@ _ACTIVE = {
     "fallback = lowbit": lambda p: p.fallback == "lowbit",
     "prefetch != off": lambda p: p.prefetch != "off",
     # routing composes with rule fetch_all (no fetch cap) and every eviction key but belady (docs/policies.md,
-    # Additions (3)); its parameters matter only when it is on
+    # Additions (4)); its parameters matter only when it is on
     "rule = fetch_all, no fetch cap, evict != belady": lambda p: (p.rule == "fetch_all" and p.fetch_cap is None
                                                                  and p.evict != "belady"),
     "route = cache-prior": lambda p: p.route == "cache-prior",
     "route != off": lambda p: p.route != "off",
     "route = cache-route": lambda p: p.route == "cache-route",
+    "beta set or prefetch != off": lambda p: p.beta is not None or p.prefetch != "off",
     # a drop needs a non-fetched miss (the rule, or a fetch cap) whose fallback is substitute or drop
     "drops possible": lambda p: p.fallback in ("substitute", "drop") and not (p.rule == "fetch_all"
                                                                               and p.fetch_cap is None),
@@ -177,6 +178,12 @@ class PolicyConfig:
     prefetch: str = _p("off", "--prefetch", "prefetch of the next layer's experts", choices=PREFETCHES)
     prefetch_n: int | None = _p(None, "--prefetch-n", "experts prefetched per token-layer (unset: k)", low=1,
                                 nullable=True, active="prefetch != off")
+    copy_buffers: int | None = _p(None, "--copy-buffers", "copy buffers per MoE layer for the background copies "
+                                  "(admissions, prefetches); a copy with no free buffer waits (admission) or is "
+                                  "not made (prefetch); the budget charges L * copy_buffers buffers (unset: "
+                                  "unbounded, charged the worst case)", low=1, nullable=True,
+                                  active="beta set or prefetch != off",
+                                  kernel=("copy_buffers", lambda p: -1 if p.copy_buffers is None else p.copy_buffers))
     pin_fraction: float = _p(0.0, "--pin-fraction", "pin the first floor(pin_fraction * C_l) experts of each layer's "
                              "warm start (count order): never evicted; needs C_l - P_l >= k and a warm start",
                              low=0.0, high=1.0, high_open=True)
@@ -186,7 +193,7 @@ class PolicyConfig:
     drop_renorm: bool = _p(False, "--drop-renorm", "scale the computed experts' gate weights so a dropped miss's "
                            "weight is shared out (outputs only: no decision or counter changes)",
                            choices=(False, True), active="drops possible")
-    # cache-aware routing (docs/policies.md, "Additions (3)"): a stage before the hits that changes the selection
+    # cache-aware routing (docs/policies.md, "Additions (4)"): a stage before the hits that changes the selection
     route: str = _p("off", "--route", "cache-aware routing: cache-prior (top-k of z + lambda*D*resident) or "
                     "cache-route (true top-J, the rest from residents inside the true top-M); needs rule fetch_all",
                     choices=ROUTES, active="rule = fetch_all, no fetch cap, evict != belady",
@@ -230,8 +237,6 @@ class PolicyConfig:
         if self.fetch_cap is not None and self.evict == "belady":
             raise InputError(f"{where}--fetch-cap = {self.fetch_cap} with evict = 'belady' is not supported "
                              "(belady is the bound of fetching every miss)")
-        if self.prefetch == "oracle" and self.evict == "belady":
-            raise InputError(f"{where}--prefetch = 'oracle' with evict = 'belady' is not supported")
         if self.route != "off":
             if self.rule != "fetch_all":
                 raise InputError(f"{where}--route = {self.route!r} needs rule fetch_all (every miss of the routed "
@@ -290,6 +295,8 @@ class PolicyConfig:
             parts.append(f"beta={self.beta:g}" + (f",d={self.admission_delay}" if self.admission_delay != 1 else ""))
         if self.prefetch != "off":
             parts.append(f"prefetch={self.prefetch}" + (f"({self.prefetch_n})" if self.prefetch_n else ""))
+        if self.copy_buffers is not None and (self.beta is not None or self.prefetch != "off"):
+            parts.append(f"buffers={self.copy_buffers}")
         if self.pin_fraction:
             parts.append(f"pin={self.pin_fraction:g}")
         if self.capacity_alloc != "uniform":
@@ -354,7 +361,7 @@ PRESETS: dict[str, PolicyConfig] = {
     "host-compute": PolicyConfig(rule="cpu"),
     "quality-first": PolicyConfig(rule="threshold", tau=0.15, beta=0.5),
     "speed-first": PolicyConfig(rule="first_choice", beta=0.5),
-    # cache-aware routing (docs/policies.md, Additions (3)): Skliar et al.'s Cache-Prior with max-rank J = 1 and
+    # cache-aware routing (docs/policies.md, Additions (4)): Skliar et al.'s Cache-Prior with max-rank J = 1 and
     # lambda = 0.5 (our choice inside the paper's range), colibri's CACHE_ROUTE with J = 1, M = 16, no alpha scaling
     "cache-prior": PolicyConfig(rule="fetch_all", route="cache-prior", route_lambda=0.5, route_keep=1),
     "cache-route": PolicyConfig(rule="fetch_all", route="cache-route", route_keep=1, route_window=16),

@@ -369,7 +369,9 @@ class Engine:
                "pinned": self.store.pinned,
                "copies_block_host": self.copies_block_host, "host_store_bytes": int(self.store.nbytes()),
                "nonexpert_bytes": int(self.nonexpert_bytes), "expert_bytes": int(self.expert_bytes),
-               "slot_bytes": int(self.pool.slot_bytes()), "staging_buffers": self.pool.n_staging, **self.stats}
+               "slot_bytes": int(self.pool.slot_bytes()), "staging_buffers": self.pool.n_staging,
+               "staging_bytes": int(self.pool.staging_bytes()), "lowbit_bytes": int(self.lowbit_bytes),
+               "copy_buffers_high_water": self.pool.high_water, **self.stats}
         if self.cuda:
             rep.update({"cuda_context_bytes": self._measure_context(),
                         "max_memory_allocated": int(torch.cuda.max_memory_allocated(self.device)),

@@ -274,7 +274,7 @@ class PlanRunner:
             # (6) the admissions queued at this token start copying in the background
             while qi < len(queued) and queued[qi, 0] == t:
                 e = int(queued[qi, 1])
-                buf = self.pool.take_staging()
+                buf = self.pool.take_staging(layer)
                 self.copies.pending[layer][e] = Pending(t + d, buf, self.copies.copy_async(layer, e, buf, "adm"))
                 self.stats["admission_copies"] += 1
                 qi += 1
@@ -370,12 +370,17 @@ class PlanRunner:
             return
         cache = self.pool.cache
         q = self.copies.prefetch[nxt]
+        # a bounded copy pool (docs/policies.md, "Additions (3)"): the next layer's buffers not held by its
+        # admission copies in flight; the kernel cuts the list after as many non-resident members
+        free = self.pool.free_copy_buffers(nxt)
         for e in pred[0][: cache.prefetch_width].tolist():
             if e < 0:
                 break
             if cache.expert_slot[nxt, e] >= 0 or e in q:
                 continue
-            buf = self.pool.take_staging()
+            if free is not None and len(q) == cache.policy.copy_buffers - len(self.copies.pending[nxt]):
+                break
+            buf = self.pool.take_staging(nxt)
             q[e] = Pending(t, buf, self.copies.copy_async(nxt, e, buf, "copy"))
             self.stats["prefetch_copies"] += 1
 
@@ -474,7 +479,7 @@ def stream_layer(run: PlanRunner, layer: int, x: torch.Tensor, ids: torch.Tensor
     toks, poss = idx[:M], idx[M:]  # [M] token, [M] rank
     slots = {e: pool.resident_slot(layer, e) for e in experts}
     stream = [e for e in experts if slots[e] < 0]
-    bufs = [pool.take_staging() for _ in range(min(2, len(stream)))]
+    bufs = [pool.take_prefill() for _ in range(min(2, len(stream)))]
     handles: list = [None, None]
 
     def issue(n: int) -> None:

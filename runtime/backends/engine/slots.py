@@ -1,15 +1,19 @@
-"""The device's expert memory: per MoE layer a pool of slots, a shared pool of staging buffers, and the
-ledger of the device bytes the engine holds.
+"""The device's expert memory: per MoE layer a pool of slots, the staging buffers, and the ledger of the
+device bytes the engine holds.
 
 - The slots of MoE layer `l` are ONE tensor pair, `gate_up[l]` [C_l, 2I, H] and `down[l]` [C_l, H, I], so
   that a layer's experts are computed in one grouped call (runtime/backends/engine/plan.py, `grouped_experts`:
   gather by slot index + batched matmul). Slot `s` (`slots[l][s]`, an `ExpertBuf` of views of row `s`)
   holds the expert the kernel's own table says (`cache.slot_expert[l, s]`): the pool reads the bound
   `PolicyCache` and keeps no copy of its slot table. Fetches copy host -> row.
-- Staging buffers, shared by all layers and allocated on demand (never returned to the allocator), take
-  background admissions, lookahead prefetches and the exact path's streamed experts. A buffer whose copy
-  the kernel admits or loads is copied into the slot's row on the compute stream (`install`: a device ->
-  device copy, ordered after the row's last reader) and goes back to the staging pool.
+- Staging buffers: the prefill's double buffer (the exact path's streamed experts: two buffers, allocated
+  with the pool), and the copy buffers of the background copies (admissions, lookahead prefetches). With a
+  bounded pool (policy field `copy_buffers` = B, docs/policies.md "Additions (3)") `bind` allocates B
+  buffers per MoE layer up front, layer l's copies take only layer l's, and taking one from an empty
+  partition is an error (the kernel never plans a copy without a free buffer); unbounded, one shared pool
+  grows on demand (never returned to the allocator). `high_water` is the most copy buffers in use at
+  once. A buffer whose copy the kernel admits or loads is copied into the slot's row on the compute
+  stream (`install`: a device -> device copy, ordered after the row's last reader) and goes back.
 - CUDA: every buffer carries its own events (`ready` after its last copy, `done_reading` after its last
   queued reader; `freed` is the one the next writer's stream waits on), re-recorded, never new per copy.
 
@@ -43,6 +47,7 @@ class ExpertBuf:
     ready: object = None
     done_reading: object = None
     freed: object = None
+    home: int = -1  # the MoE layer whose partition of a bounded copy pool holds it; -1 shared, -2 prefill
 
 
 class SlotPool:
@@ -60,9 +65,13 @@ class SlotPool:
         self.slots: list[list[ExpertBuf]] | None = None  # [L][C_l]: views of the rows below
         self.gate_up: list[torch.Tensor] = []  # [L] of [C_l, 2I, H]
         self.down: list[torch.Tensor] = []  # [L] of [C_l, H, I]
-        self.free: list[ExpertBuf] = []  # staging buffers not in use
-        self.n_staging = 0
+        self.free: list[ExpertBuf] = []  # unbounded copy pool: buffers not in use
+        self.part: list[list[ExpertBuf]] | None = None  # bounded copy pool: per layer, its free buffers
+        self.bound_copies: tuple[int, int] = (0, 0)  # (layers, buffers per layer) of the bounded pool
+        self.n_copy = 0  # copy buffers allocated
+        self.in_use = self.high_water = 0  # copy buffers in use now, and at most since `reset_peak`
         self.dev_bytes = self.peak_bytes = base_bytes
+        self.prefill_free = [self._new_prefill() for _ in range(2)]  # the prefill's double buffer
 
     # ------------------------------------------------------------------ the ledger
 
@@ -75,6 +84,15 @@ class SlotPool:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.dev_bytes
+        self.high_water = self.in_use
+
+    @property
+    def n_staging(self) -> int:
+        """Staging buffers allocated: the prefill's two and the copy buffers."""
+        return 2 + self.n_copy
+
+    def staging_bytes(self) -> int:
+        return self.n_staging * self.expert_bytes
 
     def slot_bytes(self) -> int:
         return sum(len(s) for s in self.slots or []) * self.expert_bytes
@@ -98,12 +116,57 @@ class SlotPool:
         self.charge(self.expert_bytes)
         return buf
 
-    def take_staging(self) -> ExpertBuf:
-        """A free staging buffer (allocated on demand; buffers are never returned to the allocator)."""
-        if not self.free:
-            self.n_staging += 1
-            return self.new_buf()
-        return self.free.pop()
+    def _new_prefill(self) -> ExpertBuf:
+        buf = self.new_buf()
+        buf.home = -2
+        return buf
+
+    def take_prefill(self) -> ExpertBuf:
+        """One of the prefill's two staging buffers (the exact path streams through them)."""
+        if not self.prefill_free:
+            raise RuntimeError("engine: the exact path took more than the prefill's two staging buffers")
+        return self.prefill_free.pop()
+
+    def bind_copies(self, policy, num_layers: int) -> None:
+        """The copy pool `policy` needs: bounded (`copy_buffers` B, with admission or prefetch on), B buffers per
+        layer allocated now (kept while the next binding needs the same); else the shared pool, on demand."""
+        b = getattr(policy, "copy_buffers", None)
+        want = (num_layers, int(b)) if b is not None and (policy.beta is not None or policy.prefetch != "off") \
+            else (0, 0)
+        if want == self.bound_copies and (want != (0, 0) or self.part is None):
+            return
+        self.refund(self.n_copy * self.expert_bytes)  # the old pool leaves (the caller drained every copy)
+        self.free, self.part, self.n_copy, self.in_use, self.bound_copies = [], None, 0, 0, want
+        if want != (0, 0):
+            self.part = []
+            for l_ in range(num_layers):
+                row = [self.new_buf() for _ in range(want[1])]
+                for buf in row:
+                    buf.home = l_
+                self.part.append(row)
+            self.n_copy = num_layers * want[1]
+
+    def take_staging(self, layer: int) -> ExpertBuf:
+        """A free copy buffer for a background copy of MoE layer `layer`: from its partition of the bounded pool
+        (none free: an error, the kernel's plan and the engine disagree), or from the shared pool (allocated on
+        demand; buffers are never returned to the allocator)."""
+        if self.part is not None:
+            if not self.part[layer]:
+                raise RuntimeError(f"engine: MoE layer {layer}: no free copy buffer of its {self.bound_copies[1]} "
+                                   "(the kernel planned a copy the bounded pool cannot hold)")
+            buf = self.part[layer].pop()
+        elif not self.free:
+            self.n_copy += 1
+            buf = self.new_buf()
+        else:
+            buf = self.free.pop()
+        self.in_use += 1
+        self.high_water = max(self.high_water, self.in_use)
+        return buf
+
+    def free_copy_buffers(self, layer: int) -> int | None:
+        """Free buffers of layer `layer`'s partition of the bounded pool; None when the pool is unbounded."""
+        return None if self.part is None else len(self.part[layer])
 
     def mark_read(self, buf: ExpertBuf) -> None:
         """CUDA: the compute stream's reads of `buf` queued so far end its use; the next writer waits for them."""
@@ -121,7 +184,11 @@ class SlotPool:
                 buf.freed = after
         elif isinstance(after, Future):
             after.result()
-        self.free.append(buf)
+        if buf.home == -2:
+            self.prefill_free.append(buf)
+            return
+        self.in_use -= 1
+        (self.part[buf.home] if buf.home >= 0 else self.free).append(buf)
 
     # ------------------------------------------------------------------ slots
 
@@ -139,6 +206,7 @@ class SlotPool:
                 self.slots = [[self.new_buf(gu[s], dn[s]) for s in range(len(gu))]
                               for gu, dn in zip(self.gate_up, self.down, strict=True)]
         self.cache = cache
+        self.bind_copies(cache.policy, len(caps))
         for l_, row in enumerate(self.slots):
             for s in range(len(row)):
                 e = int(cache.slot_expert[l_, s])

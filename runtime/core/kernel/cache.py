@@ -163,7 +163,7 @@ class PolicyCache:
         weight_norm: str = "softmax_topk",
     ) -> None:
         """`weight_norm`: how the model normalises its gate weights (a trace's metadata, the adapter's family):
-        Cache-Prior's recomputed weights follow it (docs/policies.md, Additions (3))."""
+        Cache-Prior's recomputed weights follow it (docs/policies.md, Additions (4))."""
         policy.validate()
         ensure(UNIT)  # the compiled kernel checked once per process (runtime/core/compiled.py)
         self.policy = policy
@@ -336,7 +336,7 @@ class PolicyCache:
         ev = np.zeros((T, N_EV), np.int32) if events is None else np.ascontiguousarray(events, dtype=np.int32)
         n_adm = min(T * k, 1 << 20) + self.E if logs else 0  # the simulator needs no logs
         adm_log = np.empty((n_adm, 3), np.int64)
-        q_log = np.empty((max(n_adm - self.E, 0), 2), np.int64)
+        q_log = np.empty((n_adm, 2), np.int64)  # copies started: this chunk's queued and the E that may wait
         pf_log = np.empty((T * pred.shape[1] if logs else 0, 3), np.int64)
         n_logs = np.zeros(3, np.int64)
         run_layers(Tokens(ids[None], w[None], rank[None], valid[None], sc[None], nxt[None], pred[None]), t0,
@@ -379,7 +379,7 @@ class PolicyCache:
         None; predicted [L, T, P] int32 (as `step`'s, a row of -1 at layer 0) or None. Writes no logs.
         Returns (kind, served, slot), each [L, T, k], with `decisions`, else None. `scores` [L, T, E]: the
         trace's router scores (cache-prior needs them). With cache-aware routing the kernel rewrites copies of ids
-        and weights: `routed` holds them afterwards (docs/policies.md, Additions (3))."""
+        and weights: `routed` holds them afterwards (docs/policies.md, Additions (4))."""
         routed = self.policy.route != "off"
         ids = np.array(ids, dtype=np.int32, order="C", copy=True) if routed else np.ascontiguousarray(ids, dtype=np.int32)
         weights = (np.array(weights, dtype=np.float64, order="C", copy=True) if routed

@@ -20,15 +20,17 @@ MISS = -1  # a miss not decided yet (inside the kernel only)
 
 # THE counter list: integer counters (column order of PolicyCache.counters), then the float counters
 INT_COUNTERS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "lowbit_computes",
-                "admissions", "admissions_skipped", "prefetches", "prefetch_used", "reroutes")
+                "admissions", "admissions_skipped", "prefetches", "prefetch_used", "reroutes", "admissions_waited",
+                "prefetch_unbuffered")
 FLOAT_COUNTERS = ("substituted_mass", "lowbit_mass", "rerouted_mass")
 COUNTER_NAMES = INT_COUNTERS + FLOAT_COUNTERS
 (C_CALLS, C_HITS, C_FETCHES, C_SUBS, C_DROPS, C_HOST, C_LOWBIT, C_ADM, C_ADM_SKIPPED, C_PREF,
- C_PREF_USED, C_REROUTES) = range(len(INT_COUNTERS))
+ C_PREF_USED, C_REROUTES, C_ADM_WAITED, C_PREF_UNBUF) = range(len(INT_COUNTERS))
 N_INT = len(INT_COUNTERS)
 M_SUB, M_LOWBIT, M_REROUTE = range(len(FLOAT_COUNTERS))
 # per token-layer event columns (cost model input): full-precision device computes (hits, fetches,
-# substitutes), sync fetches, host computes, admissions queued after / popped before the token,
+# substitutes), sync fetches, host computes, admission copies started after / popped before the token
+# (with a bounded copy pool an admission's copy may start tokens after it was queued),
 # low-precision computes, prefetch loads issued for this token-layer
 EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
 N_EV = 7
@@ -73,7 +75,7 @@ class StepResult:
     queued: np.ndarray  # int64 [n, 2]: (token, expert) admissions queued
     prefetched: np.ndarray  # int64 [n, 3]: (token, expert, slot) prefetch loads, applied after that token's admissions
     # cache-aware routing (policy route != off; else None): the routed selection and its gate weights, [T, k] in
-    # the routed order, which the per-slot decisions refer to (docs/policies.md, Additions (3))
+    # the routed order, which the per-slot decisions refer to (docs/policies.md, Additions (4))
     ids: np.ndarray | None = None  # int32 [T, k]
     weights: np.ndarray | None = None  # float64 [T, k]
 

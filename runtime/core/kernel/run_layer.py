@@ -1,16 +1,18 @@
 """The compiled policy kernel: `run_layer`, one layer's cache over a chunk of tokens, built from stages.
 
 Per token (docs/policies.md, "Per token, per layer, in this order" and "Additions"), one stage each:
-  0. `admit_due`: apply the admissions that are due (queued at t - d or earlier), batch by batch
+  0. `admit_due`: apply the admissions that are due (copies started at t - d or earlier), batch by batch
+     (before it, `prefetch_cut`: with a bounded copy pool, P cut after its last member that gets a buffer)
   0b. `prefetch_list`: load the experts of this token's predicted list P that are not resident
       (victims: min key, never in P nor admitted at this token); no key changes
-  0c. `route`: cache-aware routing (Additions (3)): the token's selection and weights rewritten in place
+  0c. `route`: cache-aware routing (Additions (4)): the token's selection and weights rewritten in place
       (`_prior_select` / `_window_select`, `_routed_weights`); the displaced experts feed the accumulators
   1. `hits`   2.+3. `miss_rule`: the miss rule (at most fetch_cap fetches), the fetches in rank order
      (victim = min key, unpinned), the fallbacks other than substitute
   4. `substitutes`: the first resident, unused experts of the ranking, else drops
   5. `rekey`: the eviction kind's touch (runtime/core/kernel/evict.py)
-  6. `queue_admissions`: a[e] >= beta, largest a first
+  6. `queue_admissions`: a[e] >= beta, largest a first; `start_copies`: the queue's waiting entries start
+     their copies in queue order while the layer has a free copy buffer (due d tokens later)
 Every load into a slot (fetch, admission, prefetch) goes through `claim`. The stages are closures inside
 run_layer: numba inlines them with the state arrays as they are (a helper taking the arrays as arguments pays
 atomic reference-count updates at each call: a claim as a module-level inlined function made the presets
@@ -52,6 +54,7 @@ from runtime.core.kernel.evict import IMAX, K_LFU, KIND_KEYS, KIND_ON_LOAD, KIND
 from runtime.core.kernel.plan import (
     C_ADM,
     C_ADM_SKIPPED,
+    C_ADM_WAITED,
     C_CALLS,
     C_DROPS,
     C_FETCHES,
@@ -59,6 +62,7 @@ from runtime.core.kernel.plan import (
     C_HOST,
     C_LOWBIT,
     C_PREF,
+    C_PREF_UNBUF,
     C_PREF_USED,
     C_REROUTES,
     C_SUBS,
@@ -84,7 +88,7 @@ from runtime.core.kernel.plan import (
     Tokens,
 )
 from runtime.core.kernel.search import best_resident, free_slot, victim, victim_int
-from runtime.core.kernel.state import Q_AGE, Q_HEAD, Q_LEN, Q_RES, Q_STAMP, layer_state
+from runtime.core.kernel.state import Q_AGE, Q_HEAD, Q_LEN, Q_NSTART, Q_RES, Q_STAMP, layer_state
 from runtime.core.policy import FALLBACKS, ROUTES, RULES, WEIGHT_NORMS
 
 
@@ -170,7 +174,7 @@ def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
     """Cache-Prior's selection into out[:k]: the true top-J (sel[:J]), then the top k - J of the others by the
     key (z~[e] + lam_d if e is resident else z~[e], e in sel, -rank in sel or z[e]), descending, then lower id:
     z~ lifts the model's selection to at least the best unselected logit, so the unbiased order is exactly
-    the model's (docs/policies.md, Additions (3))."""
+    the model's (docs/policies.md, Additions (4))."""
     E = z.shape[0]
     zout = -np.inf  # the best logit outside the model's selection
     for e in range(E):
@@ -257,7 +261,7 @@ def _same_set(sel, new, k):
 
 @njit(cache=True)
 def _routed_weights(family, z, norm, sel, w, new, k, alpha, out_w):
-    """The gate weights out_w[:k] of the routed selection new[:k] (docs/policies.md, Additions (3)):
+    """The gate weights out_w[:k] of the routed selection new[:k] (docs/policies.md, Additions (4)):
     cache-prior: the unbiased router's, normalised as the model does (norm: WN_TOPK softmax over the selection
     (also gpt-oss), WN_ALL softmax over all E); cache-route: a kept expert keeps w_j, the q-th replacement gets
     alpha times the q-th displaced expert's w_j (rank order), then with alpha != 1 every weight is scaled so the
@@ -332,6 +336,7 @@ def run_layer(tok, t0, pol, st, out, lean):
     ids, w, rank, valid, score, nxt, pred = tok
     out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
     rule, tau, tau_high, beta, decay, delay = pol.rule, pol.tau, pol.tau_high, pol.beta, pol.decay, pol.delay
+    nbuf = pol.copy_buffers  # the layer's copy buffers (-1: unbounded)
     # the lean build knows these: lfu with gamma 1, the substitute fallback, no fetch cap (-1), no pinned
     # slots, no prefetch, no router scores (PolicyCache.step picks it)
     evict = K_LFU if lean else pol.evict
@@ -420,19 +425,21 @@ def run_layer(tok, t0, pol, st, out, lean):
                 ek.s3_moved(v, e, key, s3q, age_count, ghost, qstate)
         return s, (v if v >= 0 and use_adm and acc[v] >= beta else -1)
 
-    def admit_due(i, t, q_head, q_len, stamp, nc):
-        """Step 0: the admissions due before token t, batch by batch (a batch = same due token); returns
-        (q_head, q_len, stamp, nc, nts): nts slots admitted at this token, in tslots."""
+    def admit_due(i, t, q_head, q_len, ns, stamp, nc):
+        """Step 0: the admissions due before token t, batch by batch (a batch = same due token: copies started
+        at one token), taken from the ring's `ns` started entries; returns (q_head, q_len, ns, stamp, nc,
+        nts): nts slots admitted at this token, in tslots."""
         nts = 0
-        while q_len > 0 and q_due[q_head] <= t:
+        while ns > 0 and q_due[q_head] <= t:
             due = q_due[q_head]
             stamp += 1
             bstamp = stamp
             nb = 0
-            while q_len > 0 and q_due[q_head] == due:
+            while ns > 0 and q_due[q_head] == due:
                 e = q_exp[q_head]
                 q_head = (q_head + 1) % qcap
                 q_len -= 1
+                ns -= 1
                 queued[e] = False
                 ev[i, EV_ADM_POPPED] += 1
                 if expert_slot[e] >= 0:
@@ -459,7 +466,26 @@ def run_layer(tok, t0, pol, st, out, lean):
                 for b_ in range(nb):
                     s = bslots[b_]
                     skey[s] = ek.slot_key(key[slot_expert[s]], slot_expert[s], E, s, sb)
-        return q_head, q_len, stamp, nc, nts
+        return q_head, q_len, ns, stamp, nc, nts
+
+    def prefetch_cut(i, free):
+        """Before step 0, with a bounded copy pool: the copies for token i's predicted list are those of its
+        first `free` members not resident now (the layer's free copy buffers); returns the length of P cut
+        after the last of them, counting the non-resident members cut off (prefetch_unbuffered)."""
+        nnr = 0
+        plim = npw
+        for p in range(npw):
+            e = pred[i, p]
+            if e < 0:
+                break
+            if expert_slot[e] < 0:
+                if nnr < free:
+                    nnr += 1
+                else:
+                    if plim == npw:
+                        plim = p
+                    cnt[C_PREF_UNBUF] += 1
+        return plim
 
     def protect(s, ps):
         """Protect slot s for the prefetch step `ps`."""
@@ -467,23 +493,24 @@ def run_layer(tok, t0, pol, st, out, lean):
         if fast:
             skey[s] = IMAX
 
-    def prefetch_list(i, t, stamp, nc, nts):
-        """Step 0b: load token i's predicted list (no f, a or lru change), protecting the slots admitted at
-        this token and the members of P; returns (stamp, nc, npl): npl experts loaded, in pfe."""
+    def prefetch_list(i, t, stamp, nc, nts, plim):
+        """Step 0b: load token i's predicted list, its first plim members (no f, a or lru change), protecting
+        the slots admitted at this token and the members of P; returns (stamp, nc, npl): npl experts loaded,
+        in pfe."""
         npl = 0
-        if npw == 0 or pred[i, 0] < 0:
+        if plim == 0 or pred[i, 0] < 0:
             return stamp, nc, npl
         stamp += 1
         ps = stamp
         for b_ in range(nts):
             protect(tslots[b_], ps)
-        for p in range(npw):
+        for p in range(plim):
             e = pred[i, p]
             if e < 0:
                 break
             if expert_slot[e] >= 0:
                 protect(expert_slot[e], ps)
-        for p in range(npw):
+        for p in range(plim):
             e = pred[i, p]
             if e < 0:
                 break
@@ -502,7 +529,7 @@ def run_layer(tok, t0, pol, st, out, lean):
             for b_ in range(nts):
                 s = tslots[b_]
                 skey[s] = ek.slot_key(key[slot_expert[s]], slot_expert[s], E, s, sb)
-            for p in range(npw):
+            for p in range(plim):
                 e = pred[i, p]
                 if e < 0:
                     break
@@ -519,7 +546,7 @@ def run_layer(tok, t0, pol, st, out, lean):
         return stamp, nc, npl
 
     def route(i, nc):
-        """Step 0c (docs/policies.md, Additions (3)): cache-aware routing on the residency left by steps 0-0b.
+        """Step 0c (docs/policies.md, Additions (4)): cache-aware routing on the residency left by steps 0-0b.
         Cache-Prior updates D (the running mean of the valid tokens' logit ranges, this one included) and
         selects by the biased logits; CACHE_ROUTE by the true ranking's window. A routed set that is the
         model's keeps the model's order and weights; otherwise ids[i] and w[i] are rewritten (the caller's
@@ -782,12 +809,39 @@ def run_layer(tok, t0, pol, st, out, lean):
             e = cand[c_]
             tail = (q_head + q_len) % qcap
             q_exp[tail] = e
-            q_due[tail] = t + delay
+            q_due[tail] = t  # waiting (start_copies sets the due token when its copy starts)
             q_len += 1
             acc[e] = 0.0
-            _log(q_log, n_logs, 1, t, e, -1)
-        ev[i, EV_ADM_QUEUED] += nq
         return q_len
+
+    def start_copies(i, t, q_head, q_len, ns):
+        """Step 6, after the queueing: the ring's waiting entries (after its ns started ones) start their copies
+        in queue order while the layer has a free copy buffer (unbounded: all), each due d tokens later; a
+        waiting expert that became resident meanwhile leaves the queue without a copy (admissions_skipped).
+        The copies started go to the log and the event column. Returns (q_head, q_len, ns)."""
+        nst = 0
+        while q_len > ns and (nbuf < 0 or ns < nbuf):
+            pos = (q_head + ns) % qcap
+            e = q_exp[pos]
+            if expert_slot[e] >= 0:  # out of the ring: the started entries move up one place
+                queued[e] = False
+                cnt[C_ADM_SKIPPED] += 1
+                for j_ in range(ns - 1, -1, -1):
+                    a_ = (q_head + j_) % qcap
+                    b_ = (a_ + 1) % qcap
+                    q_exp[b_] = q_exp[a_]
+                    q_due[b_] = q_due[a_]
+                q_head = (q_head + 1) % qcap
+                q_len -= 1
+                continue
+            if q_due[pos] < t:
+                cnt[C_ADM_WAITED] += 1
+            q_due[pos] = t + delay
+            ns += 1
+            nst += 1
+            _log(q_log, n_logs, 1, t, e, -1)
+        ev[i, EV_ADM_QUEUED] += nst
+        return q_head, q_len, ns
 
     def key_slots():
         """The slot keys of every slot from the keys (integer-key kinds), before the chunk."""
@@ -796,10 +850,11 @@ def run_layer(tok, t0, pol, st, out, lean):
                 e = slot_expert[s]
                 skey[s] = ek.slot_key(key[e], e, E, s, sb) if e >= 0 else IMAX
 
-    def store(q_head, q_len, stamp, msum, lsum, n_calls, n_hits, n_fetch, n_subs, n_drops):
+    def store(q_head, q_len, ns, stamp, msum, lsum, n_calls, n_hits, n_fetch, n_subs, n_drops):
         """After the chunk: the admission ring and stamp back into qstate, the masses and counters added."""
         qstate[Q_HEAD] = q_head
         qstate[Q_LEN] = q_len
+        qstate[Q_NSTART] = ns
         qstate[Q_STAMP] = stamp
         st.mass[M_SUB] += msum
         st.mass[M_LOWBIT] += lsum
@@ -812,7 +867,7 @@ def run_layer(tok, t0, pol, st, out, lean):
             st.counters[c_] += cnt[c_]
 
     n_calls = n_hits = n_fetch = n_subs = n_drops = 0
-    q_head, q_len, stamp = qstate[Q_HEAD], qstate[Q_LEN], qstate[Q_STAMP]
+    q_head, q_len, ns, stamp = qstate[Q_HEAD], qstate[Q_LEN], qstate[Q_NSTART], qstate[Q_STAMP]
     msum = lsum = 0.0
     key_slots()
     for i in range(T):
@@ -831,8 +886,11 @@ def run_layer(tok, t0, pol, st, out, lean):
                 out_slot[oi, j] = -1
             continue
         t = t0 + i
-        q_head, q_len, stamp, nc, nts = admit_due(i, t, q_head, q_len, stamp, 0)
-        stamp, nc, npl = prefetch_list(i, t, stamp, nc, nts)
+        plim = npw
+        if npw > 0 and nbuf >= 0:  # the copies were issued before the admissions due now: ns buffers busy
+            plim = prefetch_cut(i, nbuf - ns)
+        q_head, q_len, ns, stamp, nc, nts = admit_due(i, t, q_head, q_len, ns, stamp, 0)
+        stamp, nc, npl = prefetch_list(i, t, stamp, nc, nts, plim)
         nrr = 0
         if rfam != RT_OFF:
             nc, nrr = route(i, nc)
@@ -858,9 +916,12 @@ def run_layer(tok, t0, pol, st, out, lean):
         ev[i, EV_FETCH] += nf
         ev[i, EV_HOST] += nh
         ev[i, EV_LOWBIT] += nlow
-        if use_adm and nc > 0:
-            q_len = queue_admissions(i, t, nc, q_head, q_len)
-    store(q_head, q_len, stamp, msum, lsum, n_calls, n_hits, n_fetch, n_subs, n_drops)
+        if use_adm:
+            if nc > 0:
+                q_len = queue_admissions(i, t, nc, q_head, q_len)
+            if q_len > ns:
+                q_head, q_len, ns = start_copies(i, t, q_head, q_len, ns)
+    store(q_head, q_len, ns, stamp, msum, lsum, n_calls, n_hits, n_fetch, n_subs, n_drops)
 
 
 @njit(cache=True)

@@ -42,11 +42,17 @@ CASES: dict[str, tuple[dict, str]] = {
     "oracle-n1-cap1": ({"rule": "threshold", "tau": 0.15, "prefetch": "oracle", "prefetch_n": 1, "fetch_cap": 1},
                        "step"),
     "pinned-0.25": ({"rule": "threshold", "tau": 0.15, "beta": 0.1, "pin_fraction": 0.25}, "step"),
+    # Additions (3): a bounded copy pool (admissions wait in queue order, prefetches cut)
+    "threshold-beta0.1-buffers1-d2": ({"rule": "threshold", "tau": 0.15, "beta": 0.1, "admission_delay": 2,
+                                       "copy_buffers": 1}, "step"),
+    "lookahead-n3-beta0.1-buffers2": ({"rule": "threshold", "tau": 0.15, "beta": 0.1, "prefetch": "lookahead",
+                                       "prefetch_n": 3, "copy_buffers": 2, "evict": "lru"}, "step"),
+    "layers-first_choice-beta0.1-buffers1": ({"rule": "first_choice", "beta": 0.1, "copy_buffers": 1}, "layers"),
     "scores-threshold-beta0.1": ({"rule": "threshold", "tau": 0.15, "beta": 0.1}, "scores"),
     "scores-drop-lru": ({"rule": "first_choice", "fallback": "drop", "evict": "lru"}, "scores"),
     "layers-threshold-beta0.1": ({"rule": "threshold", "tau": 0.15, "beta": 0.1}, "layers"),
     "layers-substitute_all-lru": ({"rule": "substitute_all", "evict": "lru", "beta": 0.1}, "layers"),
-    # cache-aware routing (docs/policies.md, Additions (3)): "logits" passes the case's router logits as scores
+    # cache-aware routing (docs/policies.md, Additions (4)): "logits" passes the case's router logits as scores
     "cache-prior-J0": ({"rule": "fetch_all", "route": "cache-prior", "route_lambda": 0.5, "route_keep": 0},
                        "logits"),
     "cache-prior-J1-lru-beta0.2": ({"rule": "fetch_all", "route": "cache-prior", "route_lambda": 1.0,
@@ -173,8 +179,8 @@ def _run(name: str, fields: dict, mode: str, c: dict) -> dict:
 
 # the counters compared (those tests/reference.py keeps: the kernel's COUNTER_NAMES beyond them are derived)
 COUNTER_KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_computes", "lowbit_computes",
-                "admissions", "prefetches", "prefetch_used", "substituted_mass", "lowbit_mass", "reroutes",
-                "rerouted_mass")
+                "admissions", "prefetches", "prefetch_used", "admissions_waited", "prefetch_unbuffered",
+                "substituted_mass", "lowbit_mass", "reroutes", "rerouted_mass")
 
 
 def exercise() -> dict:

@@ -19,9 +19,10 @@ from runtime.core.kernel.plan import FLOAT_COUNTERS, N_INT
 
 # the layer's scalars (qstate[Q_*]): the admission ring's head and length, the step stamp, the resident
 # count, lfuda's inflation value A, and S3-FIFO's queue sequence, small-queue length, ghost ring head and
-# length, small-queue target and ghost capacity
-(Q_HEAD, Q_LEN, Q_STAMP, Q_RES, Q_AGE, Q_SEQ, Q_SLEN, Q_GHEAD, Q_GLEN, Q_STARGET, Q_GMAX) = range(11)
-NQ = 11
+# length, small-queue target and ghost capacity, and how many of the admission ring's first entries have
+# started their copies (the rest wait for a copy buffer: docs/policies.md, "Additions (3)")
+(Q_HEAD, Q_LEN, Q_STAMP, Q_RES, Q_AGE, Q_SEQ, Q_SLEN, Q_GHEAD, Q_GLEN, Q_STARGET, Q_GMAX, Q_NSTART) = range(12)
+NQ = 12
 
 
 class Field(NamedTuple):
@@ -46,7 +47,7 @@ FIELDS: tuple[Field, ...] = (
     Field("pin", "C", np.int64, 0, "stamp of the step that protects the slot"),
     Field("qstate", "Q", np.int64, 0, "the layer's scalars (Q_*)"),
     Field("q_exp", "E+1", np.int32, 0, "admission queue (ring)"),
-    Field("q_due", "E+1", np.int64, 0, "due token of each queued expert"),
+    Field("q_due", "E+1", np.int64, 0, "due token of each started entry; the queue token of a waiting one"),
     Field("counters", "N_INT", np.int64, 0, "integer counters (plan.INT_COUNTERS)"),
     Field("mass", "N_FLOAT", np.float64, 0, "float counters (plan.FLOAT_COUNTERS)"),
     Field("age_count", "E", np.int64, 0, "per-expert count: lfuda's c[e], s3fifo's freq[e]"),

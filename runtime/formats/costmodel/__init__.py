@@ -33,6 +33,7 @@ from runtime.formats.costmodel.budget import (
     budget_breakdown,
     budget_for_capacities,
     capacities_for_budget,
+    copy_buffers_charged,
 )
 from runtime.formats.costmodel.hosts import (
     HostProfile,
@@ -84,7 +85,7 @@ __all__ = [
     "EV_ADM_POPPED", "EV_ADM_QUEUED", "EV_DEV", "EV_FETCH", "EV_HOST", "EV_LOWBIT", "EV_PREFETCH", "HEAD_CALLS",
     "LOWBIT_CALLS", "N_EV", "N_EV_FULL", "PREFILL_STAGING", "RESERVE_FRACTION", "BudgetBreakdown", "BudgetTooSmall",
     "CostParams", "HostProfile", "ModelShape", "TimeBreakdown", "all_resident_time", "budget_breakdown",
-    "budget_for_capacities", "capacities_for_budget", "cost_params", "dense_bytes_per_layer", "expert_bytes",
+    "budget_for_capacities", "capacities_for_budget", "copy_buffers_charged", "cost_params", "dense_bytes_per_layer", "expert_bytes",
     "head_bytes", "host_profile_from_dict", "list_host_profiles", "list_model_shapes", "load_host_profile",
     "load_model_shape", "lowbit_expert_bytes", "model_shape_for", "model_shape_from_dict",
     "model_shape_from_hf_config", "nonexpert_bytes", "replay_time", "save_host_profile", "save_model_shape",

@@ -72,16 +72,11 @@ def budget_breakdown(shape: ModelShape, budget_gib: float, policy=None, *,
     L, k = shape.num_layers, shape.top_k
     budget = int(budget_gib * 2**30)
     slot = expert_bytes(shape)
-    # staging: the prefill's double buffer, plus the most background copies in flight at once: per layer
-    # up to k admissions queued per token for d tokens, and up to prefetch_n prefetch loads
+    # staging: the prefill's double buffer plus the copy buffers of the background copies
     in_flight = 0
     lowbit = 0
     for p in pols:
-        adm = L * k * int(p.admission_delay) if getattr(p, "beta", None) is not None else 0
-        pf = 0
-        if getattr(p, "prefetch", "off") != "off":
-            pf = L * int(getattr(p, "prefetch_n", None) or k)
-        in_flight = max(in_flight, adm + pf)
+        in_flight = max(in_flight, copy_buffers_charged(p, L, k))
         if getattr(p, "fallback", "substitute") == "lowbit":
             lowbit = max(lowbit, L * shape.num_experts * lowbit_expert_bytes(shape, int(p.lowbit_bits),
                                                                             int(p.lowbit_group)))
@@ -91,6 +86,25 @@ def budget_breakdown(shape: ModelShape, budget_gib: float, policy=None, *,
     c = min(int(avail // (L * slot)) if avail > 0 else 0, shape.num_experts - 1)
     return BudgetBreakdown(budget, nonexpert_bytes(shape), context_bytes, workspace_bytes, reserve, staging, lowbit,
                            slot, c)
+
+
+def copy_buffers_charged(policy, num_layers: int, top_k: int) -> int:
+    """Staging buffers for `policy`'s background copies (admissions, prefetches), beside the prefill's two.
+
+    None without admission or prefetch. With a bounded pool (`copy_buffers` = B per MoE layer, docs/policies.md
+    "Additions (3)"): exactly the L * B buffers the engine allocates up front. Unbounded (`copy_buffers`
+    unset): the worst case of the rule without a pool, per layer k admissions queued per token for d tokens
+    plus prefetch_n prefetch loads (the engine then grows its buffers on demand)."""
+    beta = getattr(policy, "beta", None)
+    prefetch = getattr(policy, "prefetch", "off")
+    if beta is None and prefetch == "off":
+        return 0
+    b = getattr(policy, "copy_buffers", None)
+    if b is not None:
+        return num_layers * int(b)
+    adm = num_layers * top_k * int(policy.admission_delay) if beta is not None else 0
+    pf = num_layers * int(getattr(policy, "prefetch_n", None) or top_k) if prefetch != "off" else 0
+    return adm + pf
 
 
 class BudgetTooSmall(InputError):
@@ -112,7 +126,8 @@ def capacities_for_budget(shape: ModelShape, budget_gib: float, policy=None, *,
 
     C = floor((budget - non-expert weights - CUDA context - cuBLAS workspace - reserve - staging
     - low-bit copies) / (L * expert bytes)), clamped to E - 1; reserve = RESERVE_FRACTION * budget;
-    staging = (2 + the most admission and prefetch copies in flight) expert buffers; low-bit copies
+    staging = (2 + `copy_buffers_charged`: L * copy_buffers, or unbounded the worst case of the admission
+    and prefetch copies in flight) expert buffers; low-bit copies
     of all L * E experts when a policy's fallback is lowbit. Fewer than k slots: a one-line
     `BudgetTooSmall` (an InputError) naming `flag`, the budget and what went into it.
     docs/cost_model.md, "VRAM budget"."""
