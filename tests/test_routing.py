@@ -57,13 +57,15 @@ ROUTE_ARGS = dict(
     prefetch=st.sampled_from(["off", "off", "oracle", "lookahead"]),
     pin=st.sampled_from([0.0, 0.0, 0.34]),
     norm=st.sampled_from(["softmax_topk", "softmax_all"]),
+    buffers=st.sampled_from([None, None, 1, 2]),  # Additions (3): routing beside a bounded copy pool
 )
 
 
-def _routing_policy(k, E, route, lam, keep, window, alpha, evict, gamma, beta, prefetch, pin):
+def _routing_policy(k, E, route, lam, keep, window, alpha, evict, gamma, beta, prefetch, pin, buffers):
     return PolicyConfig(rule="fetch_all", route=route, route_lambda=lam, route_keep=min(keep, k),
                         route_window=max(window, k), route_alpha=alpha, evict=evict, gamma=gamma, beta=beta,
-                        prefetch=prefetch, prefetch_n=2 if prefetch == "lookahead" else None, pin_fraction=pin)
+                        prefetch=prefetch, prefetch_n=2 if prefetch == "lookahead" else None, pin_fraction=pin,
+                        copy_buffers=buffers if beta is not None or prefetch != "off" else None)
 
 
 def _setup(seed, T, L, E, data, args, grid):
@@ -89,7 +91,7 @@ def _reference(policy, ids, w, ranking, valid, z, E, caps, init, look, norm):
         prefetch=policy.prefetch, prefetch_n=policy.prefetch_n, lookahead=None if look is None else look.tolist(),
         pin_fraction=policy.pin_fraction, route=policy.route, route_lambda=policy.route_lambda,
         route_keep=policy.route_keep, route_window=policy.route_window, route_alpha=policy.route_alpha,
-        router_scores=z.tolist(), weight_norm=norm)
+        router_scores=z.tolist(), weight_norm=norm, copy_buffers=policy.copy_buffers)
 
 
 def _assert_counters(cache, ref):
