@@ -74,7 +74,7 @@ def compare(em: dict, en: dict, nll_em: list[float], nll_en: list[float], atol: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
     p.add_argument("--text", default=None, help="evaluation text (default: the model folder's eval.txt)")
     p.add_argument("--calib-text", default=None, help="warm-start text (default: the model folder's calib.txt)")

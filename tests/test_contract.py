@@ -56,7 +56,7 @@ POLICIES = {
     "cache-route-alpha": PolicyConfig(rule="fetch_all", route="cache-route", route_keep=0, route_window=6,
                                       route_alpha=0.5, evict="lru", beta=0.3),
     # Additions (3): a bounded copy pool per layer (admissions wait for a buffer, prefetches are cut)
-    "buffers-1-d2": PolicyConfig(rule="threshold", tau=0.15, beta=0.1, admission_delay=2, copy_buffers=1),
+    "buffers-1-d3": PolicyConfig(rule="substitute_all", beta=0.05, admission_delay=3, copy_buffers=1),
     "lookahead-buffers-1": PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=3, beta=0.3,
                                         copy_buffers=1),
 }
@@ -167,7 +167,7 @@ def test_policies_exercise_every_decision(inputs):
         c = counters[name]
         assert c["reroutes"] > 0 and c["rerouted_mass"] > 0 and c["hits"] + c["fetches"] + c["reroutes"] == c["calls"]
     # the bounded copy pool is exercised: admissions waited for a buffer, prefetches were cut
-    assert counters["buffers-1-d2"]["admissions_waited"] > 0 and counters["buffers-1-d2"]["admissions"] > 0
+    assert counters["buffers-1-d3"]["admissions_waited"] > 0 and counters["buffers-1-d3"]["admissions"] > 0
     assert counters["lookahead-buffers-1"]["prefetch_unbuffered"] > 0
 
 
