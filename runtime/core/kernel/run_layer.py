@@ -1,53 +1,20 @@
 """The compiled policy kernel: `run_layer`, one layer's cache over a chunk of tokens, built from stages.
 
-Per token (docs/policies.md, "Per token, per layer, in this order" and "Additions"), one stage each:
-  0. `admit_due`: apply the admissions that are due (copies started at t - d or earlier), batch by batch
-     (before it, `prefetch_cut`: with a bounded copy pool, P cut after its last member that gets a buffer)
-  0b. `prefetch_list`: load the experts of this token's predicted list P that are not resident
-      (victims: min key, never in P nor admitted at this token); no key changes
-  0c. `route`: cache-aware routing (Additions (4)): the token's selection and weights rewritten in place
-      (`_prior_select` / `_window_select`, `_routed_weights`); the displaced experts feed the accumulators
-  1. `hits`   2.+3. `miss_rule`: the miss rule (at most fetch_cap fetches), the fetches in rank order
-     (victim = min key, unpinned), the fallbacks other than substitute
-  4. `substitutes`: the first resident, unused experts of the ranking, else drops
-  5. `rekey`: the eviction kind's touch (runtime/core/kernel/evict.py)
-  6. `queue_admissions`: a[e] >= beta, largest a first; `start_copies`: the queue's waiting entries start
-     their copies in queue order while the layer has a free copy buffer (due d tokens later)
-Every load into a slot (fetch, admission, prefetch) goes through `claim`. The stages are closures inside
-run_layer: numba inlines them with the state arrays as they are (a helper taking the arrays as arguments pays
-atomic reference-count updates at each call: a claim as a module-level inlined function made the presets
-20-30% slower, docs/performance.md), so run_layer's own body is the setup and the token loop.
-
-`run_layer` is compiled twice, as two signatures of one module-level dispatcher: its last argument `lean` is
-passed as a constant by `run_layers`, so numba types it `Literal[bool](True)` or `Literal[bool](False)` and
-compiles one specialization each. The lean one, in which the paper's presets' features are constants (lfu
-with gamma 1, the substitute fallback, no fetch cap, pinning, prefetch or router scores), drops the other
-branches; `PolicyCache` picks it when the policy allows it. Every compiled function of the kernel is a
-module-level def with a name of its own and the two specializations mangle their argument types into their
-symbols, so no two cached objects can carry one symbol (docs/performance.md, "Compile once": the former
-closure factory built two dispatchers under one qualified name, and a cache filled by an interrupted first
-compile linked one of them twice). Python enters through `run_layers` (module-level, so it loads from numba's
-cache in a new process); runtime/core/kernel/selfcheck.py checks what was loaded.
-
-Where the time goes (docs/performance.md): a replay streams its trace from memory, so run_layer asks for
-the rows of token i + PF_AHEAD while it decides token i (`_prefetch`, a hint); per token the hits pass lists
-the misses and the pinned slots, so the miss rule, the fallbacks and the re-keying visit only those; on the
-integer-key kinds a slot key carries its slot in its low bits (evict.slot_key), so a victim is one
-vectorised minimum over the slots; under lfu with gamma 1 a hit moves its slot key by one key step.
-
-Input contract (checked by runtime/formats/trace for files, true by construction in the adapters): a
-ranking row starts with the token's selection and holds distinct expert ids. Instead of a full ranking the
-adapters pass the router scores it sorts (descending, ties lower id); the substitute search then scans the
-resident slots for the best ones (search.py `best_resident`): the same decisions.
+Per token (docs/policies.md, "Per token, per layer, in this order" and "Additions"): 0 `prefetch_cut` and
+`admit_due`, 0b `prefetch_list`, 0c `route` (route.py), 1 `hits`, 2-3 `miss_rule`, 4 `substitutes`, 5
+`rekey`, 6 `queue_admissions` and `start_copies`; every load into a slot goes through `claim`. The stages
+are closures that numba inlines with the state arrays as they are (module-level stages taking the arrays
+pay reference counts: 17-30% slower). `lean` is passed as a constant by `run_layers`, so run_layer compiles
+as two `Literal[bool]` specializations of one module-level dispatcher (distinct symbols: no two cached
+objects share one, docs/performance.md "Compile once"). docs/architecture.md ("kernel") and
+docs/performance.md ("Where the time goes") hold the rest; the input contract: a ranking row starts with
+the token's selection and holds distinct ids, or router scores stand for it (ties lower id).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from runtime.core.kernel import evict as ek
 from runtime.core.kernel.evict import IMAX, K_LFU, KIND_KEYS, KIND_ON_LOAD, KIND_TOUCH
@@ -87,258 +54,44 @@ from runtime.core.kernel.plan import (
     Outputs,
     Tokens,
 )
+from runtime.core.kernel.primitives import (  # noqa: F401 - F_SUBSTITUTE: PolicyCache's lean test imports it here
+    F_DROP,
+    F_HOST,
+    F_LOWBIT,
+    F_SUBSTITUTE,
+    KY_FLOAT,
+    KY_INT_GAMMA1,
+    KY_QUEUE,
+    OL_LFUDA,
+    OL_S3FIFO,
+    PF_AHEAD,
+    R_FETCH_ALL,
+    RT_OFF,
+    RT_PRIOR,
+    T_BELADY,
+    T_CRF,
+    T_LFU,
+    T_LFUDA,
+    T_LRU,
+    T_S3FIFO,
+    _fetches,
+    _log,
+    _prefetch,
+)
+from runtime.core.kernel.route import _prior_select, _routed_weights, _same_set, _window_select
 from runtime.core.kernel.search import best_resident, free_slot, victim, victim_int
 from runtime.core.kernel.state import Q_AGE, Q_HEAD, Q_LEN, Q_NSTART, Q_RES, Q_STAMP, layer_state
-from runtime.core.policy import FALLBACKS, ROUTES, RULES, WEIGHT_NORMS
-
-
-def _codes(implemented: tuple[str, ...], table: tuple[str, ...], what: str) -> tuple[int, ...]:
-    """The codes of the names this module has a branch for, after checking that they are exactly the names
-    of `table` (`what` names it): a miss rule, fallback or eviction touch added to a table without its branch
-    here fails at import, naming it (no branch falls through to another's rule)."""
-    if set(implemented) != set(table):
-        raise ImportError(f"runtime/core/kernel/run_layer.py: {what} is {list(table)}, the kernel has branches for "
-                          f"{list(implemented)} (no branch: {[n for n in table if n not in implemented]}; a branch "
-                          f"for nothing: {[n for n in implemented if n not in table]})")
-    return tuple(table.index(n) for n in implemented)
-
-
-# one branch each in _fetches (miss rules), miss_rule (fallbacks), claim (eviction keys' victim searches and
-# on-load rules) and rekey (eviction touches)
-R_FETCH_ALL, R_THRESHOLD, R_FIRST_CHOICE, R_SUBSTITUTE_ALL, R_BAND = _codes(
-    ("fetch_all", "threshold", "first_choice", "substitute_all", "band"), RULES, "runtime.core.policy.RULES")
-F_SUBSTITUTE, F_DROP, F_HOST, F_LOWBIT = _codes(("substitute", "drop", "host", "lowbit"), FALLBACKS,
-                                                "runtime.core.policy.FALLBACKS")
-KY_INT, KY_INT_GAMMA1, KY_FLOAT, KY_QUEUE = _codes(("int", "int-gamma1", "float", "queue"), ek.KEYS,
-                                                  "runtime.core.kernel.evict.KEYS")
-OL_NONE, OL_LFUDA, OL_S3FIFO = _codes(("none", "lfuda", "s3fifo"), ek.ON_LOADS, "runtime.core.kernel.evict.ON_LOADS")
-RT_OFF, RT_PRIOR, RT_WINDOW = _codes(("off", "cache-prior", "cache-route"), ROUTES, "runtime.core.policy.ROUTES")
-WN_TOPK, WN_ALL, WN_SIGMOID = _codes(("softmax_topk", "softmax_all", "sigmoid_topk"), WEIGHT_NORMS,
-                                     "runtime.core.policy.WEIGHT_NORMS")
-T_LFU, T_LRU, T_CRF, T_BELADY, T_LFUDA, T_S3FIFO = _codes(("lfu", "lru", "crf", "belady", "lfuda", "s3fifo"),
-                                                          ek.TOUCHES, "runtime.core.kernel.evict.TOUCHES")
-# run_layer asks for token i + PF_AHEAD's input rows while deciding token i: a replay streams
-# the trace from memory (tens of MB) and a token's decisions take ~100 ns, less than a miss to DRAM
-PF_AHEAD = 8
-
-
-@intrinsic
-def _prefetch(typingctx, arr, i, j):
-    """`_prefetch(arr, i, j)` asks the CPU for the cache line of the 2-D array's element [i, j] ahead of its
-    use (for reading); a hint only (no fault, no effect on any value)."""
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
-        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, idx, wraparound=False)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, locality 3, data cache
-        return context.get_dummy_value()
-
-    return types.void(arr, i, j), codegen
-
-
-@njit(cache=True, inline="always")
-def _log(lg, n_logs, j, t, e, s):
-    """Append (t, e[, s]) to the event log `lg` (log j of n_logs): counted even when the log is full."""
-    n = n_logs[j]
-    if n < lg.shape[0]:
-        lg[n, 0] = t
-        lg[n, 1] = e
-        if lg.shape[1] > 2:
-            lg[n, 2] = s
-    n_logs[j] = n + 1
-
-
-@njit(cache=True, inline="always")
-def _fetches(rule, j, wj, tau, tau_high):
-    """The miss rule for the miss at rank j with gate weight wj: one branch per rule of RULES (checked at
-    import), none falling through to another's."""
-    if rule == R_FETCH_ALL:
-        return True
-    if rule == R_SUBSTITUTE_ALL:
-        return False
-    if rule == R_BAND:
-        return j == 0 or wj < tau or wj >= tau_high
-    if rule == R_THRESHOLD:
-        return j == 0 or wj >= tau
-    if rule == R_FIRST_CHOICE:
-        return j == 0
-    raise ValueError("run_layer: a miss rule without its branch in _fetches")
-
-
-@njit(cache=True)
-def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
-    """Cache-Prior's selection into out[:k]: the true top-J (sel[:J]), then the top k - J of the others by the
-    key (z~[e] + lam_d if e is resident else z~[e], e in sel, -rank in sel or z[e]), descending, then lower id:
-    z~ lifts the model's selection to at least the best unselected logit, so the unbiased order is exactly
-    the model's (docs/policies.md, Additions (4))."""
-    E = z.shape[0]
-    zout = -np.inf  # the best logit outside the model's selection
-    for e in range(E):
-        inside = False
-        for j in range(k):
-            if sel[j] == e:
-                inside = True
-                break
-        if not inside and z[e] > zout:
-            zout = z[e]
-    n = 0
-    for j in range(J):
-        out[n] = sel[j]
-        n += 1
-    while n < k:
-        best = -1
-        bv = 0.0
-        ba = 0
-        bb = 0.0
-        for e in range(E):
-            taken = False
-            for q in range(n):
-                if out[q] == e:
-                    taken = True
-                    break
-            if taken:
-                continue
-            jr = -1  # e's rank in the model's selection
-            for j in range(k):
-                if sel[j] == e:
-                    jr = j
-                    break
-            zt = max(z[e], zout) if jr >= 0 else z[e]
-            v = zt + lam_d if expert_slot[e] >= 0 else zt
-            a = 1 if jr >= 0 else 0
-            b = -float(jr) if jr >= 0 else z[e]
-            if best < 0 or v > bv or (v == bv and (a > ba or (a == ba and b > bb))):
-                best = e
-                bv = v
-                ba = a
-                bb = b
-        out[n] = best
-        n += 1
-
-
-@njit(cache=True)
-def _window_select(rank_row, k, J, Mw, expert_slot, out):
-    """CACHE_ROUTE's selection into out[:k]: the true top-J, then the residents of true ranks J..Mw-1 in rank
-    order, then (too few) the true ranking from rank J on, skipping what was taken (Mw >= k: it ends by rank
-    k - 1)."""
-    n = 0
-    for j in range(J):
-        out[n] = rank_row[j]
-        n += 1
-    m = J
-    while n < k and m < Mw:
-        e = rank_row[m]
-        if expert_slot[e] >= 0:
-            out[n] = e
-            n += 1
-        m += 1
-    m = J
-    while n < k:
-        e = rank_row[m]
-        if not (m < Mw and expert_slot[e] >= 0):
-            out[n] = e
-            n += 1
-        m += 1
-
-
-@njit(cache=True)
-def _same_set(sel, new, k):
-    """new[:k] holds the same experts as sel[:k]."""
-    for q in range(k):
-        found = False
-        for j in range(k):
-            if sel[j] == new[q]:
-                found = True
-                break
-        if not found:
-            return False
-    return True
-
-
-@njit(cache=True)
-def _routed_weights(family, z, norm, sel, w, new, k, alpha, out_w):
-    """The gate weights out_w[:k] of the routed selection new[:k] (docs/policies.md, Additions (4)):
-    cache-prior: the unbiased router's, normalised as the model does (norm: WN_TOPK softmax over the selection
-    (also gpt-oss), WN_ALL softmax over all E); cache-route: a kept expert keeps w_j, the q-th replacement gets
-    alpha times the q-th displaced expert's w_j (rank order), then with alpha != 1 every weight is scaled so the
-    token's sum is the model's."""
-    if family == RT_PRIOR:
-        if norm == WN_TOPK:
-            zmax = z[new[0]]
-            for q in range(1, k):
-                if z[new[q]] > zmax:
-                    zmax = z[new[q]]
-            den = 0.0
-            for q in range(k):
-                out_w[q] = np.exp(z[new[q]] - zmax)
-                den += out_w[q]
-        elif norm == WN_ALL:
-            zmax = z[0]
-            for e in range(1, z.shape[0]):
-                if z[e] > zmax:
-                    zmax = z[e]
-            den = 0.0
-            for e in range(z.shape[0]):
-                den += np.exp(z[e] - zmax)
-            for q in range(k):
-                out_w[q] = np.exp(z[new[q]] - zmax)
-        else:  # sigmoid_topk: refused by PolicyCache (the bias is not in the scores)
-            raise ValueError("run_layer: cache-prior weights for this weight normalisation are not implemented")
-        for q in range(k):
-            out_w[q] = out_w[q] / den
-        return
-    r = 0  # the next displaced expert (rank order) whose weight the next replacement takes
-    for q in range(k):
-        jq = -1
-        for j in range(k):
-            if sel[j] == new[q]:
-                jq = j
-                break
-        if jq >= 0:
-            out_w[q] = w[jq]
-            continue
-        while True:  # the r-th displaced: sel[r] not in new
-            inside = False
-            for p in range(k):
-                if new[p] == sel[r]:
-                    inside = True
-                    break
-            if not inside:
-                break
-            r += 1
-        out_w[q] = alpha * w[r]
-        r += 1
-    if alpha != 1.0:
-        tot = 0.0
-        for j in range(k):
-            tot += w[j]
-        tot2 = 0.0
-        for q in range(k):
-            tot2 += out_w[q]
-        f = tot / tot2
-        for q in range(k):
-            out_w[q] = out_w[q] * f
 
 
 @njit(cache=True, error_model="numpy")
 def run_layer(tok, t0, pol, st, out, lean):
-    """Run one layer's cache over tokens t0 .. t0+T-1: `tok` Tokens, `pol` the policy record
-    (runtime.core.policy.kernel_record), `st` LayerState (mutated in place), `out` Outputs.
-
-    `lean`: a constant at every call (run_layers), so each value is its own specialization: True compiles
-    for the paper's presets' features only (lfu with gamma 1, the substitute fallback, admission or none, no
-    fetch cap, pinning, prefetch or router scores) and drops the other branches and their live values (a
-    smaller function whose hot loops keep their pointers in registers); False for every policy."""
+    """One layer's cache over tokens t0 .. t0+T-1 (`pol`: kernel_record; `st` mutated). `lean` (a constant):
+    the paper's presets' features only (lfu with gamma 1, substitute, no cap, pins, prefetch or scores)."""
     ids, w, rank, valid, score, nxt, pred = tok
     out_kind, out_served, out_slot, ev, adm_log, q_log, pf_log, n_logs = out
     rule, tau, tau_high, beta, decay, delay = pol.rule, pol.tau, pol.tau_high, pol.beta, pol.decay, pol.delay
     nbuf = pol.copy_buffers  # the layer's copy buffers (-1: unbounded)
-    # the lean build knows these: lfu with gamma 1, the substitute fallback, no fetch cap (-1), no pinned
-    # slots, no prefetch, no router scores (PolicyCache.step picks it)
+    # the lean build knows these (PolicyCache.step picks it): lfu, gamma 1, substitute, no cap/pins/prefetch/scores
     evict = K_LFU if lean else pol.evict
     gamma = 1.0 if lean else pol.gamma
     fallback = F_SUBSTITUTE if lean else pol.fallback
@@ -366,8 +119,7 @@ def run_layer(tok, t0, pol, st, out, lean):
     sb = 0  # slot bits of a slot key (evict.slot_key): 2**sb >= cap
     while (1 << sb) < cap:
         sb += 1
-    cand = np.empty(k + qcap + npw + 2 * k, np.int64)  # admission candidates: non-fetched misses, evicted and
-    # displaced (route) experts
+    cand = np.empty(k + qcap + npw + 2 * k, np.int64)  # admission candidates: misses, evicted, displaced (route)
     rfam = RT_OFF if lean else pol.route  # cache-aware routing (never in the lean build)
     rkeep, rwin, rlam, ralpha, rnorm = pol.route_keep, min(pol.route_window, E), pol.route_lambda, pol.route_alpha, \
         pol.route_norm
@@ -843,6 +595,22 @@ def run_layer(tok, t0, pol, st, out, lean):
         ev[i, EV_ADM_QUEUED] += nst
         return q_head, q_len, ns
 
+    def hint(ia):
+        """Hints only: the rows token ia reads and writes, on their way while an earlier token is decided."""
+        if ia < T:
+            _prefetch(ids, ia, 0)
+            _prefetch(w, ia, 0)
+            _prefetch(w, ia, k - 1)  # a row of w may span two cache lines
+            if walk:
+                _prefetch(rank, ia, k)  # where the substitute walk starts
+
+    def events(i, nf, nh, nlow, ndrop):
+        """The token's cost-model events: device computes, fetches, host and low-bit computes."""
+        ev[i, EV_DEV] += k - nh - nlow - ndrop
+        ev[i, EV_FETCH] += nf
+        ev[i, EV_HOST] += nh
+        ev[i, EV_LOWBIT] += nlow
+
     def key_slots():
         """The slot keys of every slot from the keys (integer-key kinds), before the chunk."""
         if fast:
@@ -871,13 +639,7 @@ def run_layer(tok, t0, pol, st, out, lean):
     msum = lsum = 0.0
     key_slots()
     for i in range(T):
-        ia = i + PF_AHEAD
-        if ia < T:  # hints only: the rows token ia reads and writes, on their way while token i is decided
-            _prefetch(ids, ia, 0)
-            _prefetch(w, ia, 0)
-            _prefetch(w, ia, k - 1)  # a row of w may span two cache lines
-            if walk:
-                _prefetch(rank, ia, k)  # where the substitute walk starts
+        hint(i + PF_AHEAD)
         oi = i * orow  # the outputs' row: the token's, or the one scratch row
         if not valid[i]:
             for j in range(k):
@@ -912,10 +674,7 @@ def run_layer(tok, t0, pol, st, out, lean):
         msum += mtok
         lsum += ltok
         rekey(i, oi, t, nm, npn, nf)
-        ev[i, EV_DEV] += k - nh - nlow - ndrop
-        ev[i, EV_FETCH] += nf
-        ev[i, EV_HOST] += nh
-        ev[i, EV_LOWBIT] += nlow
+        events(i, nf, nh, nlow, ndrop)
         if use_adm:
             if nc > 0:
                 q_len = queue_admissions(i, t, nc, q_head, q_len)
@@ -926,17 +685,10 @@ def run_layer(tok, t0, pol, st, out, lean):
 
 @njit(cache=True)
 def run_layers(tok, t0, pol, cs, out, l0, lean):
-    """The kernel's one entry from Python (PolicyCache.step for one layer, PolicyCache.step_layers for a whole
-    trace, so a replay of L layers is one call, not L): layers l0 .. l0+n-1 in order over tokens t0..,
-    through run_layer's lean specialization when `lean` is true, else its full one. `tok` Tokens and `out` Outputs whose
-    arrays carry a leading layer axis ([n, T, k] ...: row i is layer l0 + i), `cs` the CacheState (mutated in
-    place).
-
-    A module-level function over the two module-level dispatchers, not a closure: numba hashes a closure's
-    cells into its cache key and a dispatcher pickles with a per-process id, so a closure over run_layer
-    never loaded from the cache (every process compiled it again and added cache files, docs/performance.md
-    "Compile once"). Every caller passes C-contiguous arrays of fixed dtypes (PolicyCache converts), so this
-    is one signature."""
+    """The kernel's one entry from Python (PolicyCache.step / step_layers, decide.py): layers l0 .. l0+n-1 in
+    order over tokens t0.., through run_layer's lean specialization when `lean` is true, else its full one;
+    `tok` / `out` arrays carry a leading layer axis ([n, T, k] ...), `cs` the CacheState (mutated). Module-level
+    (a closure over a dispatcher never loaded from the cache); one signature (PolicyCache converts arrays)."""
     for i in range(tok.ids.shape[0]):
         lt = Tokens(tok.ids[i], tok.w[i], tok.rank[i], tok.valid[i], tok.score[i], tok.nxt[i], tok.pred[i])
         lo = Outputs(out.kind[i], out.served[i], out.slot[i], out.ev[i], out.adm_log[i], out.q_log[i],
