@@ -30,7 +30,6 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
-import secrets  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
@@ -42,7 +41,10 @@ from runtime.core import threads  # noqa: E402
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, cli_main  # noqa: E402
 from runtime.core.policy import PRESETS  # noqa: E402
 from sweep import config as sweep_config  # noqa: E402
-from sweep import data, hosts, report, tracking  # noqa: E402
+from sweep import data, hosts, tracking  # noqa: E402
+from sweep.finish import _answer, _ladder, _print  # noqa: E402
+from sweep.finish import _answer_metrics as _answer_metrics  # noqa: E402 - tests import it from here
+from sweep.raycluster import connect_ray, prepare_ray_auth  # noqa: E402
 from sweep.space import complete  # noqa: E402
 
 log = logging.getLogger("sweep.pareto")
@@ -147,121 +149,6 @@ def load(args: argparse.Namespace) -> sweep_config.SweepConfig:
     if args.trace and not args.model:
         cfg = dataclasses.replace(cfg, model=None, calib_trace=None)
     return cfg
-
-
-def prepare_ray_auth(address: str) -> None:
-    """Token authentication for a Ray cluster this driver may start itself (`--ray-address local`, or
-    `auto` without RAY_ADDRESS), set in the environment before Ray is imported (Ray reads it once).
-
-    An embedded cluster's gRPC servers bind every interface whatever one asks (Ray's choice;
-    ray.init's hidden `_node_ip_address` changes nothing there: measured, docs/sweep.md), so unless
-    RAY_AUTH_MODE is set, the driver sets it to `token` and, when no token exists (RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), gives the run a random one in RAY_AUTH_TOKEN, which the
-    cluster's processes inherit (no file written): nobody else on the network can join the cluster
-    or submit work to it. A cluster joined with `auto` that uses ~/.ray/auth_token still matches."""
-    if address != "local" and not (address == "auto" and not os.environ.get("RAY_ADDRESS")):
-        return
-    if os.environ.get("RAY_AUTH_MODE"):
-        return
-    os.environ["RAY_AUTH_MODE"] = "token"
-    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-            or (Path.home() / ".ray" / "auth_token").is_file()):
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-
-
-def connect_ray(address: str, host_specs, num_cpus: int | None, verbose: bool = False,  # noqa: ANN001
-                extra_resources: dict[str, float] | None = None) -> tuple[bool, str | None]:
-    """Join or start Ray: (True when this driver started and owns an embedded cluster, the session folder).
-
-    Quiet unless `verbose`: the workers' output stays in Ray's session logs (in Ray's temp folder, not linked
-    from --out: it goes with the cluster), Ray's own driver-side messages go to <out>/logs/sweep.log (joining a
-    running cluster, also what Ray's C++ client writes to stderr: one line here instead when it is refused)."""
-    import ray
-
-    env = os.environ.get("RAY_ADDRESS")
-    if address == "auto" and env:
-        address = env
-    quiet = {"logging_level": logging.INFO if verbose else logging.WARNING, "log_to_driver": verbose}
-    if address not in ("auto", "local"):
-        flag = "RAY_ADDRESS" if env and address == env else "--ray-address"
-        with _stderr_captured() as said:
-            try:
-                ctx = ray.init(address=address, **quiet)
-                exc = None
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                exc = e
-        for line in said():  # Ray's own retries (its C++ client writes them to stderr): into the sweep's log
-            log.info("ray: %s", line)
-        if exc is not None:
-            if any(m in line for line in said() for m in AUTH_REFUSED):
-                raise InputError(f"{flag} {address}: the Ray cluster refused this client's token ("
-                                 f"{_token_state()}): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (or "
-                                 f"RAY_AUTH_TOKEN) to the cluster's token; for infra/local_cluster.sh run "
-                                 f". {LOCAL_CLUSTER_ENV}, which sets both") from None
-            raise InputError(f"{flag} {address}: cannot join the Ray cluster "
-                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        return False, ctx.address_info.get("session_dir")
-    if address == "auto":
-        try:
-            ctx = ray.init(address="auto", **quiet)
-            return False, ctx.address_info.get("session_dir")
-        except ConnectionError:
-            pass
-    # explicit: a private single-node cluster, no dashboard, with token authentication unless
-    # RAY_AUTH_MODE=disabled was asked for (prepare_ray_auth, before Ray was imported)
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-        log.warning("embedded Ray without token authentication (RAY_AUTH_MODE=disabled): anyone who reaches "
-                    "this machine's Ray ports can run code on it")
-    # address="local": always a new cluster, never one another user left running on this machine
-    resources = {**hosts.local_resources(host_specs), **(extra_resources or {})}  # its one node holds the model
-    ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), resources=resources,
-                   include_dashboard=False, object_store_memory=256 * 2**20, **quiet)
-    return True, ctx.address_info.get("session_dir")
-
-
-# what Ray's client writes when the cluster wants a token it did not get (Ray 2.60: "Unauthenticated: RPC error:
-# InvalidAuthToken: Authentication token is missing or incorrect")
-AUTH_REFUSED = ("InvalidAuthToken", "Unauthenticated")
-# infra/local_cluster.sh's client settings (its state folder: EXPERTSWEEP_LOCAL_CLUSTER, else $TMPDIR or /tmp)
-LOCAL_CLUSTER_ENV = Path(os.environ.get("EXPERTSWEEP_LOCAL_CLUSTER")
-                         or Path(os.environ.get("TMPDIR") or "/tmp") / "expertsweep-ray-local") / "client.env"
-
-
-def _token_state() -> str:
-    """What this client offered: the settings Ray reads for its token (names only, never the token)."""
-    mode = os.environ.get("RAY_AUTH_MODE")
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        where = "RAY_AUTH_TOKEN"
-    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        where = f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
-    elif (Path.home() / ".ray" / "auth_token").is_file():
-        where = "~/.ray/auth_token"
-    else:
-        where = "no token"
-    return f"RAY_AUTH_MODE={mode or 'unset'}, {where}"
-
-
-class _stderr_captured:
-    """File descriptor 2 into a temporary file while the block runs (Ray's C++ client logs there, outside Python's
-    logging); `said()` gives its lines after the block."""
-
-    def __enter__(self):  # noqa: ANN204
-        import tempfile
-
-        sys.stderr.flush()
-        self.file = tempfile.TemporaryFile(mode="w+b")
-        self.saved = os.dup(2)
-        os.dup2(self.file.fileno(), 2)
-        self.lines: list[str] = []
-        return lambda: self.lines
-
-    def __exit__(self, *exc: object) -> None:
-        sys.stderr.flush()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        self.file.seek(0)
-        self.lines = [ln for ln in self.file.read().decode(errors="replace").splitlines() if ln.strip()]
-        self.file.close()
 
 
 LIBRARY_LOGGERS = ("ray", "mlflow", "optuna", "alembic", "urllib3", "filelock", "py.warnings", "numba")
@@ -577,10 +464,9 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
     import ray
     from ray import tune
 
-    from sweep.ledger import Ledger, LedgerCallback, Session
-    from sweep.search import HostSearch, HostStudy, journal_storage, make_sampler
+    from sweep.ledger import Ledger, Session
     from sweep.storage import tune_filesystem
-    from sweep.worker import run_task, shipped, trial_name, trial_resources
+    from sweep.worker import run_task, shipped, trial_resources
 
     host_names = [h.name for h in cfg.hosts]
     gpus = {h: profiles[h]["gpu"] for h in host_names}
@@ -629,38 +515,9 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
     fs, files_actor = tune_filesystem(f"expertsweep-tune-{cfg.name}-{os.getpid()}", driver_node)
     # the context goes to the object store once, not into every trial's config
     trainable = tune.with_resources(tune.with_parameters(run_task, ctx=ctx), trial_resources)
-    exp_dir = out / "tune"
     t0, cpu0 = time.time(), time.process_time()
     fit_window = [t0]
-    # Tune's run state is restored only when Tune saved it (its experiment_state-*.json): a sweep stopped before
-    # that leaves tuner.pkl and a searcher state without the trials it had started, and Tune "restarts" with
-    # that searcher, which holds the baselines it suggested as done; the fresh start below takes the
-    # baselines and each host's spent budget from the ledger and the journals instead
-    if args.resume and fresh_tune:  # a copy, or more trials: Tune's saved state is not this run's
-        _clear(out, ("tune",))
-    if (args.resume and not fresh_tune and tune.Tuner.can_restore(str(exp_dir))
-            and any(exp_dir.glob("experiment_state-*.json"))):
-        log.warning("resuming the sweep in %s", out)
-        tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True,
-                                   resume_errored=False, restart_errored=False, storage_filesystem=fs)
-    else:
-        storage = journal_storage(out / "optuna.journal")
-        searchers = {h: HostStudy(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i, cfg.population),
-                                  storage, f"{cfg.name}:{h}", h) for i, h in enumerate(host_names)}
-        base_params = [(n, complete({**PRESETS[n].to_dict(), **cfg.baseline_capacity()}))
-                       for n in cfg.baseline_policies] + _bound_runs(cfg, inputs)
-        baselines = {h: [{"key": f"{h}:baseline:{n}", "number": None, "baseline": n, "params": p}
-                         for n, p in base_params if f"{h}:baseline:{n}" not in ledger.keys] for h in host_names}
-        search = HostSearch(searchers, baselines, cfg.trials, cfg.batch, cfg.task_seconds,
-                            int(ray.cluster_resources().get("CPU", 1)))
-        search.sync_from_storage()
-        tuner = tune.Tuner(
-            trainable,
-            tune_config=tune.TuneConfig(search_alg=search, num_samples=-1, reuse_actors=True,
-                                        trial_name_creator=trial_name, trial_dirname_creator=trial_name),
-            run_config=tune.RunConfig(name="tune", storage_path=str(out), storage_filesystem=fs, verbose=0,
-                                      failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
-                                      callbacks=[LedgerCallback(str(out))]))
+    tuner = _tuner(args, cfg, out, inputs, ledger, host_names, trainable, fs, fresh_tune)
     status = "FAILED"
     try:
         STOP.defer = False
@@ -708,108 +565,47 @@ def _sweep(args, cfg, out, inputs, uri, profiles, state, placement=None,  # noqa
         ray.kill(files_actor)
 
 
-def _answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str], notes: list[str],  # noqa: ANN001
-            ladder_stats: dict[str, Any], session, ledger, tracker: tracking.Tracker,  # noqa: ANN001
-            timing: tuple[float, float, list[float]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A finished sweep's report and stats.json written, and logged into MLflow (a child run per front policy,
-    the tables, the answer's parent metrics); (report, stats). timing: screening seconds, driver CPU seconds,
-    the fit window."""
+def _tuner(args, cfg, out, inputs, ledger, host_names, trainable, fs, fresh_tune: bool):  # noqa: ANN001, ANN202
+    """The sweep's Tuner: Tune's saved run in <out>/tune restored on a --resume that may use it, else a fresh one
+    over each host's Optuna study (the journal in --out), with the baselines and bounds the ledger lacks first."""
     import ray
+    from ray import tune
 
-    sweep_s, driver_cpu, fit_window = timing
-    host_names = list(gpus)
-    meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
-            "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
-            "gpus": gpus, "notes": notes + list(cfg.budget_notes), "warm_start": inputs.warm_start, "ladder": ladder_stats,
-            "budgets": cfg.ppl_budgets_pct}
-    rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
-    tracker.log_children(report.policy_records(ledger.rows, rep["fronts"], host_names), gpus)
-    tracker.log_table(rep["trials"], "tables/trials.json")
-    for h, fr in rep["fronts"].items():
-        tracker.log_table(fr, f"tables/front_{h}.json")
-    if not rep["policy_by_host"].empty:
-        tracker.log_table(rep["policy_by_host"], "tables/policy_by_host.json")
-    if not rep["answer"].empty:
-        tracker.log_table(rep["answer"], "tables/answer.json")
-        tracker.log_parent_metrics(_answer_metrics(rep["answer"]))
-    _log_bound_metrics(tracker, rep)
-    tracker.flush()
-    stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
-    stats["fit_window"] = fit_window
-    stats["ladder"] = ladder_stats
-    atomic_write(out / "stats.json", lambda tmp: Path(tmp).write_text(json.dumps(stats, indent=2)))
-    files = [p for p in rep["paths"].values() if Path(p).is_file()]
-    files += [out / f"pareto_{h}.parquet" for h in host_names]
-    tracker.log_artifacts([f for f in files if f.is_file()] + [out / "stats.json"])
-    hyp = rep["hypothesis"]
-    tracker.log_parent_metrics({**{f"front_size_{h}": len(rep["fronts"].get(h, [])) for h in host_names},
-                                "trials_ok": stats["trials_ok"], "trials_failed": stats["trials_failed"],
-                                **({"mass_ppl_pearson_r": hyp["r"]} if hyp["r"] == hyp["r"] else {})})
-    return rep, stats
+    from sweep.ledger import LedgerCallback
+    from sweep.search import HostSearch, HostStudy, journal_storage, make_sampler
+    from sweep.worker import trial_name
 
-
-def _ladder(cfg, inputs, session, ledger, enabled: bool,  # noqa: ANN001
-            placement: dict[str, Any] | None = None) -> tuple[list[str], dict[str, Any]]:
-    """The multi-fidelity ladder (sweep/ladder.py) and the engine on calibrated hosts; (notes, stats)."""
-    from sweep import ladder
-    from sweep.remeasure import Measurer
-
-    calibrated = [h.name for h in cfg.hosts if not hosts.simulated(h)]
-    if not enabled or not cfg.emulation.enabled:
-        return ["Emulation was switched off for this sweep: no perplexity fronts and no answer, only the "
-                "simulator's screening (mass view)."], {}
-    if inputs.model_dir is None:
-        return ["Emulation needs a model; this sweep ran on a trace only: no perplexity fronts and no answer, "
-                "only the simulator's screening (mass view)."], {}
-    cands = ladder.screening_candidates(ledger.rows, session.hosts)
-    bases = ladder.baseline_params(list(cfg.baseline_policies), cfg.baseline_capacity())
-    measure = Measurer(inputs.model_dir, inputs.text, inputs.calib_text, ledger, session.add_rows,
-                       placement=placement, run_fields={"dtype": cfg.dtype, "max_memory_GiB": cfg.max_memory_GiB},
-                       model_digest=inputs.digest)
-    stats = ladder.run_ladder(cands, bases, ledger.rows, session.hosts, list(cfg.emulation.rungs), cfg.emulation.eta,
-                              cfg.emulation.max_full, cfg.max_tokens, list(cfg.ppl_budgets_pct), measure)
-    full_params = {report.policy_key(p): p for p in cands + bases}
-    full = [full_params[pk] for pk in stats["full"] if pk in full_params]
-    notes = [f"Ladder: {stats['screened']} screened candidates -> " + " -> ".join(
-        f"{r['candidates']} at {r['tokens'] or 'all'} tokens" for r in stats["rungs"])
-        + f" (the full budget includes the {len(bases)} named baselines) on {inputs.text}."]
-    for host in (calibrated if cfg.emulation.engine else []):
-        t0 = time.time()
-        measure.engine(full, cfg.max_tokens, host, hosts.gpus_of(host))
-        stats.setdefault("engine", []).append({"host": host, "policies": len(full), "seconds": time.time() - t0})
-        notes.append(f"The engine decoded the {len(full)} full-budget policies on {host} (measured time per token).")
-    if not calibrated:
-        notes.append("No host of this sweep is calibrated (all profiles are presets): times per token are the "
-                     "cost model's; a host with `profile: calibrate` is also measured by the engine.")
-    return notes, stats
-
-
-def _stats(session, sweep_s: float, driver_cpu: float, tracker, resources: dict[str, float]) -> dict[str, Any]:  # noqa: ANN001
-    rows = [r for r in session.ledger.rows if r.get("fidelity") == "simulator"]
-    slots = int(resources.get("CPU", 1))
-    ok = sum(r["status"] == "ok" for r in rows)
-    busy = session.eval_seconds
-    infeasible = sum(r["status"] == "infeasible" for r in rows)  # did not fit the sweep's vram budget
-    return {"trials_ok": ok, "trials_infeasible": infeasible, "trials_failed": len(rows) - ok - infeasible,
-            "trials_this_run": session.new_rows,
-            "trials_evaluated_twice": session.repeated,
-            "sweep_seconds": sweep_s, "trials_per_hour": session.new_rows / max(sweep_s, 1e-9) * 3600,
-            "simulator_seconds": busy, "slots": slots,
-            "overhead_fraction": 1 - busy / max(sweep_s * slots, 1e-9),
-            "driver_cpu_seconds": driver_cpu, "mlflow_cpu_seconds": tracker.cpu_seconds,
-            "mlflow_children_written": tracker.written, "mlflow_errors": tracker.errors}
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and v == v
-
-
-def _log_bound_metrics(tracker, rep: dict[str, Any]) -> None:  # noqa: ANN001
-    """The computed bounds as MLflow parent metrics (per host and kind: ms/token, speed ratio)."""
-    from sweep.bounds import bound_metrics
-
-    if rep.get("bounds") is not None and not rep["bounds"].empty:
-        tracker.log_parent_metrics(bound_metrics(rep["bounds"]))
+    exp_dir = out / "tune"
+    # Tune's run state is restored only when Tune saved it (its experiment_state-*.json): a sweep stopped before
+    # that leaves tuner.pkl and a searcher state without the trials it had started, and Tune "restarts" with
+    # that searcher, which holds the baselines it suggested as done; the fresh start below takes the
+    # baselines and each host's spent budget from the ledger and the journals instead
+    if args.resume and fresh_tune:  # a copy, or more trials: Tune's saved state is not this run's
+        _clear(out, ("tune",))
+    if (args.resume and not fresh_tune and tune.Tuner.can_restore(str(exp_dir))
+            and any(exp_dir.glob("experiment_state-*.json"))):
+        log.warning("resuming the sweep in %s", out)
+        tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True,
+                                   resume_errored=False, restart_errored=False, storage_filesystem=fs)
+    else:
+        storage = journal_storage(out / "optuna.journal")
+        searchers = {h: HostStudy(cfg.space, cfg.objectives, make_sampler(cfg.sampler, cfg.seed + i, cfg.population),
+                                  storage, f"{cfg.name}:{h}", h) for i, h in enumerate(host_names)}
+        base_params = [(n, complete({**PRESETS[n].to_dict(), **cfg.baseline_capacity()}))
+                       for n in cfg.baseline_policies] + _bound_runs(cfg, inputs)
+        baselines = {h: [{"key": f"{h}:baseline:{n}", "number": None, "baseline": n, "params": p}
+                         for n, p in base_params if f"{h}:baseline:{n}" not in ledger.keys] for h in host_names}
+        search = HostSearch(searchers, baselines, cfg.trials, cfg.batch, cfg.task_seconds,
+                            int(ray.cluster_resources().get("CPU", 1)))
+        search.sync_from_storage()
+        tuner = tune.Tuner(
+            trainable,
+            tune_config=tune.TuneConfig(search_alg=search, num_samples=-1, reuse_actors=True,
+                                        trial_name_creator=trial_name, trial_dirname_creator=trial_name),
+            run_config=tune.RunConfig(name="tune", storage_path=str(out), storage_filesystem=fs, verbose=0,
+                                      failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
+                                      callbacks=[LedgerCallback(str(out))]))
+    return tuner
 
 
 def _bound_runs(cfg, inputs) -> list[tuple[str, dict[str, Any]]]:  # noqa: ANN001
@@ -817,47 +613,6 @@ def _bound_runs(cfg, inputs) -> list[tuple[str, dict[str, Any]]]:  # noqa: ANN00
     from sweep.bounds import bound_params
 
     return bound_params(cfg.baseline_capacity(), int(inputs.dims[2]))
-
-
-def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFrame
-    """MLflow parent metrics of the answer: per host and budget, the speed ratio and the upper bound."""
-    out = {}
-    for _, r in ans.iterrows():
-        if isinstance(r["policy"], str):
-            tag = f"{r['host']}_within_{r['ppl_budget_pct']:g}pct"
-            out[f"answer_{tag}_speed_ratio_vs_fetch_all"] = float(r["speed_ratio_vs_fetch_all"])
-            out[f"answer_{tag}_ppl_ci_high"] = float(r["ppl_ci_high"])
-            if _is_number(r.get("device_memory_GiB")):
-                out[f"answer_{tag}_device_memory_GiB"] = float(r["device_memory_GiB"])
-    return out
-
-
-def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out: Path, stats: dict,
-           mlflow_line: str = "") -> None:
-    """The results on stdout: the fronts, then the answer last (what the user asked)."""
-    for h in host_names:
-        fr = rep["fronts"].get(h)
-        if fr is not None and not fr.empty:
-            print(report.host_table_text(h, fr, gpus.get(h, "")) + "\n")
-    hyp = rep["hypothesis"]
-    if hyp["r"] == hyp["r"]:
-        print(f"mass hypothesis: Pearson r = {hyp['r']:.3f} [{hyp['ci_low']:.3f}, {hyp['ci_high']:.3f}] "
-              f"over {hyp['n']} policies\n")
-    print(f"{stats['trials_ok']} trials ok, " + (f"{stats['trials_infeasible']} infeasible at the budget, "
-                                                 if stats.get("trials_infeasible") else "")
-          + f"{stats['trials_failed']} failed; "
-          f"{stats['trials_per_hour']:.0f} trials/hour this run")
-    for k, p in rep["paths"].items():
-        if k.startswith("plot") or k == "summary":
-            print(f"{k}: {p}")
-    if mlflow_line:
-        print(mlflow_line)
-    print(f"outputs: {out}\n")
-    if not rep["answer"].empty:
-        print("The answer: per host and perplexity budget, the fastest policy within it (upper 95% bound)\n")
-        print(report.answer_text(rep["answer"]))
-    else:
-        print("No perplexity was measured (emulation off or no model): no answer, screening fronts only.")
 
 
 def main(argv: list[str] | None = None) -> None:
