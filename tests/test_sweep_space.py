@@ -449,7 +449,7 @@ def test_mlflow_tracking_uri_is_honoured_and_runs_carry_their_source(tmp_path, m
         assert tags["mlflow.source.git.commit"] == commit and tags["mlflow.source.git.dirty"] in ("true", "false")
     assert client.get_run(parent).info.status == "FINISHED" and tr.errors == 0
     assert tracking.runs_page("http://127.0.0.1:5000/", tr.experiment_id) == \
-        f"http://127.0.0.1:5000/#/experiments/{tr.experiment_id}/runs"
+        f"http://127.0.0.1:5000/#/experiments/{tr.experiment_id}/runs?{tracking.RUNS_VIEW}"
     assert tracking.experiment_id_of(db) == tr.experiment_id
     assert tracking.experiment_id_of(f"sqlite:///{tmp_path / 'empty.db'}") is None
 
@@ -676,13 +676,14 @@ def test_a_submitted_job_needs_a_durable_mlflow_store_and_says_where_its_runs_ar
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     default = f"sqlite:///{tracking.DEFAULT_DB}"
-    assert "open them with make mlflow-ui, then http://127.0.0.1:5000/#/experiments/3/runs" in \
+    assert f"open them with make mlflow-ui, then http://127.0.0.1:5000/#/experiments/3/runs?{tracking.RUNS_VIEW}" in \
         tracking.where_runs_are(default, "3")
     other = f"sqlite:///{tmp_path / 'm.db'}"
     assert tracking.where_runs_are(other, "3") == (
         f"MLflow runs: in {other}; open them with mlflow ui --backend-store-uri {other} --host 127.0.0.1 "
-        f"--port 5000, then http://127.0.0.1:5000/#/experiments/3/runs")
-    assert tracking.where_runs_are("http://h:5000", "3") == "MLflow runs: http://h:5000/#/experiments/3/runs"
+        f"--port 5000, then http://127.0.0.1:5000/#/experiments/3/runs?{tracking.RUNS_VIEW}")
+    assert tracking.where_runs_are("http://h:5000", "3") == \
+        f"MLflow runs: http://h:5000/#/experiments/3/runs?{tracking.RUNS_VIEW}"
     monkeypatch.setenv(tracking.RAY_JOB_ENV, "{}")
     with pytest.raises(InputError, match=r"^--mlflow-uri: required under ray job submit") as e:
         tracking.resolve_uri(None)
