@@ -3,7 +3,8 @@
 - `formats`: the in-memory `Trace` and `TraceMeta`; the on-disk formats (Parquet / Arrow IPC, one row
   per (token, layer); `.npz` import of recorder dumps) read by `load_trace` and written by
   `save_trace`; `validate_trace`, the checks every loaded trace goes through (one-line `InputError`s
-  naming file, field, value and location); `calibration_split`.
+  naming file, field, value and location); `calibration_split`;
+- `checks`: the array checks `validate_trace` runs (ids, weights, rankings, lookahead);
 - `synthetic`: `synthetic_trace`, a generator with realistic MoE routing statistics, and its
   calibration twin (`calibration_twin`, `synthetic_pair`).
 
