@@ -538,7 +538,9 @@ def test_second_process_loads_the_kernel_from_the_cache():
     from runtime.core.kernel.cache import kernel_signatures
 
     warmup()
-    assert kernel_signatures()["run_layers"] == 1  # every path warmup takes: one signature
+    # every path warmup takes: one signature, and a second where this process compiled decide.py's call (its
+    # arrays are views over the engine's address table, another array type; a later process loads neither again)
+    assert kernel_signatures()["run_layers"] in (1, 2)
     root = Path(__file__).resolve().parents[1]
     cache_dirs = [root / "runtime" / "core" / "kernel" / "__pycache__"]
     if os.environ.get("NUMBA_CACHE_DIR"):
