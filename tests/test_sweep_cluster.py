@@ -160,7 +160,8 @@ def test_driver_killed_mid_sweep_is_resumed(ray_cluster, tmp_path):
         assert sum(r["host"] == host and r["baseline"] is None for r in rows) == 14
         assert sum(r["host"] == host and r["baseline"] is not None and bound_of(r["baseline"]) is None
                    for r in rows) == 2
-    assert all(r["status"] == "ok" for r in rows)
+    # (a computed bound's run may be infeasible at the budget: one of its pool sizes does not fit, issue 40)
+    assert all(r["status"] == "ok" for r in rows if bound_of(r["baseline"]) is None)
     assert json.loads((out / "stats.json").read_text())["trials_evaluated_twice"] == 0
     assert json.loads((out / "state.json").read_text())["parent_run_id"] == parent
     client = MlflowClient(db)
