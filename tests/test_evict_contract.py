@@ -60,7 +60,7 @@ def test_half_added_kind_fails_with_a_message():
         with pytest.raises(ValueError, match=rf"row 's3fifo': {field} = 'arc' is not one the kernel implements"):
             check_kinds(bad, EVICTS)
     with pytest.raises(ImportError, match=r"no branch: \['clock'\]"):
-        rl._codes(("lfu", "lru"), ("lfu", "lru", "clock"), "TOUCHES")
+        prim._codes(("lfu", "lru"), ("lfu", "lru", "clock"), "TOUCHES")
 
 def test_reference_refuses_a_kind_or_rule_without_its_rule(monkeypatch):
     """The reference, told of a kind or a rule it has no rule for (a half-added one), raises instead of
