@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check runtime sweep tests scripts

@@ -101,9 +101,13 @@ def run_driver(config: Path, out: Path, *extra: str, timeout: float = 240, fault
                           capture_output=True, text=True, timeout=timeout)
 
 
-def ledger(out: Path) -> list[dict]:
+def ledger(out: Path, bounds: bool = True) -> list[dict]:
+    """The sweep's trials.jsonl rows; bounds=False leaves out the offline bounds computed per host (sweep/bounds.py)."""
+    from sweep.bounds import bound_of
+
     path = out / "trials.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return rows if bounds else [r for r in rows if bound_of(r.get("baseline")) is None]
 
 
 def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> None:

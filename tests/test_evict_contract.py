@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from runtime.cli import main as cli_main
 from runtime.core.kernel import N_EV, PolicyCache
-from runtime.core.kernel import run_layer as rl
+from runtime.core.kernel import primitives as prim
 from runtime.core.kernel.evict import EVICT_KINDS, check_kinds
 from runtime.core.policy import EVICTS, PARAM_BY_NAME, PolicyConfig
 from runtime.formats.trace import load_trace, save_trace, synthetic_trace
