@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# Two pytest-xdist workers, each test module on one of them (--dist loadfile: a module's fixtures are built once);
+# TEST_WORKERS=0 runs the suite in one process. docs/testing.md gives the timings.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check runtime sweep tests scripts
