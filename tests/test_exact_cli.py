@@ -109,7 +109,7 @@ def test_divergence_located_and_classified():
 
     en, a, b = tie(0.0)
     d = ed.compare(em, en, W, 1e-5, 1e-4)
-    assert d["verdict"] == "routing near-tie" and not d["counters_equal"]
+    assert d["verdict"] == "routing near-tie" and not d["int_counters_equal"]
     f = d["first_selection_diff"]
     assert (f["token"], f["window"], f["position"], f["layer"]) == (7, 0, 7, 1)
     assert f["emulation_only"] == [a] and f["engine_only"] == [b] and f["gap"] == 0.0 and d["score_diff_before"] == 0.0
@@ -118,3 +118,17 @@ def test_divergence_located_and_classified():
     assert ed.compare(em, en, W, 1e-5, 1e-4)["verdict"] == "decisions differ on the same routing"
     en, _, _ = tie(1.0)
     assert ed.compare(em, en, W, 1e-5, 1e-4)["verdict"] == "routing differs (not a near-tie)"
+
+
+def test_divergence_script_on_a_real_pair_of_runs(tmp_path, text):
+    """scripts/exact_divergence.py end to end on a tiny checkpoint: both backends' routing rows and decisions are
+    captured for the policy's run only (not the warm start's recording pass), one row per decided token, and the
+    runs agree."""
+    ed = _scripts_module("exact_divergence")
+    model = build_tiny("qwen3_moe", tmp_path / "m")
+    out = tmp_path / "div.json"
+    rc = ed.main(["--policy", "speed-first", "--model", str(model), "--text", str(text), "--max-tokens", "96",
+                  "--window", "24", "--capacity-fraction", "0.4", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["verdict"] == "no difference" and res["int_counters_equal"], res
+    assert res["tokens_compared"] == 96 and res["first_selection_diff"] is None and res["first_decision_diff"] is None
