@@ -1,6 +1,6 @@
 """The engine's one compiled host decision per MoE layer-call alone (runtime/core/kernel/decide.py `decide_layer`).
 
-    python scripts/bench_decide.py [--policy fetch-every-miss] [--experts 64] [--k 8] [--layers 4] [--resident E-1]
+    PYTHONPATH=<runtime> python scripts/bench_decide.py [--policy fetch-every-miss] [--experts 64] [--k 8] [--layers 4] [--resident E-1]
                                    [--calls 20000] [--repeats 5] [--out FILE.json]
 
 The demo model's shape by default (4 MoE layers, E = 64, k = 8), fetch-every-miss with E - 1 of E experts resident
@@ -9,7 +9,9 @@ E scores, the finite flag) is written into the layer's host row and `decide_laye
 `OneCall.decide` calls it; perf_counter around each call, `--calls` calls per repeat, layers in turn. Reports
 the minimum and the median per call (us) over all repeats, and `noop_us`: a compiled function taking the same
 arguments that does nothing (the cost of entering compiled code with them). The time is a host measurement
-beside whatever else runs: state the load average (printed) with every figure.
+beside whatever else runs: state the load average (printed) with every figure. `PYTHONPATH` picks the runtime
+(a `git archive` of an earlier revision times that one: the call's arguments are this revision's or the earlier
+`tab, layer, k, E, pol, rnd, drop_renorm`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def rows(n: int, k: int, E: int, seed: int = 0) -> np.ndarray:
