@@ -47,7 +47,8 @@ def test_one_call_equals_rank_order_kernel_step_and_plan_row(name):
     # layer 1 through the engine's entry (decide_layer: every array from an address table), layer 0 directly
     row1, plan1 = np.zeros((1, 2 * k + E + 1), np.float32), np.zeros((3, k), np.float32)
     tab = decide.address_table(got._state, got.next_t, bufs.tok, bufs.ev_tab, bufs.ev_n, bufs.fetches,
-                               [(np.zeros_like(row1), np.zeros_like(plan1), bufs.out), (row1, plan1, bufs.out)])
+                               [(np.zeros_like(row1), np.zeros_like(plan1), bufs.out), (row1, plan1, bufs.out)],
+                               got.params_array, decide.decide_consts(k, E, bufs.rnd, pol.drop_renorm))
     slow_seen = fast_seen = 0
     for t in range(T):
         for l_ in range(L):
@@ -66,7 +67,7 @@ def test_one_call_equals_rank_order_kernel_step_and_plan_row(name):
                 row1[:] = row
                 plan = plan1
                 plan[:] = np.nan
-                n = decide.decide_layer(tab, l_, k, E, got._params, bufs.rnd, bool(pol.drop_renorm))
+                n = decide.decide_layer(tab, l_)
             else:
                 plan = np.full((3, k), np.nan, np.float32)
                 n = decide.decide_row(row, k, E, l_, got.next_t, got._params, got._state, bufs.tok, bufs.out,

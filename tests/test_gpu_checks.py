@@ -147,7 +147,7 @@ def test_gpu_checks_script_cpu_mode(tmp_path):
         assert own, f"step {s} printed nothing"
         if s != "kernel":
             assert f"{s}: kernel loaded from cache (no numba cache file written in this step)" in lines, (s, lines)
-    assert any(re.match(r"kernel: \{.*'run_layers': [12], .*'compiled': [1-9]", ln) for ln in sec["kernel"]), sec["kernel"]
+    assert any(re.match(r"kernel: \{.*'run_layers': 1, .*'compiled': [1-9]", ln) for ln in sec["kernel"]), sec["kernel"]
     # the graphs step (CPU: the eager segments twice, and against the Hugging Face path): its summary section
     graphs = summary[summary.index("## CUDA graphs on vs off"):]
     assert graphs.count("identical NLL and counters") == 3 and "all-resident" in graphs and "- ok: True" in graphs

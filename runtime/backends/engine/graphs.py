@@ -401,7 +401,9 @@ class OneCall:
                     self.ctx.last[l_] = {"kind": o.kind[0], "served": o.served[0]}
                 r = self.runner
                 self.tab = decide.address_table(c._state, c.next_t, self.tok, r.ev_tab, r.ev_n, self.fetches,
-                                                list(zip(self.packed, self.plans, self.outs, strict=True)))
+                                                list(zip(self.packed, self.plans, self.outs, strict=True)),
+                                                c.params_array, decide.decide_consts(self.k, self.E, self.rnd,
+                                                                                     self.drop_renorm))
                 self.tab_ev = r.ev_tab
         if self.ok and self.runner.ev_tab is not self.tab_ev:  # the runner grew its event table
             self.tab_ev = self.runner.ev_tab
@@ -411,8 +413,8 @@ class OneCall:
     def decide(self, layer: int, x: torch.Tensor, st: Staged) -> None:
         """MoE layer `layer`'s decision for the step's token from its packed routing row (read into the host
         buffer `packed[layer]` already), into `st` (whose plan row is `plans[layer]`)."""
-        r, c, out = self.runner, self.cache, self.outs[layer]  # (`ready()` just made self.cache the context's)
-        n = decide.decide_layer(self.tab, layer, self.k, self.E, c._params, self.rnd, self.drop_renorm)
+        r, out = self.runner, self.outs[layer]
+        n = decide.decide_layer(self.tab, layer)
         if n == decide.BAD_SCORES:
             raise InputError(f"router scores: non-finite value at MoE layer {layer}, token 0 of this batch")
         if self.ctx.decisions is not None:

@@ -217,7 +217,8 @@ class PolicyCache:
         if p.prefetch == "oracle":
             self.prefetch_width = min(self.prefetch_width, self.k)
         ek.init_state(p, cs, belady_first_use)  # the eviction kind's initial keys
-        self._params = kernel_record(p)[0]  # the policy record the kernel reads (runtime.core.policy.KERNEL_DTYPE)
+        self.params_array = kernel_record(p)  # [1] KERNEL_DTYPE: the engine's one call reads it (decide.address_table)
+        self._params = self.params_array[0]  # the policy record the kernel reads (a view of params_array's element)
         r = self._params  # the lean build decides it (step: unless router scores are given)
         self._lean = bool(r["evict"] == ek.K_LFU and r["gamma"] == 1.0 and r["fallback"] == F_SUBSTITUTE
                           and r["fetch_cap"] == -1 and self.prefetch_width == 0 and not self.npin.any()

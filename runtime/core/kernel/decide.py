@@ -20,8 +20,9 @@ hands the same outputs to `PlanRunner.apply` (which rewrites the same plan row).
 
 Entering compiled code costs per array argument (numba unboxes each one: with the kernel's 17 state arrays,
 the 15 of Tokens and Outputs and the rest, ~40 us a call on the development VM, more than the decision),
-so the engine calls `decide_layer` instead: ONE int64 table of (address, shape) rows made once per binding
-(`address_table`) from which it rebuilds every array as a view (`carray`, no copy) and calls `decide_row`.
+so the engine calls `decide_layer(tab, layer)` instead: ONE int64 table of (address, shape) rows made once per
+binding (`address_table`) from which it rebuilds every array as a view (`carray`, no copy), the policy record
+(a record scalar alone costs ~4 us to unbox) and the call's constants included, and calls `decide_row`.
 The table points into arrays its maker keeps alive.
 
 Module-level `@njit(cache=True)` functions only, each name unique in the project (issue 39's cache rules);
@@ -41,6 +42,7 @@ from numba.extending import intrinsic
 from runtime.core.kernel.plan import DROP, FETCH, HOST, LOWBIT, N_EV, Outputs, Tokens
 from runtime.core.kernel.run_layer import run_layers
 from runtime.core.kernel.state import FIELDS, CacheState
+from runtime.core.policy import KERNEL_DTYPE
 
 SLOW = -1  # the plan needs PlanRunner.apply (see the module doc)
 BAD_SCORES = -2  # a router score of the row is not finite
@@ -104,7 +106,9 @@ def decide_row(packed, k, E, layer, t_next, pol, cs, tok, out, ev_tab, ev_n, rnd
         out.ev[0, 0, c] = 0
     for c in range(3):
         out.n_logs[0, c] = 0
-    run_layers(tok, t0, pol, cs, out, layer, False)
+    # the full build, as a runtime bool: a literal False would type run_layers' last argument Literal[bool](False)
+    # and compile a second run_layers signature beside PolicyCache's (`bool`) in every process that compiles this
+    run_layers(tok, t0, pol, cs, out, layer, layer < 0)
     # 4. events, fetches; 5. the plan row
     n = ev_n[layer]
     for c in range(N_EV):
@@ -166,8 +170,8 @@ def decide_view3(tab, i, dt):
 # routing row, its plan row and its Outputs
 NF = len(FIELDS)
 R_TOK = NF  # ids, w, rank, valid, score, nxt, pred
-R_SHARED = R_TOK + 7  # t_next, ev_tab, ev_n, fetches
-R_LAYER = R_SHARED + 4
+R_SHARED = R_TOK + 7  # t_next, ev_tab, ev_n, fetches, the policy record [1], the call's constants [6]
+R_LAYER = R_SHARED + 6
 PER_LAYER = 10  # packed, plan, kind, served, slot, ev, adm_log, q_log, pf_log, n_logs
 
 
@@ -186,9 +190,15 @@ decide_cache_state = _build_cache_state()
 
 
 @njit(cache=True)
-def decide_layer(tab, layer, k, E, pol, rnd, drop_renorm):
+def decide_layer(tab, layer):
     """`decide_row` for MoE layer `layer` with every array from the address table `tab` (`address_table`): the
-    engine's one call per layer and token (seven cheap arguments)."""
+    engine's one call per layer and token. Two arguments: the policy record (a numpy record scalar costs ~4 us to
+    unbox per call, its 1-element array in the table nothing), k, E, the rounding and drop_renorm (`decide_consts`)
+    come from the table too."""
+    pol = decide_view1(tab, R_SHARED + 4, KERNEL_DTYPE)[0]
+    cst = decide_view1(tab, R_SHARED + 5, np.float64)  # k, E, mant, emin, fmax, drop_renorm
+    k, E = np.int64(cst[0]), np.int64(cst[1])
+    rnd = (np.int64(cst[2]), np.int64(cst[3]), cst[4])
     cs = decide_cache_state(tab)
     tok = Tokens(decide_view3(tab, R_TOK, np.int32), decide_view3(tab, R_TOK + 1, np.float64),
                  decide_view3(tab, R_TOK + 2, np.int32), decide_view2(tab, R_TOK + 3, np.bool_),
@@ -201,7 +211,7 @@ def decide_layer(tab, layer, k, E, pol, rnd, drop_renorm):
                   decide_view3(tab, b + 8, np.int64), decide_view2(tab, b + 9, np.int64))
     return decide_row(decide_view2(tab, b, np.float32), k, E, layer, decide_view1(tab, R_SHARED, np.int64), pol, cs,
                       tok, out, decide_view3(tab, R_SHARED + 1, np.int32), decide_view1(tab, R_SHARED + 2, np.int64),
-                      rnd, drop_renorm, decide_view2(tab, b + 1, np.float32),
+                      rnd, cst[5] != 0.0, decide_view2(tab, b + 1, np.float32),
                       decide_view2(tab, R_SHARED + 3, np.int64))
 
 
@@ -212,14 +222,23 @@ def _row(a: np.ndarray) -> list[int]:
     return [a.ctypes.data, *a.shape, *[0] * (3 - a.ndim)]
 
 
+def decide_consts(k: int, E: int, rnd: tuple, drop_renorm: bool) -> np.ndarray:
+    """The call's constants as `decide_layer` reads them from its table: float64 [6] (k, E, the model dtype's
+    rounding (mant, emin, fmax), drop_renorm 0 / 1)."""
+    return np.array([k, E, *rnd, float(bool(drop_renorm))], np.float64)
+
+
 def address_table(cs, t_next: np.ndarray, tok: Tokens, ev_tab: np.ndarray, ev_n: np.ndarray, fetches: np.ndarray,
-                  layers: list[tuple[np.ndarray, np.ndarray, Outputs]]) -> np.ndarray:
+                  layers: list[tuple[np.ndarray, np.ndarray, Outputs]], pol: np.ndarray, consts: np.ndarray) -> np.ndarray:
     """`decide_layer`'s table, int64 [R_LAYER + PER_LAYER * S, 4]: the CacheState `cs`, the cache's next-token array,
-    the Tokens buffers, the event table and its counts, the fetch list, and per MoE layer (packed row [1, P] float32,
-    plan row [3, k] float32, Outputs). The caller keeps every array alive while the table is used and
-    re-writes the event table's row (`set_row`) when it replaces that array."""
+    the Tokens buffers, the event table and its counts, the fetch list, the policy record (`pol`: the PolicyCache's
+    1-element KERNEL_DTYPE array, `params_array`), the call's constants (`decide_consts`), and per MoE layer (packed
+    row [1, P] float32, plan row [3, k] float32, Outputs). The caller keeps every array alive while the table is
+    used and re-writes the event table's row (`set_row`) when it replaces that array."""
+    if pol.dtype != KERNEL_DTYPE or pol.shape != (1,) or consts.dtype != np.float64 or consts.shape != (6,):
+        raise ValueError("decide: address table: pol must be a [1] KERNEL_DTYPE array, consts float64 [6]")
     rows = [_row(getattr(cs, f.name)) for f in FIELDS] + [_row(a) for a in tok]
-    rows += [_row(t_next), _row(ev_tab), _row(ev_n), _row(fetches)]
+    rows += [_row(t_next), _row(ev_tab), _row(ev_n), _row(fetches), _row(pol), _row(consts)]
     for packed, plan, out in layers:
         rows += [_row(packed), _row(plan), *[_row(a) for a in out]]
     return np.array(rows, np.int64)
@@ -291,11 +310,12 @@ def exercise() -> dict:
     b = decide_buffers(1, k, E, "bfloat16", cap=4)
     rows = EXERCISE_ROWS
     packed = np.zeros((1, 2 * k + E + 1), np.float32)  # [1, 2k + E + 1]: the row decide_layer reads
-    tab = address_table(pc._state, pc.next_t, b.tok, b.ev_tab, b.ev_n, b.fetches, [(packed, b.plan_scratch, b.out)])
+    tab = address_table(pc._state, pc.next_t, b.tok, b.ev_tab, b.ev_n, b.fetches, [(packed, b.plan_scratch, b.out)],
+                        pc.params_array, decide_consts(k, E, b.rnd, False))
     res: dict = {"returns": [], "plans": [], "kinds": [], "slots": []}
     for r in rows:
         packed[0] = r
-        n = decide_layer(tab, 0, k, E, pc._params, b.rnd, False)  # the engine's call (decide_row inside)
+        n = decide_layer(tab, 0)  # the engine's call (decide_row inside)
         res["returns"].append(int(n))
         res["plans"].append([float(v) for v in b.plan_scratch.ravel()])
         res["kinds"].append([int(v) for v in b.out.kind[0, 0]])
