@@ -56,12 +56,17 @@ comes from. Verdicts: `holds` (the interval lies on the paper's side of no effec
 range or around its figure where it gives one), `differs` (the interval excludes the paper's direction, range or
 figure), `inconclusive here` (the interval contains no effect, or overlaps the paper's range without lying in it).
 Admission on the demo model at C/k = 2: docs/tiny_models.md, "Admission on the demo model" (`python -m
-runtime.tools.findings.admission --model demo`). **Equal slots, not equal memory**: every row below, the admission
-rows 4a, 4b, 5 and 5q included, compares policies at the same slots per layer (the column's C); at equal device
-memory an admission policy also pays for its copy buffers (docs/policies.md "Additions (3)", `copy_buffers`): with
-the unbounded pool the presets use that was L x k x d buffers, which on the demo's main job left quality-first 8
-slots per layer of fetch-every-miss's 16 and is why admission cost perplexity there (issue 40; docs/tiny_models.md
-and docs/sweep.md give the equal-memory figures, with one copy buffer per layer: 15 slots).
+runtime.tools.findings.admission --model demo`). **Equal slots and equal device memory**: the admission rows 4a,
+4b, 5 and 5q appear twice. Marked "(equal slots)" (the ids as before), every policy holds the column's C slots per
+layer. Marked "(equal device memory)" (ids `-mem`), every policy gets what the column's device memory holds: the
+smallest budget at which the 0.15 rule holds C (`capacities_for_budget`, which charges the prefill's double buffer
+plus L x `copy_buffers`), where Quality-First and Speed-First carry a bounded pool of copy buffers (docs/policies.md
+"Additions (3)"; one per layer, the pool of the main job's answer: runtime/tools/findings/memory.py) and hold the
+fewer slots their rows give. With the unbounded pool the presets use, charged L x k x d buffers, the demo's main
+job left quality-first 8 slots per layer of fetch-every-miss's 16, which is why admission cost perplexity there
+(issue 40; docs/tiny_models.md and docs/sweep.md). Row 7, the page's own finding, asks whether routing toward
+resident experts costs less perplexity than the rule's substitution at equal device memory and equal miss rate
+(runtime/tools/findings/routing.py).
 """
 
 
