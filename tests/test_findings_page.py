@@ -396,6 +396,19 @@ def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     assert all(a >= b - 1e-12 for a, b in zip(shares, shares[1:], strict=False))
     speed = by[("5", first)]["data"]
     assert speed["head_scale"] == pytest.approx(2 / 48)
+    # at equal device memory: the admission policies with one copy buffer per layer hold one slot fewer than the rule
+    eq = by[("4a-mem", first)]["data"]["equal_memory"]
+    assert eq["emulation"]["slots"] == {"rule-0.15": 16, "fetch-every-miss": 16, "quality-first": 15,
+                                        "speed-first": 15}
+    sm = by[("5-mem", first)]["data"]["slots"]
+    assert sm["quality-first"] == sm["speed-first"] == sm["fetch-every-miss"] - 1
+    assert by[("4b-mem", first)]["verdict"] == UNTESTABLE  # one domain
+    # row 7: both routing families at the rule's slots, calibrated to its fetched-miss rate in the simulator
+    r7 = by[("7", first)]["data"]
+    for f in ("cache-prior", "cache-route"):
+        cal = r7[f]["calibration"]
+        assert cal["reached"] and abs(cal["rate"] - cal["target"]) <= 0.1 * cal["target"], (f, cal)
+        assert r7[f]["reroutes_per_call"] > 0 and np.isfinite(r7[f]["difference"])
     b = res["columns"][0]["blocks"]
     ws = b["check"]["rule-0.15"]["widths"]
     assert ws[0]["block"] == 1 and b["blocks"] >= 2 and b["block"] >= b["check"]["rule-0.15"]["block"]

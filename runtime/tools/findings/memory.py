@@ -17,6 +17,7 @@ layer); a larger pool waits less but costs a slot per layer per buffer.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,8 @@ def column_budget(shape: costmodel.ModelShape, slots: int, policy: PolicyConfig 
 def equal_memory(s: Setup, trace: Any, slots: int) -> dict[str, Any]:
     """The column's device memory on the loaded model's shape (the emulation's) and on the cost model's (row 5),
     and the slots each policy gets there."""
-    shapes = {"emulation": costmodel.model_shape_for(s.m.model.config.to_dict(), s.m.dtype),
+    # the emulation's shape (EmulateSource.model_shape), named by the model's folder name: no machine path
+    shapes = {"emulation": costmodel.model_shape_for(s.m.model.config.to_dict(), s.m.dtype, name=Path(s.model).name),
               "cost model": costmodel.shape_for_trace(trace, None)}
     out: dict[str, Any] = {"copy_buffers": COPY_BUFFERS}
     for key, shape in shapes.items():

@@ -126,7 +126,7 @@ def finding_topic(s: Setup, rid: str = "4b", quality_first: PolicyConfig | None 
             f"(QF - rule later {fmt_ci(*d['gap_l_ci95'])})")
     d.update({"switches": n_sw, "segment_tokens": s.segment, "early_tokens": s.early, "tokens": T,
               "domains": sorted(set(doms)), "blocks": blocks,
-              "slots": {"rule-0.15": rule.result.capacity[0], "quality-first": qf.result.capacity[0]},
+              "slots": {"rule-0.15": int(rule.result.capacity[0]), "quality-first": int(qf.result.capacity[0])},
               "quality_first_policy": qf_pol.label()})
     method = "/".join(sorted(set(d["methods"].values())))
     grow = "" if blocks["stopped"] else ", width still growing at the longest length"
