@@ -291,12 +291,12 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
         out.append("")
     mp = adm.get("model_ppl") or []
     if mp:
-        out += ["Reference model, perplexity (emulation, per findings column; points, 95% interval), at equal "
-                "slots: " + "; ".join(
+        em = [m for m in mp if m.get("equal_memory")]  # a result from before the rows at equal memory has none
+        out += ["Reference model, perplexity (emulation, per findings column; points, 95% interval)"
+                + (", at equal slots: " if em else ": ") + "; ".join(
                     f"C/k = {m['c_over_k']:.1f}: QF - rule {m['qf_minus_rule']['point']:+.2f} "
                     f"{fmt_ci(*m['qf_minus_rule']['ci95'])}, SF - first-choice {m['sf_minus_fc']['point']:+.2f} "
                     f"{fmt_ci(*m['sf_minus_fc']['ci95'])}" for m in mp) + ".", ""]
-        em = [m for m in mp if m.get("equal_memory")]
         if em:
             out += ["At equal device memory (QF and SF with a pool of copy buffers, at the slots the column's budget "
                     "leaves them; the rule and first-choice at the column's): " + "; ".join(
