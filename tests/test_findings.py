@@ -94,10 +94,11 @@ def test_combine_and_rule_text() -> None:
 
 
 def test_every_row_has_a_rule() -> None:
-    assert list(RULES) == ["1", "2a", "2b", "3", "4a", "4b", "5", "5q", "5s", "6", "2c"]
+    assert list(RULES) == ["1", "2a", "2b", "3", "4a", "4a-mem", "4b", "4b-mem", "5", "5-mem", "5q", "5q-mem", "5s",
+                           "6", "2c", "7"]  # the admission rows at equal slots, then at equal device memory
     for r in RULES.values():
         assert r.paper and r.source and r.finding
-    assert [r for r in RULES if RULES[r].own] == ["2c"]  # the page's own check, after the paper's rows
+    assert [r for r in RULES if RULES[r].own] == ["2c", "7"]  # the page's own check and finding, after the paper's
     assert "no verdict" in RULES["3"].note  # the paper's own hedge on Experiment B
 
 
@@ -476,6 +477,8 @@ HOLDS_CASES: dict[str, Callable[[], dict]] = {
     "5": lambda: _speed(2.75),
     "5q": lambda: _diff("5q", -0.0065),
     "5s": lambda: _diff("5s", -0.01),
+    "4a-mem": lambda: _diff("4a-mem", -0.01),
+    "5q-mem": lambda: _diff("5q-mem", -0.0065),
 }
 
 

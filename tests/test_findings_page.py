@@ -20,23 +20,28 @@ import pytest
 from runtime.core.errors import InputError
 from runtime.tools import findings
 from runtime.tools.findings import experiments as X
+from runtime.tools.findings import memory as M
 from runtime.tools.findings import render, stats
+from runtime.tools.findings import routing as RT
 from runtime.tools.findings.rules import DIFFERS, HOLDS, INCONCLUSIVE, UNTESTABLE, VERDICTS
 
 REPO = Path(__file__).resolve().parents[1]
-IDS = ["1", "2a", "2b", "3", "4a", "4b", "5", "5q", "5s", "6", "2c"]
+IDS = ["1", "2a", "2b", "3", "4a", "4a-mem", "4b", "4b-mem", "5", "5-mem", "5q", "5q-mem", "5s", "6", "2c", "7"]
 N, CNT, W = 60, 127, 128
 NUM = re.compile(r"(?:(?<![\w.])[-+])?\d+\.\d+")  # "0.03-0.31" is a range, not a negative number
 PAPER_CONSTANTS = {"0.15", "0.92", "0.3"}  # the named policy, the paper's r, 2b's bound: text, not measurements
 
 
-def _run(name: str, level: float, share: float, mass: float, rng: np.random.Generator) -> X.PolicyRun:
+def _run(name: str, level: float, share: float, mass: float, rng: np.random.Generator, fetched: float = 0.1,
+         slots: int = 16) -> X.PolicyRun:
     dn = (level + rng.normal(0, 0.003, N)) * CNT
     calls = np.full(N, 2048.0)
     lost = share * calls + rng.normal(0, 5, N)
     change = float(stats.pct_change(dn.sum(), CNT * N))
-    res = SimpleNamespace(ppl_change_pct=change, counters={"substitutions": float(lost.sum()), "drops": 0.0,
-                                                           "calls": float(calls.sum())},
+    counters = {"substitutions": float(lost.sum()), "drops": 0.0, "calls": float(calls.sum()),
+                "fetches": fetched * float(calls.sum()), "reroutes": 0.05 * float(calls.sum()), "rerouted_mass": 3.0,
+                "admissions": 900.0, "admissions_waited": 120.0}
+    res = SimpleNamespace(ppl_change_pct=change, counters=counters, capacity=[slots, slots], tokens=N * W,
                           mass_per_token=mass, perplexity=50 * (1 + change / 100), exact_perplexity=50.0)
     return X.PolicyRun(name, res, dn, CNT, W, calls=lost, all_calls=calls,
                        mass=(mass + rng.normal(0, 0.005, N)) * W)
@@ -65,7 +70,13 @@ def _result() -> dict[str, Any]:
     names = list(X.mass_policies())[:8]
     mp = {n: _run(n, 0.005 * (i + 1) - 0.0004 * (i % 2), 0.05, 0.04 * (i + 1) - 0.01 * (i % 2), rng)
           for i, n in enumerate(names)}
-    rows = [X.finding_heavy(s, main), *X.finding_mass(s, mp), *X.finding_admission(s, main)]
+    mem = {"quality-first": _run("quality-first", 0.001, 0.07, 0.09, rng, slots=15),
+           "speed-first": _run("speed-first", 0.012, 0.1, 0.15, rng, slots=15)}
+    routed = {"cache-prior": _run("cache-prior", 0.001, 0.0, 0.0, rng, fetched=0.102),
+              "cache-route": _run("cache-route", 0.009, 0.0, 0.0, rng, fetched=0.098)}
+    rows = [X.finding_heavy(s, main), *X.finding_mass(s, mp), *X.finding_admission(s, main),
+            *M.finding_admission_memory(s, main, mem, equal_memory_fixture()),
+            RT.routing_row(s, main["rule-0.15"], routed, calibration_fixture(), 1.2345, 16)]
     for r in rows:
         r.column = "C=16 (25.0%)"
     cols = [{"label": "C=16 (25.0%)", "slots": 16, "experts": 64, "slots_per_top_k": 2.0, "c_over_k": 2.0,
@@ -87,6 +98,23 @@ def _result() -> dict[str, Any]:
                           "model_ppl": [{"column": "C=16 (25.0%)", "c_over_k": 2.0,
                                          "qf_minus_rule": {"point": 2.57, "ci95": [1.9, 3.2]},
                                          "sf_minus_fc": {"point": 5.82, "ci95": [4.4, 7.1]}}]}}
+
+
+def equal_memory_fixture() -> dict[str, Any]:
+    """`memory.equal_memory`'s result for a column of 16 slots: the admission policies keep 15."""
+    slots = {"rule-0.15": 16, "fetch-every-miss": 16, "quality-first": 15, "speed-first": 15}
+    return {"copy_buffers": 1, "emulation": {"shape": "m", "budget_gib": 1.2345, "slots": slots},
+            "cost model": {"shape": "qwen3-next-80b-a3b[L=2,E=64,k=8]", "budget_gib": 2.3456, "slots": slots}}
+
+
+def calibration_fixture() -> dict[str, Any]:
+    """`routing.calibrated`'s result: each family calibrated to the rule's fetched-miss rate of 10%."""
+    return {"target": 0.1, "slots": 16, "presets": {"cache-prior": 0.085, "cache-route": 0.072},
+            "fetch_every_miss": 0.21,
+            "cache-prior": {"strength": 0.75, "rate": 0.1004, "target": 0.1, "reached": True,
+                            "tried": [[0.0, 0.21], [0.75, 0.1004], [1.0, 0.09]]},
+            "cache-route": {"strength": 12, "rate": 0.0991, "target": 0.1, "reached": True,
+                            "tried": [[8, 0.21], [12, 0.0991], [64, 0.05]]}}
 
 
 def _adm_point(ck: float, m_with: float, m_without: float, h_with: float, h_without: float,
@@ -124,7 +152,7 @@ def _table(md: str) -> dict[str, list[str]]:
     """The findings table's cells by row id (unescaped)."""
     out = {}
     for line in md.splitlines():
-        if re.match(r"\| (1|2a|2b|2c|3|4a|4b|5|5q|5s|6) \|", line):
+        if re.match(r"\| (1|2a|2b|2c|3|4a|4b|5|5q|5s|6|7)(-mem)? \|", line):
             cells = [c.replace("\\|", "|").strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
             out[cells[0]] = cells
     return out
@@ -368,6 +396,19 @@ def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     assert all(a >= b - 1e-12 for a, b in zip(shares, shares[1:], strict=False))
     speed = by[("5", first)]["data"]
     assert speed["head_scale"] == pytest.approx(2 / 48)
+    # at equal device memory: the admission policies with one copy buffer per layer hold one slot fewer than the rule
+    eq = by[("4a-mem", first)]["data"]["equal_memory"]
+    assert eq["emulation"]["slots"] == {"rule-0.15": 16, "fetch-every-miss": 16, "quality-first": 15,
+                                        "speed-first": 15}
+    sm = by[("5-mem", first)]["data"]["slots"]
+    assert sm["quality-first"] == sm["speed-first"] == sm["fetch-every-miss"] - 1
+    assert by[("4b-mem", first)]["verdict"] == UNTESTABLE  # one domain
+    # row 7: both routing families at the rule's slots, calibrated to its fetched-miss rate in the simulator
+    r7 = by[("7", first)]["data"]
+    for f in ("cache-prior", "cache-route"):
+        cal = r7[f]["calibration"]
+        assert cal["reached"] and abs(cal["rate"] - cal["target"]) <= 0.1 * cal["target"], (f, cal)
+        assert r7[f]["reroutes_per_call"] > 0 and np.isfinite(r7[f]["difference"])
     b = res["columns"][0]["blocks"]
     ws = b["check"]["rule-0.15"]["widths"]
     assert ws[0]["block"] == 1 and b["blocks"] >= 2 and b["block"] >= b["check"]["rule-0.15"]["block"]

@@ -11,6 +11,10 @@ writes docs/findings.md and .json). The package, by job:
 - `rows`: each row's statistics and verdict from plain per-window (or per-segment) arrays: no model runs there;
 - `experiments`: the emulations and simulations that gather those arrays, one column at a time, and each row's
   text; `topic`: finding 4b's topic-switch stream;
+- `memory`: the admission rows at equal device memory (4a-mem, 4b-mem, 5-mem, 5q-mem: Quality-First and
+  Speed-First with a bounded copy pool at the slots the column's budget leaves them);
+- `routing`: row 7, the page's own finding: routing toward residents (Cache-Prior, CACHE_ROUTE, each calibrated
+  to the 0.15 rule's fetched-miss rate) against the rule's substitution at equal device memory;
 - `admission`: admission against the cache size (C/k) on a routing trace (the simulator), and its plot;
 - `render`: the Markdown page from the JSON result; `cli`: the command line, and `stability` (a second build's
   verdicts: rows that differ read "unstable").

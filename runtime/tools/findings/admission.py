@@ -188,7 +188,16 @@ def plot(curves: dict[str, list[dict[str, Any]]], model_ppl: list[dict[str, Any]
         ys = [m[key]["point"] for m in model_ppl]
         err = [[y - m[key]["ci95"][0] for y, m in zip(ys, model_ppl, strict=True)],
                [m[key]["ci95"][1] - y for y, m in zip(ys, model_ppl, strict=True)]]
-        axes[1].errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label="QF - rule" if j == 0 else "SF - FC")
+        axes[1].errorbar(xs, ys, yerr=err, fmt="o", capsize=3,
+                         label=("QF - rule" if j == 0 else "SF - FC") + " (equal slots)")
+        em = [m for m in model_ppl if m.get("equal_memory")]
+        if em:  # the same at equal device memory: hollow markers, shifted right
+            xs = [m["c_over_k"] * (1.06 + 0.03 * j) for m in em]
+            ys = [m["equal_memory"][key]["point"] for m in em]
+            err = [[y - m["equal_memory"][key]["ci95"][0] for y, m in zip(ys, em, strict=True)],
+                   [m["equal_memory"][key]["ci95"][1] - y for y, m in zip(ys, em, strict=True)]]
+            axes[1].errorbar(xs, ys, yerr=err, fmt="o", mfc="none", capsize=3,
+                             label=("QF - rule" if j == 0 else "SF - FC") + " (equal memory)")
     if model_ppl:
         axes[1].axhline(0, color="k", lw=0.8)
         axes[1].set_xscale("log")
@@ -282,10 +291,20 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
         out.append("")
     mp = adm.get("model_ppl") or []
     if mp:
-        out += ["Reference model, perplexity (emulation, per findings column; points, 95% interval): " + "; ".join(
-            f"C/k = {m['c_over_k']:.1f}: QF - rule {m['qf_minus_rule']['point']:+.2f} "
-            f"{fmt_ci(*m['qf_minus_rule']['ci95'])}, SF - first-choice {m['sf_minus_fc']['point']:+.2f} "
-            f"{fmt_ci(*m['sf_minus_fc']['ci95'])}" for m in mp) + ".", ""]
+        em = [m for m in mp if m.get("equal_memory")]  # a result from before the rows at equal memory has none
+        out += ["Reference model, perplexity (emulation, per findings column; points, 95% interval)"
+                + (", at equal slots: " if em else ": ") + "; ".join(
+                    f"C/k = {m['c_over_k']:.1f}: QF - rule {m['qf_minus_rule']['point']:+.2f} "
+                    f"{fmt_ci(*m['qf_minus_rule']['ci95'])}, SF - first-choice {m['sf_minus_fc']['point']:+.2f} "
+                    f"{fmt_ci(*m['sf_minus_fc']['ci95'])}" for m in mp) + ".", ""]
+        if em:
+            out += ["At equal device memory (QF and SF with a pool of copy buffers, at the slots the column's budget "
+                    "leaves them; the rule and first-choice at the column's): " + "; ".join(
+                        f"C/k = {m['c_over_k']:.1f} ({e['copy_buffers']} buffer(s) per layer, QF "
+                        f"{e['slots']['quality-first']} slots, SF {e['slots']['speed-first']}, the rule "
+                        f"{e['slots']['rule-0.15']}): QF - rule {e['qf_minus_rule']['point']:+.2f} "
+                        f"{fmt_ci(*e['qf_minus_rule']['ci95'])}, SF - first-choice {e['sf_minus_fc']['point']:+.2f} "
+                        f"{fmt_ci(*e['sf_minus_fc']['ci95'])}" for m in em for e in (m["equal_memory"],)) + ".", ""]
     return out
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from runtime.core.errors import ArgumentParser, InputError, atomic_write, check_output_path
 from runtime.core.spec import Result
 from runtime.core.threads import configure as configure_threads
-from runtime.tools.findings import admission, stats
+from runtime.tools.findings import admission, memory, stats
 from runtime.tools.findings import experiments as X
 from runtime.tools.findings.experiments import (
     PAPER_EXPERTS,
@@ -43,7 +43,8 @@ from runtime.tools.findings.experiments import (
     regime,
 )
 from runtime.tools.findings.render import to_markdown
-from runtime.tools.findings.rules import UNSTABLE
+from runtime.tools.findings.routing import finding_routing
+from runtime.tools.findings.rules import MEMORY, UNSTABLE
 from runtime.tools.findings.topic import finding_topic
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,20 @@ def run_column(s: Setup, label: str, timings: dict[str, float]) -> tuple[list[Ro
     s.starts, s.blocks = X.choose_blocks(s, main)
     r2a, r2b, r2c = X.finding_mass(s, mp, kept)
     r4a, r5q, r5s = X.finding_admission(s, main)
-    rows = [X.finding_heavy(s, main), r2a, r2b, timed("band", X.finding_band, s), r4a,
-            timed("topic", finding_topic, s), timed("speed", X.finding_speed, s, main), r5q, r5s,
-            timed("generation", X.finding_generation, s), r2c]  # the paper's rows in order, then the page's own
+    # the admission rows again at equal device memory (`memory`), and row 7 (`routing`) at the same memory
+    trace, calib_ids, _ = exact_trace(s, s.eval_text)
+    slots = int(X.caps_and_warm(trace, calib_ids, s.capacity_fraction)[0][0])
+    eq = memory.equal_memory(s, trace, slots)
+    mem = timed("memory", memory.emulate_memory, s, eq, trace.k)
+    r4am, r5qm = memory.finding_admission_memory(s, main, mem, eq)
+    r4bm = (timed("topic-memory", finding_topic, s, "4b" + MEMORY, memory.pooled("quality-first"),
+                  eq["emulation"]["budget_gib"]) if mem else memory.untestable("4b", eq))
+    r5m = (timed("speed-memory", X.finding_speed, s, mem, "5" + MEMORY, memory.speed_policies(eq))
+           if memory.fits(eq, "cost model", trace.k) and mem else memory.untestable("5", eq))
+    r7 = timed("routing", finding_routing, s, main, eq["emulation"]["budget_gib"], slots)
+    rows = [X.finding_heavy(s, main), r2a, r2b, timed("band", X.finding_band, s), r4a, r4am,
+            timed("topic", finding_topic, s), r4bm, timed("speed", X.finding_speed, s, main), r5m, r5q, r5qm, r5s,
+            timed("generation", X.finding_generation, s), r2c, r7]  # the paper's rows in order, then the page's own
     for r in rows:
         r.column = label
     return rows, main["fetch-every-miss"].result
@@ -135,13 +147,21 @@ def power(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 def admission_ppl(rows: Sequence[Row], columns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per column: C/k and admission's perplexity effects with their intervals (Quality-First minus the 0.15 rule,
-    Speed-First minus first-choice; points), from row 4a's data."""
+    Speed-First minus first-choice; points), from row 4a's data; `equal_memory`: the same at equal device memory
+    (row 4a-mem's data: the admission policies with a bounded copy pool, at the slots the budget leaves them)."""
     out = []
     for c in columns:
         d = next(r.data for r in rows if r.id == "4a" and r.column == c["label"])
-        out.append({"column": c["label"], "c_over_k": c["c_over_k"],
-                    "qf_minus_rule": {"point": d["difference"], "ci95": d["ci95"]},
-                    "sf_minus_fc": {k: d["speed_first_minus_first_choice"][k] for k in ("point", "ci95")}})
+        p = {"column": c["label"], "c_over_k": c["c_over_k"],
+             "qf_minus_rule": {"point": d["difference"], "ci95": d["ci95"]},
+             "sf_minus_fc": {k: d["speed_first_minus_first_choice"][k] for k in ("point", "ci95")}}
+        m = next((r.data for r in rows if r.id == "4a" + MEMORY and r.column == c["label"]), {})
+        if "speed_first_minus_first_choice" in m:  # at equal device memory (row 4a-mem)
+            p["equal_memory"] = {"slots": m["equal_memory"]["emulation"]["slots"],
+                                 "copy_buffers": m["equal_memory"]["copy_buffers"],
+                                 "qf_minus_rule": {"point": m["difference"], "ci95": m["ci95"]},
+                                 "sf_minus_fc": {k: m["speed_first_minus_first_choice"][k] for k in ("point", "ci95")}}
+        out.append(p)
     return out
 
 

@@ -118,8 +118,12 @@ class PolicyRun:
 
 
 def emulate_policies(s: Setup, policies: dict[str, PolicyConfig], text: Path, *, mass: bool | Collection[str] = False,
-                     nll: bool = False, max_tokens: int | None | str = "setup") -> dict[str, PolicyRun]:
+                     nll: bool = False, max_tokens: int | None | str = "setup",
+                     budget: dict[str, float] | None = None) -> dict[str, PolicyRun]:
     """Emulate named policies on one text (one exact pass); per-window NLL change, substituted calls, optional mass.
+
+    `budget` ({name: GiB}): those policies run at that device memory (RunSpec.vram_budget_GiB: the slots
+    `capacities_for_budget` gives them on the loaded model's shape) instead of the column's capacity fraction.
 
     With `mass` (True: every policy; a collection: the policies it names), the router's gate weights are recorded
     during each policy run (its trace, `trace_out`) and summed over the calls the decisions mark substituted or
@@ -136,7 +140,9 @@ def emulate_policies(s: Setup, policies: dict[str, PolicyConfig], text: Path, *,
         # the routing the policy run sees; Arrow IPC, uncompressed: a third of the parquet round trip's time
         record = mass if isinstance(mass, bool) else name in mass
         trace_path = s.tmp / f"trace-{i}.arrow" if record else None
-        spec = RunSpec(policy=pol, name=name, capacity_fraction=s.capacity_fraction, model=str(s.model),
+        size = ({"vram_budget_GiB": budget[name]} if budget and name in budget else
+                {"capacity_fraction": s.capacity_fraction})
+        spec = RunSpec(policy=pol, name=name, **size, model=str(s.model),
                        text=str(text), max_tokens=mt, nll_out=str(nll_path), record_decisions=True,
                        trace_out=None if trace_path is None else str(trace_path))
         res = evaluate_group(s.m, [spec], progress=s.progress)[0]
@@ -180,21 +186,25 @@ def exact_trace(s: Setup, text: Path, depth: int | None = None) -> tuple[Any, np
     spec = RunSpec(policy=PRESETS["fetch-every-miss"], capacity_fraction=s.capacity_fraction, model=str(s.model),
                    text=str(text), max_tokens=s.max_tokens)
     ex = exact_pass(s.m, spec)
-    ids, w, rank, _ = hfmodel.record(s.m, ex.windows, depth or s.m.E, spec.batch_windows, s.progress, desc="record")
-    trace = hfmodel.make_trace(s.m, ids, w, rank, ex.windows, ex.sha, "runtime.tools.findings")
+    # the router scores too: Cache-Prior's replay reads them (row 7, `routing`)
+    ids, w, rank, _, _, scores = hfmodel.record_routing(s.m, ex.windows, depth or s.m.E, 0, spec.batch_windows,
+                                                        s.progress, desc="record", scores=True)
+    trace = hfmodel.make_trace(s.m, ids, w, rank, ex.windows, ex.sha, "runtime.tools.findings",
+                               router_scores=scores)
     s.traces[key] = (trace, ex.calib_ids, ex.windows.shape[1])
     return s.traces[key]
 
 
-def caps_and_warm(trace: Any, calib_ids: np.ndarray | None, capacity_fraction: float,
-                  calib_valid: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
-    """Per-layer capacities at `capacity_fraction` and the warm start the emulation uses there (from the
-    calibration ids [T_c, L, k], valid cells `calib_valid` [T_c, L] (default all); cold without them), resolved
-    as every backend resolves a run (runtime/backends/resolve.py)."""
+def caps_and_warm(trace: Any, calib_ids: np.ndarray | None, capacity_fraction: float | None,
+                  calib_valid: np.ndarray | None = None, capacity: int | None = None) -> tuple[np.ndarray, Any]:
+    """Per-layer capacities at `capacity_fraction` (or `capacity` slots per layer) and the warm start the
+    emulation uses there (from the calibration ids [T_c, L, k], valid cells `calib_valid` [T_c, L] (default all);
+    cold without them), resolved as every backend resolves a run (runtime/backends/resolve.py)."""
     from runtime.backends.resolve import IdsSource, resolve
 
-    spec = RunSpec(policy=PRESETS["fetch-every-miss"], trace="the exact pass's routing",
-                   capacity_fraction=capacity_fraction, initial_residency="cold" if calib_ids is None else None)
+    size = {"capacity": int(capacity)} if capacity is not None else {"capacity_fraction": capacity_fraction}
+    spec = RunSpec(policy=PRESETS["fetch-every-miss"], trace="the exact pass's routing", **size,
+                   initial_residency="cold" if calib_ids is None else None)
     run = resolve(spec, IdsSource(trace.L, trace.E, trace.k, calib_ids, calib_valid, source="calibration text"))
     return run.capacities, None if run.initial_residency is None else list(run.initial_residency)
 
@@ -516,7 +526,12 @@ def finding_admission(s: Setup, runs: dict[str, PolicyRun]) -> tuple[Row, Row, R
     return out[0], out[1], out[2]
 
 
-def finding_speed(s: Setup, runs: dict[str, PolicyRun]) -> Row:
+def finding_speed(s: Setup, runs: dict[str, PolicyRun], rid: str = "5",
+                  policies: dict[str, tuple[PolicyConfig, int]] | None = None) -> Row:
+    """Row 5 (`rid`): fetch-every-miss's simulated time per token over Quality-First's and Speed-First's, per host.
+    `policies` ({"quality-first" | "speed-first": (policy, slots per layer)}) replaces those presets (row 5-mem:
+    with a bounded copy pool, at the slots the column's device memory leaves them); `runs` gives the perplexity
+    reported beside."""
     from runtime.backends.simulate import replay
     from runtime.formats import costmodel
 
@@ -526,9 +541,16 @@ def finding_speed(s: Setup, runs: dict[str, PolicyRun]) -> Row:
     hosts = costmodel.list_host_profiles()  # the presets, in name order
     scale = trace.L / PAPER_LAYERS  # the head's share of a token as on the paper's 48-layer model
     n_win = trace.T // W
-    pols = {n: PRESETS[n] for n in ("fetch-every-miss", "quality-first", "speed-first")}
-    events = {n: replay(trace, p, caps, init).events for n, p in pols.items()}  # [T, L, N_EV]
-    data: dict[str, Any] = {"model_shape": shape.name, "head_scale": scale, "layers": trace.L}
+    pols: dict[str, tuple[PolicyConfig, int | None]] = {
+        n: (PRESETS[n], None) for n in ("fetch-every-miss", "quality-first", "speed-first")}
+    pols.update(policies or {})
+    events = {}
+    for n, (p, slots) in pols.items():
+        c, i = (caps, init) if slots is None else caps_and_warm(trace, calib_ids, None, capacity=slots)
+        events[n] = replay(trace, p, c, i).events  # [T, L, N_EV]
+    data: dict[str, Any] = {"model_shape": shape.name, "head_scale": scale, "layers": trace.L,
+                            "slots": {n: int(caps[0]) if sl is None else int(sl) for n, (_, sl) in pols.items()},
+                            "policies": {n: p.label() for n, (p, _) in pols.items()}}
     parts, cis, sub, methods = [], [], [], set()
     for host in hosts:
         raw = costmodel.cost_params(costmodel.load_host_profile(host), shape)
@@ -562,9 +584,14 @@ def finding_speed(s: Setup, runs: dict[str, PolicyRun]) -> Row:
     ours = ("; ".join(parts) + f" (simulated: {shape.name}, head charged {trace.L}/{PAPER_LAYERS}: "
             f"{h0['head_share_all_resident']:.1%} of an all-resident token on {hosts[0]}, uncharged "
             f"{h0['head_share_all_resident_uncharged']:.1%}); perplexity (reported, not tested) " + ", ".join(costs))
-    verdict = RULES["5"].decide([data[h][n]["ci95"] for h in hosts for n in ("quality-first", "speed-first")],
-                                [RULES["5"].claims[0]] * (2 * len(hosts)))[0]
-    return Row("5", ours, "; ".join(cis), verdict,
+    if policies:
+        sl = data["slots"]
+        ours = (f"at equal device memory, fetch-every-miss {sl['fetch-every-miss']} slots per layer, " + ", ".join(
+            f"{'QF' if n == 'quality-first' else 'SF'} ({data['policies'][n]}) {sl[n]}" for n in policies) + ": "
+            + ours)
+    verdict = RULES[rid].decide([data[h][n]["ci95"] for h in hosts for n in ("quality-first", "speed-first")],
+                                [RULES[rid].claims[0]] * (2 * len(hosts)))[0]
+    return Row(rid, ours, "; ".join(cis), verdict,
                sample_text(s, "/".join(sorted(methods)) + " on the cost model's per-window times"), data)
 
 

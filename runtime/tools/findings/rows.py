@@ -183,7 +183,7 @@ def topic_stats(*a: np.ndarray, axis: int = -1) -> dict[str, np.ndarray]:
     return out
 
 
-def topic(starts: np.ndarray, sums: Sequence[np.ndarray], seed: int) -> dict[str, Any]:
+def topic(starts: np.ndarray, sums: Sequence[np.ndarray], seed: int, rid: str = "4b") -> dict[str, Any]:
     """Finding 4b from per-segment sums [S] (TOPIC_KEYS), resampled in blocks of consecutive segments: admission
     helps right after a switch (gap_e < 0) and more than later (dd < 0)."""
     b = [stats.to_blocks(x, starts) for x in sums]
@@ -192,7 +192,7 @@ def topic(starts: np.ndarray, sums: Sequence[np.ndarray], seed: int) -> dict[str
     for k in ("gap_e", "gap_l", "dd"):
         lo, hi, methods[k] = stats.block_ci(b, lambda *a, axis=-1, k=k: topic_stats(*a, axis=axis)[k], seed)
         ci[k] = [lo, hi]
-    v, vs = RULES["4b"].decide([ci["gap_e"], ci["dd"]])
+    v, vs = RULES[rid].decide([ci["gap_e"], ci["dd"]])
     return {**point, **{f"{k}_ci95": c for k, c in ci.items()}, "methods": methods, "verdict": v,
             "claim_verdicts": vs}
 

@@ -26,6 +26,7 @@ paper's claims; `note` carries the paper's own hedge on a claim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -202,5 +203,40 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          (Claim("loss with admission minus without (points), signed by the mass change (x -1 when admission "
                 "lowers the mass)", 1),), per="distinct pair whose mass-change interval excludes 0", own=True),
 )}
+MEMORY = "-mem"  # the suffix of a row measured at equal device memory (`at_equal_memory`)
+EQUAL_SLOTS = " (equal slots)"
+EQUAL_MEMORY = " (equal device memory)"
+
+
+def at_equal_memory(rule: Rule) -> Rule:
+    """The same claim measured at equal device memory: its id with MEMORY, its name saying so."""
+    return dataclasses.replace(rule, id=rule.id + MEMORY, finding=rule.finding + EQUAL_MEMORY)
+
+
+# The admission rows twice: at equal slots (every policy the column's C slots per layer; the id as before) and at
+# equal device memory (the admission policy with a bounded copy pool, at the slots `capacities_for_budget` leaves it
+# at the bytes that hold the 0.15 rule's C; `memory`), each placed after its equal-slots row.
+_ADMISSION = ("4a", "4b", "5", "5q")
+_rows = {}
+for _id, _r in RULES.items():
+    if _id in _ADMISSION:
+        _rows[_id] = dataclasses.replace(_r, finding=_r.finding + EQUAL_SLOTS)
+        _m = at_equal_memory(_r)
+        _rows[_m.id] = _m
+    else:
+        _rows[_id] = _r
+_rows["7"] = Rule(
+    "7", "The page's own finding: routing toward residents against the 0.15 rule's substitution, at equal device "
+    "memory and equal miss rate",
+    "no claim of the paper's: at the same device memory and the same rate of fetched misses, does re-routing the "
+    "selection toward resident experts (Cache-Prior, Skliar et al. arXiv 2412.00099; CACHE_ROUTE, colibri "
+    "docs/CACHE_ROUTE.md; docs/policies.md 'Additions (4)') cost less perplexity than the 0.15 rule's substitution?",
+    "this page (issue 43)",
+    (Claim("Cache-Prior's perplexity change minus the 0.15 rule's (points), lambda calibrated to the rule's "
+           "fetched-miss rate", -1),
+     Claim("CACHE_ROUTE's perplexity change minus the 0.15 rule's (points), its window M calibrated to the rule's "
+           "fetched-miss rate", -1)),
+    own=True)
+RULES = _rows
 PAPER_ROWS = tuple(r for r in RULES if not RULES[r].own)
 OWN_ROWS = tuple(r for r in RULES if RULES[r].own)

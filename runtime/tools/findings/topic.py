@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.core.policy import PRESETS
+from runtime.core.policy import PRESETS, PolicyConfig
 from runtime.tools.findings import rows as R
 from runtime.tools.findings import stats
 from runtime.tools.findings.experiments import Row, Setup, emulate_policies
@@ -96,31 +96,40 @@ def segment_blocks(sums: list[np.ndarray], seed: int) -> tuple[np.ndarray, dict[
     return starts, info
 
 
-def finding_topic(s: Setup) -> Row:
+def finding_topic(s: Setup, rid: str = "4b", quality_first: PolicyConfig | None = None,
+                  budget: float | None = None) -> Row:
+    """Row 4b (`rid`): the 0.15 rule at the column's slots against Quality-First (`quality_first`, default the
+    preset), at the column's slots or, with `budget` (GiB; row 4b-mem), at the slots that device memory leaves it
+    (`capacities_for_budget`, its copy buffers charged)."""
     if len(s.domains) < 2:
-        return Row("4b", "one-domain model: no topic changes", "n/a", UNTESTABLE,
+        return Row(rid, "one-domain model: no topic changes", "n/a", UNTESTABLE,
                    "needs eval_<domain>.txt for >= 2 domains beside the model")
     stream, switches, doms = topic_stream(s, s.m.tokenizer)
     path: Path = s.tmp / "topic_stream.txt"
     path.write_text(stream, encoding="utf-8")
-    runs = emulate_policies(s, {"rule-0.15": PRESETS["rule-0.15"], "quality-first": PRESETS["quality-first"]},
-                            path, nll=True, max_tokens=None)
+    qf_pol = PRESETS["quality-first"] if quality_first is None else quality_first
+    runs = emulate_policies(s, {"rule-0.15": PRESETS["rule-0.15"], "quality-first": qf_pol}, path, nll=True,
+                            max_tokens=None, budget=None if budget is None else {"quality-first": budget})
     rule, qf = runs["rule-0.15"], runs["quality-first"]
     sums = segment_sums(switches, rule.nll - rule.nll_exact, qf.nll - qf.nll_exact, s.early)
     starts, blocks = segment_blocks(sums, s.seed)
-    d = R.topic(starts, sums, s.seed)
+    d = R.topic(starts, sums, s.seed, rid)
     T = rule.nll.shape[0] * rule.window
     n_sw = len(sums[0])
-    ours = (f"{n_sw} switches every ~{s.segment} tokens ({T} tokens); first {s.early} tokens after a switch: 0.15 "
+    slots = ("" if budget is None else f"at equal device memory, the rule {rule.result.capacity[0]} slots per "
+             f"layer, Quality-First ({qf_pol.label()}) {qf.result.capacity[0]}: ")
+    ours = slots + (f"{n_sw} switches every ~{s.segment} tokens ({T} tokens); first {s.early} tokens after a switch: 0.15 "
             f"rule {d['rule_e']:+.2f}%, Quality-First {d['qf_e']:+.2f}% (QF - rule {d['gap_e']:+.2f}); later: rule "
             f"{d['rule_l']:+.2f}%, QF {d['qf_l']:+.2f}% (QF - rule {d['gap_l']:+.2f}); early - later "
             f"{d['dd']:+.2f} points")
     ci95 = (f"(1) QF - rule early {fmt_ci(*d['gap_e_ci95'])}; (2) early - later {fmt_ci(*d['dd_ci95'])} points "
             f"(QF - rule later {fmt_ci(*d['gap_l_ci95'])})")
     d.update({"switches": n_sw, "segment_tokens": s.segment, "early_tokens": s.early, "tokens": T,
-              "domains": sorted(set(doms)), "blocks": blocks})
+              "domains": sorted(set(doms)), "blocks": blocks,
+              "slots": {"rule-0.15": int(rule.result.capacity[0]), "quality-first": int(qf.result.capacity[0])},
+              "quality_first_policy": qf_pol.label()})
     method = "/".join(sorted(set(d["methods"].values())))
     grow = "" if blocks["stopped"] else ", width still growing at the longest length"
-    return Row("4b", ours, ci95, d["verdict"],
+    return Row(rid, ours, ci95, d["verdict"],
                f"{n_sw} topic segments of ~{s.segment} tokens in {blocks['blocks']} blocks of {blocks['block']} "
                f"consecutive segments (length chosen by the data{grow}), {method}, {stats.N_BOOT} resamples", d)
