@@ -24,17 +24,6 @@ if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
 TEXT = (Path(__file__).resolve().parent / "data" / "kernel_source.txt").read_text()[:12000]
 
 
-# The modules that take longest, first: `make test`'s pytest-xdist workers take whole modules in collection order
-# (--dist loadfile), so the long ones start at once and the short ones fill in beside them (docs/testing.md).
-LONGEST_FIRST = ("test_sweep_cluster.py", "test_gpu_checks.py", "test_sweep_local.py", "test_sweep_stop.py",
-                 "test_compile_once.py", "test_package.py", "test_engine.py", "test_contract.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: a module stays whole
-
-
 @pytest.fixture(scope="session")
 def text(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("text") / "t.txt"
