@@ -27,7 +27,7 @@ from runtime.core.threads import configure as configure_threads
 def main(argv: list[str] | None = None) -> None:
     """Run the rows and print their table."""
     configure_threads()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", required=True)
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--capacity-fraction", action="append", default=None)
