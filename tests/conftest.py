@@ -4,12 +4,20 @@ that imports it)."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import pytest
 
+from runtime.core.compiled import cache_root
 from tests.sweep_fixtures import micro_model_fixture  # noqa: F401 - the fixture is used by name
+
+# numba caches the compiled units in $EXPERTSWEEP_CACHE/numba by default (runtime/core/numba_locator.py); tests point
+# EXPERTSWEEP_CACHE at temporary model caches, so the session fixes the folder once, for itself and every process it
+# starts (the Ray nodes, `ray job submit`'s unpacked copies, an installed wheel): one compile per run, not one per
+# temporary cache or copy
+os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root()))
 
 # A runner that ignores SIGTERM hands that on to every process it starts, across exec: the model build, the
 # mlflow server and the Ray nodes the tests stop with SIGTERM would then run on until killed (a CI run saw a

@@ -187,3 +187,49 @@ def test_guard_drops_stale_kernels(tmp_path, monkeypatch):
     (d / "run_layer.y.nbi").write_text("current")
     compiled.guard(UNIT)
     assert (d / "run_layer.y.nbi").exists()
+
+
+def test_the_same_sources_anywhere_load_one_compile(tmp_path):
+    """numba's own locators key a cache on the source file's path, so an installed wheel, each Ray node's unpacked
+    `--working-dir` and every other checkout compiled the kernel again (~85 s of CPU each). UnitCacheLocator
+    (runtime/core/numba_locator.py) keys it on the unit's sources: a copy of runtime/ at another path, its files
+    written now, loads this run's compile (nothing compiled, no cache file written) and passes the golden check;
+    with one kernel file changed its folder is another; without NUMBA_CACHE_DIR the folder is under
+    $EXPERTSWEEP_CACHE/numba; a numba function in any other file is left to numba's own locators."""
+    import shutil
+
+    from runtime.core import compiled
+    from runtime.core.kernel import warmup
+    from runtime.core.units import KERNEL as UNIT
+
+    warmup()  # this process: compiled or loaded, and checked
+    here = compiled.unit_dir(UNIT)
+    before = sorted(p.name for p in here.iterdir())
+    assert any(n.startswith("run_layer.run_layers-") and n.endswith(".nbc") for n in before), before
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(ROOT / "runtime", copy / "runtime", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    where = "; from runtime.core import compiled, units; print(compiled.__file__, compiled.unit_dir(units.KERNEL))"
+    r = subprocess.run([sys.executable, "-c", KERNEL + where], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result, where = r.stdout.strip().splitlines()[-2:]
+    assert json.loads(result) == {"got": kernel_golden(), "compiled": 0}
+    assert where == f"{copy / 'runtime' / 'core' / 'compiled.py'} {here}"
+    assert sorted(p.name for p in here.iterdir()) == before
+    route = copy / "runtime" / "core" / "kernel" / "route.py"
+    route.write_text(route.read_text() + "\n# changed\n")
+    look = ("from runtime.core import compiled; from runtime.core.kernel import run_layer; "
+            "from runtime.core.numba_locator import UnitCacheLocator as L\n"
+            "def other(): pass\n"
+            "f = run_layer.run_layers.py_func\n"
+            "print(L.from_function(f, f.__code__.co_filename).get_cache_path(), L.from_function(other, 'x.py'))")
+    r = subprocess.run([sys.executable, "-c", look], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    changed, other = r.stdout.split()
+    assert Path(changed).parent == here.parent and Path(changed).name.startswith("kernel-") and Path(changed) != here
+    assert other == "None"
+    env = {k: v for k, v in env.items() if k != "NUMBA_CACHE_DIR"} | {"EXPERTSWEEP_CACHE": str(tmp_path / "c")}
+    r = subprocess.run([sys.executable, "-c", look], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert Path(r.stdout.split()[0]) == tmp_path / "c" / "numba" / Path(changed).name

@@ -541,13 +541,13 @@ def test_second_process_loads_the_kernel_from_the_cache():
     # every path warmup takes, decide.py's one call included (it passes `lean` as a runtime bool: a literal False
     # typed Literal[bool](False) compiled a second run_layers signature): one signature
     assert kernel_signatures()["run_layers"] == 1
+    from runtime.core.compiled import cache_dirs
+    from runtime.core.units import KERNEL
+
     root = Path(__file__).resolve().parents[1]
-    cache_dirs = [root / "runtime" / "core" / "kernel" / "__pycache__"]
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        cache_dirs.append(Path(os.environ["NUMBA_CACHE_DIR"]))
 
     def files():
-        return sorted(str(p) for d in cache_dirs if d.is_dir() for p in d.rglob("*.nb[ic]"))
+        return sorted(str(p) for d in cache_dirs(KERNEL) if d.is_dir() for p in d.rglob("*.nb[ic]"))
 
     before = files()
     code = ("import json; from runtime.core.kernel import warmup; from runtime.core.kernel.cache import "

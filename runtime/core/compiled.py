@@ -4,6 +4,9 @@ A *unit* is a set of modules whose numba functions are cached on disk (`@njit(ca
 kernel (runtime/core/kernel/) and the cost model's event replay (runtime/formats/costmodel/timing.py). A
 cached object is code this process did not compile, so before a unit decides anything `ensure(unit)`:
 
+0. (at import) numba caches the unit in one folder per content of its sources, wherever they are
+   (`unit_dir`, runtime/core/numba_locator.py): checkouts, an installed wheel and the folders Ray unpacks a
+   job's working directory into on each node load one compile instead of compiling again;
 1. takes an inter-process lock beside the unit's cache (`filelock`), so N processes starting together (Ray
    workers, a test run beside a sweep) compile once and the others load what it wrote;
 2. runs the source guard: numba keys a cached function on its own file's time stamp only, so when the hash
@@ -27,6 +30,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,16 +60,61 @@ _checked: set[str] = set()  # units checked in this process
 _active: set[str] = set()  # units whose check is running (the fixed case enters the unit's own entry points)
 
 
+LOCATOR_ENV = "NUMBA_CACHE_LOCATOR_CLASSES"
+# numba's own locators, in numba's order, after ours (numba.core.caching names them; the variable replaces its list)
+NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator", "IPythonCacheLocator",
+                  "ZipCacheLocator")
+
+
+def use_unit_cache() -> None:
+    """Put runtime/core/numba_locator.py's `UnitCacheLocator` first in numba's locators (NUMBA_CACHE_LOCATOR_CLASSES,
+    numba's variable for it, so child processes get it too) unless the variable is already set; called by
+    runtime/core/units.py before any unit's function is defined. numba reads the variable when it is imported
+    and whenever it compiles; a numba imported before this re-reads it here."""
+    value = ",".join(["runtime.core.numba_locator.UnitCacheLocator", *NUMBA_LOCATORS])
+    if os.environ.setdefault(LOCATOR_ENV, value) == value and "numba" in sys.modules:
+        from numba.core import config
+
+        config.reload_config()
+
+
+def cache_root() -> Path:
+    """The folder of the units' content-keyed caches: NUMBA_CACHE_DIR when set, else $EXPERTSWEEP_CACHE/numba
+    (default ~/.cache/expertsweep/numba)."""
+    base = os.environ.get("NUMBA_CACHE_DIR")
+    if base:
+        return Path(base)
+    env = os.environ.get("EXPERTSWEEP_CACHE")
+    return (Path(env) if env else Path.home() / ".cache" / "expertsweep") / "numba"
+
+
+def unit_dir(unit: Unit) -> Path:
+    """Where numba caches the unit (runtime/core/numba_locator.py): `cache_root()/<slug>-<16 hex of the sources'
+    hash>`; the same sources anywhere share it, other sources never do."""
+    return cache_root() / f"{unit.slug}-{sources_digest(unit)[:16]}"
+
+
+def unit_of_file(units, py_file: str | Path) -> Unit | None:
+    """The unit whose modules include the file `py_file` (one of `units`), or None."""
+    p = Path(py_file).resolve()
+    for unit in units:
+        if p.parent == unit.package_dir and p.stem + "." in _stems(unit):
+            return unit
+    return None
+
+
 def cache_dirs(unit: Unit) -> list[Path]:
-    """Where numba keeps the unit's cache files: the package's __pycache__ and, with NUMBA_CACHE_DIR set, the
-    folder numba derives from it (numba's documented layout: the source folder's path below the root)."""
+    """Where numba may keep the unit's cache files: the package's __pycache__, with NUMBA_CACHE_DIR set the folder
+    numba's own locator derives from it (numba's documented layout: the source folder's path below the root)
+    (both used where the variable NUMBA_CACHE_LOCATOR_CLASSES leaves our locator out, or `unit_dir` is not
+    writable), and last `unit_dir(unit)`, where `UnitCacheLocator` puts them."""
     out = [unit.package_dir / "__pycache__"]
     base = os.environ.get("NUMBA_CACHE_DIR")
     if base:
         from numba.core.caching import _CacheLocator
 
         out.append(Path(base) / _CacheLocator.get_suitable_cache_subpath(str(unit.package_dir / "x.py")))
-    return out
+    return [*out, unit_dir(unit)]
 
 
 def _stems(unit: Unit) -> tuple[str, ...]:
@@ -94,11 +143,18 @@ def remove_cache_files(unit: Unit) -> int:
     return n
 
 
+_digests: dict[tuple, str] = {}
+
+
 def sources_digest(unit: Unit) -> str:
-    h = hashlib.sha256()
-    for p in unit.sources:
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()
+    """sha256 over the unit's sources (each file's name and bytes, in order); remembered per file time stamps."""
+    stamps = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in unit.sources)
+    if stamps not in _digests:
+        h = hashlib.sha256()
+        for p in unit.sources:
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        _digests[stamps] = h.hexdigest()
+    return _digests[stamps]
 
 
 def guard(unit: Unit) -> None:
@@ -106,8 +162,11 @@ def guard(unit: Unit) -> None:
     `*.tmp.*` files a killed write left in every case); the new hash is stored."""
     digest = sources_digest(unit)
     stems = _stems(unit)
-    for d in cache_dirs(unit):
+    dirs = cache_dirs(unit)
+    for d in dirs:
         stamp = d / f"{unit.slug}-sources.sha256"
+        if d != dirs[-1] and not d.is_dir():
+            continue  # numba's own folders: only those it made
         try:
             for p in d.glob("*.tmp.*") if d.is_dir() else ():
                 if p.name.startswith(stems):
@@ -130,8 +189,9 @@ def guard(unit: Unit) -> None:
 
 
 def lock_path(unit: Unit) -> Path:
-    """The lock file: beside the cache numba writes (NUMBA_CACHE_DIR's folder, else __pycache__); in the
-    temporary folder, named after that folder, when it is not writable."""
+    """The lock file: in `unit_dir(unit)`, where numba writes the unit (so every process with the same sources
+    takes the same lock, wherever its sources are); in the temporary folder, named after that folder, when it is
+    not writable."""
     d = cache_dirs(unit)[-1]
     try:
         d.mkdir(parents=True, exist_ok=True)

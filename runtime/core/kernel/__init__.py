@@ -30,6 +30,7 @@ unreadable cache is removed and compiled again, with one warning).
 
 from __future__ import annotations
 
+import runtime.core.units  # noqa: F401 - numba's cache locator for the compiled units, before any is defined
 from runtime.core.kernel.cache import (
     PolicyCache,
     next_use,

@@ -9,12 +9,10 @@ beside the trace (Belady's next uses, the prefetch's predicted lists) and `warmu
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 from numba import njit
 
-from runtime.core.compiled import Unit, compiled_here, dispatchers, ensure
+from runtime.core.compiled import compiled_here, dispatchers, ensure
 from runtime.core.errors import InputError
 from runtime.core.kernel import evict as ek
 from runtime.core.kernel.plan import (
@@ -29,20 +27,7 @@ from runtime.core.kernel.plan import (
 from runtime.core.kernel.run_layer import F_SUBSTITUTE, run_layers
 from runtime.core.kernel.state import FIELDS, Q_RES, allocate
 from runtime.core.policy import WEIGHT_NORM_CODE, PolicyConfig, kernel_record, pinned_count
-
-_HERE = Path(__file__).resolve().parent
-# the compiled kernel as runtime/core/compiled.py checks it: every module with numba functions (callees first),
-# every source compiled or inlined into them, the fixed case (selfcheck.py) and its golden table
-UNIT = Unit(
-    name="policy kernel",
-    slug="kernel",
-    package_dir=_HERE,
-    modules=tuple(f"runtime.core.kernel.{m}" for m in ("search", "evict", "primitives", "route", "run_layer", "cache",
-                                                     "decide")),
-    sources=(*sorted(_HERE.glob("*.py")), _HERE.parent / "policy.py", _HERE.parent / "compiled.py"),
-    exercise="runtime.core.kernel.selfcheck:exercise",
-    golden=_HERE / "selfcheck.json",
-)
+from runtime.core.units import KERNEL as UNIT
 
 __all__ = ["COUNTER_NAMES", "PolicyCache", "kernel_signatures", "next_use", "predicted_layers", "predicted_lists",
            "warmup"]

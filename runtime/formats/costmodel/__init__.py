@@ -23,6 +23,7 @@ Every public name is importable from here (`from runtime.formats.costmodel impor
 
 from __future__ import annotations
 
+import runtime.core.units  # noqa: F401 - numba's cache locator for the compiled units, before any is defined
 from runtime.formats.costmodel.budget import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from numba import njit
 
-from runtime.core.compiled import Unit, ensure
+from runtime.core.compiled import ensure
+from runtime.core.units import COSTMODEL as UNIT
 from runtime.formats.costmodel.hosts import HostProfile
 from runtime.formats.costmodel.shapes import (
     ModelShape,
@@ -33,18 +33,6 @@ from runtime.formats.costmodel.shapes import (
 
 log = logging.getLogger(__name__)
 
-_HERE = Path(__file__).resolve().parent
-# the compiled replay as runtime/core/compiled.py checks it (selfcheck.py: the fixed case; its golden table: the
-# same replay interpreted by Python)
-UNIT = Unit(
-    name="cost model replay",
-    slug="costmodel",
-    package_dir=_HERE,
-    modules=("runtime.formats.costmodel.timing",),
-    sources=(_HERE / "timing.py", _HERE / "selfcheck.py", _HERE.parents[1] / "core" / "compiled.py"),
-    exercise="runtime.formats.costmodel.selfcheck:exercise",
-    golden=_HERE / "selfcheck.json",
-)
 
 EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
 N_EV = 5  # columns every event array has; EV_LOWBIT and EV_PREFETCH are read when present (kernel: 7)
