@@ -78,6 +78,15 @@ def _log(lg, n_logs, j, t, e, s):
 
 
 @njit(cache=True, inline="always")
+def _index(arr, n, e):
+    """The first position of e in arr[:n], or -1 (cache-aware routing's membership tests)."""
+    for q in range(n):
+        if arr[q] == e:
+            return q
+    return -1
+
+
+@njit(cache=True, inline="always")
 def _fetches(rule, j, wj, tau, tau_high):
     """The miss rule for the miss at rank j with gate weight wj: one branch per rule of RULES (checked at
     import), none falling through to another's."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from runtime.core.kernel.primitives import RT_PRIOR, WN_ALL, WN_TOPK
+from runtime.core.kernel.primitives import RT_PRIOR, WN_ALL, WN_TOPK, _index
 
 
 @njit(cache=True)
@@ -23,12 +23,7 @@ def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
     E = z.shape[0]
     zout = -np.inf  # the best logit outside the model's selection
     for e in range(E):
-        inside = False
-        for j in range(k):
-            if sel[j] == e:
-                inside = True
-                break
-        if not inside and z[e] > zout:
+        if _index(sel, k, e) < 0 and z[e] > zout:
             zout = z[e]
     n = 0
     for j in range(J):
@@ -40,18 +35,9 @@ def _prior_select(z, sel, k, J, lam_d, expert_slot, out):
         ba = 0
         bb = 0.0
         for e in range(E):
-            taken = False
-            for q in range(n):
-                if out[q] == e:
-                    taken = True
-                    break
-            if taken:
-                continue
-            jr = -1  # e's rank in the model's selection
-            for j in range(k):
-                if sel[j] == e:
-                    jr = j
-                    break
+            if _index(out, n, e) >= 0:
+                continue  # taken
+            jr = _index(sel, k, e)  # e's rank in the model's selection
             zt = max(z[e], zout) if jr >= 0 else z[e]
             v = zt + lam_d if expert_slot[e] >= 0 else zt
             a = 1 if jr >= 0 else 0
@@ -94,12 +80,7 @@ def _window_select(rank_row, k, J, Mw, expert_slot, out):
 def _same_set(sel, new, k):
     """new[:k] holds the same experts as sel[:k]."""
     for q in range(k):
-        found = False
-        for j in range(k):
-            if sel[j] == new[q]:
-                found = True
-                break
-        if not found:
+        if _index(sel, k, new[q]) < 0:
             return False
     return True
 
@@ -138,22 +119,11 @@ def _routed_weights(family, z, norm, sel, w, new, k, alpha, out_w):
         return
     r = 0  # the next displaced expert (rank order) whose weight the next replacement takes
     for q in range(k):
-        jq = -1
-        for j in range(k):
-            if sel[j] == new[q]:
-                jq = j
-                break
+        jq = _index(sel, k, new[q])
         if jq >= 0:
             out_w[q] = w[jq]
             continue
-        while True:  # the r-th displaced: sel[r] not in new
-            inside = False
-            for p in range(k):
-                if new[p] == sel[r]:
-                    inside = True
-                    break
-            if not inside:
-                break
+        while _index(new, k, sel[r]) >= 0:  # the r-th displaced: sel[r] not in new
             r += 1
         out_w[q] = alpha * w[r]
         r += 1

@@ -75,6 +75,7 @@ from runtime.core.kernel.primitives import (  # noqa: F401 - F_SUBSTITUTE: Polic
     T_LRU,
     T_S3FIFO,
     _fetches,
+    _index,
     _log,
     _prefetch,
 )
@@ -327,12 +328,7 @@ def run_layer(tok, t0, pol, st, out, lean):
         nrr = 0
         moved = 0.0
         for j in range(k):  # the displaced experts, in rank order
-            inside = False
-            for q in range(k):
-                if rnew[q] == sel[j]:
-                    inside = True
-                    break
-            if not inside:
+            if _index(rnew, k, sel[j]) < 0:
                 nrr += 1
                 moved += w[i, j]
                 acc[sel[j]] += w[i, j]  # (as `candidate` does for a miss not fetched)
