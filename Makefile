@@ -16,11 +16,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-# Two pytest-xdist workers, each test module on one of them (--dist loadfile: a module's fixtures are built once);
-# TEST_WORKERS=0 runs the suite in one process. docs/testing.md gives the timings.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers on two CPUs (the suite waits on subprocesses, servers and Ray about half its time),
+# each test module on one of them (--dist loadfile: a module's fixtures are built once), the longest modules first
+# (--no-loadscope-reorder keeps tests/conftest.py's order); TEST_WORKERS=0 runs the suite in one process.
+# docs/testing.md gives the timings.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check runtime sweep tests scripts
