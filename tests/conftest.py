@@ -41,6 +41,20 @@ LONGEST_FIRST = ("test_sweep_local.py", "test_sweep_cluster.py", "test_findings_
                  "test_reference_cases.py", "test_exact_cli.py", "test_engine.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the controller compiles (or loads and checks) the numba units once before the workers
+    start: a cold compile is ~85 s of CPU, and paid inside whichever test first needs the kernel, beside the other
+    workers' tests, it ran past that test's own time limit (an end-to-end sweep's 240 s) on two CPUs."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return  # a worker (the controller did it), or one process (its first test compiles, as users' runs do)
+    from runtime.core import compiled
+    from runtime.core.kernel import warmup
+    from runtime.core.units import COSTMODEL
+
+    warmup()
+    compiled.ensure(COSTMODEL)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: a module stays whole
