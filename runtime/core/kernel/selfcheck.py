@@ -9,8 +9,12 @@ per layer, every decision and the final residency. `selfcheck.json` (package dat
 independent pure-Python reference (tests/reference.py) gives for the same runs, written by `python -m
 tests.golden` and checked by tests/test_compile_once.py. runtime/core/compiled.py runs the comparison once
 per process before the kernel decides anything (the unit is `runtime.core.kernel.cache.UNIT`). Also the
-engine's one compiled call per layer (decide.py `decide_layer`) on its own fixed case (`decide.exercise`),
-against tests/golden.py's reading of the reference's decisions as a plan row.
+engine's one compiled call per layer (decide.py `decide_layer`, whose cached object carries its own copy of
+run_layers) on its own fixed cases (`decide.exercise`: a tiny one, and this trace under every policy the engine
+sends through that call: each miss rule, fallback, eviction kind, admission, copy buffer, fetch cap, pinning,
+the SLOW and BAD_SCORES returns and the HOST / LOWBIT / DROP plan rows), against tests/golden.py's reading of
+the reference's decisions as plan rows. Every entry point converts its arguments to the signature run here
+(tests/test_compile_once.py checks that production compiles no other).
 """
 
 from __future__ import annotations
