@@ -239,3 +239,80 @@ def test_the_same_sources_anywhere_load_one_compile(tmp_path):
     r = subprocess.run([sys.executable, "-c", look], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert Path(r.stdout.split()[0]) == tmp_path / "c" / "numba" / Path(changed).name
+
+
+# --- the lock, the locator setting and the cache folders: safe whatever the machine gives -----------------------------
+
+
+def test_a_lock_held_elsewhere_is_waited_for_then_the_unit_compiles_in_memory(tmp_path):
+    """Another process holds the unit's lock (here: this one) past EXPERTSWEEP_COMPILE_LOCK_TIMEOUT: the process
+    says so in one WARNING naming the lock file and the wait, compiles the unit in memory (nothing saved), checks it
+    and goes on; a timeout that is not a number is a one-line error naming the variable."""
+    from filelock import FileLock
+
+    from runtime.core import compiled
+    from runtime.core.errors import InputError
+    from runtime.core.units import COSTMODEL as UNIT
+
+    cache = tmp_path / "numba"
+    env = {**_env(cache), compiled.LOCK_TIMEOUT_ENV: "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NUMBA_CACHE_DIR", str(cache))
+        path = compiled.lock_path(UNIT)
+        mp.setenv(compiled.LOCK_TIMEOUT_ENV, "soon")
+        with pytest.raises(InputError, match="EXPERTSWEEP_COMPILE_LOCK_TIMEOUT = 'soon' must be a number"):
+            compiled.lock_timeout_s()
+    with FileLock(str(path)):
+        r = subprocess.run([sys.executable, "-c", COSTMODEL], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["got"] == timing_golden() and got["compiled"] > 0
+    assert r.stderr.count("WARNING") == 1 and f"gave up after 1 s waiting for the compile lock {path}" in r.stderr
+    assert "compiling it in memory" in r.stderr and compiled.LOCK_TIMEOUT_ENV in r.stderr
+    assert not _files(cache, "timing.*.nb[ic]")  # nothing saved
+
+
+def test_the_locator_setting_stays_in_the_process_and_a_users_is_honoured(tmp_path):
+    """Importing the units sets nothing in os.environ (a child process, Python or not, inherits nothing); a user's
+    NUMBA_CACHE_LOCATOR_CLASSES is honoured (numba's own locator picks the folder) with one WARNING that the
+    content key is off, and the guard and the lock cover the folder it picked."""
+    look = ("import os; import runtime.core.kernel, runtime.formats.costmodel; "
+            "print(os.environ.get('NUMBA_CACHE_LOCATOR_CLASSES'))")
+    r = subprocess.run([sys.executable, "-c", look], cwd=ROOT, env=_env(tmp_path / "a"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "None" and "WARNING" not in r.stderr, r.stderr[-2000:]
+    cache = tmp_path / "numba"
+    env = {**_env(cache), "NUMBA_CACHE_LOCATOR_CLASSES": "UserProvidedCacheLocator"}
+    code = COSTMODEL + ("; from runtime.core import units; "
+                        "print(json.dumps([str(d) for d in compiled.cache_dirs(units.COSTMODEL)]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result, dirs = r.stdout.strip().splitlines()[-2:]
+    assert json.loads(result)["got"] == timing_golden()
+    assert r.stderr.count("WARNING") == 1 and "NUMBA_CACHE_LOCATOR_CLASSES=UserProvidedCacheLocator is set" in r.stderr
+    numba_dir, unit_dir = (Path(d) for d in json.loads(dirs))  # numba's own locator's folder, the lock's
+    assert numba_dir != unit_dir and numba_dir.is_relative_to(cache) and unit_dir.parent == cache
+    assert list(numba_dir.glob("timing.*.nbc")) and (numba_dir / "costmodel-sources.sha256").is_file()
+    assert (unit_dir / "costmodel.lock").exists() and not list(unit_dir.glob("*.nb[ic]"))
+
+
+def test_with_nothing_writable_the_units_compile_in_memory(tmp_path):
+    """No NUMBA_CACHE_DIR, EXPERTSWEEP_CACHE and HOME where nothing can be written (below a file: unwritable for
+    root too): the kernel imports, and the cost model's replay compiles in memory with one WARNING naming the folder
+    and why, passes its check, and writes no cache file anywhere (numba's fallback folders included: the
+    package's __pycache__, its user-wide folder)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in _env(tmp_path).items() if k not in ("NUMBA_CACHE_DIR", "EXPERTSWEEP_CACHE")}
+    env |= {"HOME": str(blocker / "home"), "XDG_CACHE_HOME": str(blocker / "xdg")}
+    before = sorted(p.name for p in (ROOT / "runtime" / "formats" / "costmodel").rglob("*.nb[ic]"))
+    code = "import runtime.core.kernel; " + COSTMODEL + "; print(timing._replay_loop.stats.cache_path)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result, path = r.stdout.strip().splitlines()[-2:]
+    assert json.loads(result) == {"got": timing_golden(), "compiled": 1}
+    assert path == "None"  # numba's NullCache: nothing loaded, nothing saved
+    assert r.stderr.count("WARNING") == 1 and "cost model replay: numba cannot save it in " in r.stderr
+    assert str(blocker / "home") in r.stderr and "NotADirectoryError" in r.stderr
+    assert sorted(p.name for p in (ROOT / "runtime" / "formats" / "costmodel").rglob("*.nb[ic]")) == before
