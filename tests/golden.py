@@ -40,6 +40,26 @@ def kernel_golden() -> dict:
         row["resident"] = [sorted(r) for r in ref["final_resident"]]
         out[name] = row
     out["decide"] = decide_golden()
+    out["next_use"] = next_use_golden(c)
+    return out
+
+
+def next_use_golden(c: dict) -> list[dict]:
+    """Belady's next uses per layer of the case (selfcheck.py `_next_uses`, t0 = 3), by their definition: for each
+    valid token t and rank j the next valid token after t selecting the same expert, and each expert's first valid
+    token (None: never)."""
+    from runtime.core.kernel import selfcheck as sc
+
+    t0, out = 3, []
+    for l_ in range(sc.L):
+        ok = [t for t in range(sc.T) if c["valid"][t][l_]]
+        nxt = [[None] * sc.K for _ in range(sc.T)]
+        for t in ok:
+            for j, e in enumerate(c["ids"][t][l_]):
+                later = [u for u in ok if u > t and e in c["ids"][u][l_]]
+                nxt[t][j] = float(t0 + later[0]) if later else None
+        first = [next((float(t0 + t) for t in ok if e in c["ids"][t][l_]), None) for e in range(sc.E)]
+        out.append({"nxt": nxt, "first": first})
     return out
 
 

@@ -78,7 +78,7 @@ def test_kernel_golden_table_is_the_reference():
     stored = json.loads(UNIT.golden.read_text())["expected"]
     ref = kernel_golden()
     assert stored == ref
-    total = {k: sum(layer[k] for n, row in ref.items() if n != "decide" for layer in row["counters"])
+    total = {k: sum(layer[k] for n, row in ref.items() if n not in ("decide", "next_use") for layer in row["counters"])
              for k in selfcheck.COUNTER_KEYS}
     assert all(total[k] > 0 for k in ("hits", "fetches", "substitutions", "drops", "host_computes", "lowbit_computes",
                                       "admissions", "prefetches", "prefetch_used")), total
@@ -316,3 +316,77 @@ def test_with_nothing_writable_the_units_compile_in_memory(tmp_path):
     assert r.stderr.count("WARNING") == 1 and "cost model replay: numba cannot save it in " in r.stderr
     assert str(blocker / "home") in r.stderr and "NotADirectoryError" in r.stderr
     assert sorted(p.name for p in (ROOT / "runtime" / "formats" / "costmodel").rglob("*.nb[ic]")) == before
+
+
+# --- each entry point's check fails on a wrong build of that entry point ------------------------------------------------
+
+# name -> (kernel file, text, its replacement, the kernel modules whose cached code stays valid (they do not call
+# the changed file: their cache files are copied, so only the changed code compiles), what the first difference names)
+MUTATIONS = {
+    "none": ("decide.py", "", "", ("search", "evict", "primitives", "route", "run_layer", "cache", "decide"), None),
+    # the engine's call: a drop under drop_renorm no longer makes the plan slow (the engine then skips the renorm)
+    "decide-drop-renorm-fast": ("decide.py", "c == HOST or c == LOWBIT or (c == DROP and drop_renorm)",
+                                "c == HOST or c == LOWBIT", ("search", "evict", "primitives", "route", "run_layer",
+                                                             "cache"), "decide.threshold-drop-renorm-lfuda.returns["),
+    # the engine's call takes run_layer's lean build for every policy
+    "decide-lean-build": ("decide.py", "run_layers(tok, t0, pol, cs, out, layer, layer < 0)",
+                          "run_layers(tok, t0, pol, cs, out, layer, layer >= 0)",
+                          ("search", "evict", "primitives", "route", "run_layer", "cache"), "decide."),
+    # Belady's next uses count invalid tokens as uses
+    "next_use-counts-invalid": ("cache.py", "        if not valid[i]:\n            continue\n", "",
+                                ("search", "evict", "primitives", "route", "run_layer", "decide"),
+                                ("belady.", "next_use[")),
+    # run_layers swaps its two builds: the lean one for the full policies (a full kernel compile: the slow case)
+    "run_layers-swapped-builds": ("run_layer.py", "if lean:", "if not lean:",
+                                  ("search", "evict", "primitives", "route", "cache"), ""),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_each_entry_points_check_fails_on_a_wrong_build_of_it(tmp_path, mutation):
+    """A copy of runtime/ with one kernel file changed on purpose, in a separate process: the post-load check
+    (`compiled._check`, the fixed cases against the golden table) names a difference in the changed entry point's
+    own cases. The copy's cache holds this checkout's compiled code of the modules that do not call the changed
+    file (numba stamps each file's content: they load), so only the changed code compiles. "none": the same
+    copy unchanged passes (the harness itself is sound)."""
+    import shutil
+
+    from runtime.core import compiled
+    from runtime.core.kernel import warmup
+    from runtime.core.units import KERNEL as UNIT
+
+    warmup()  # this checkout's kernel compiled (or loaded) and checked: its cache files are complete
+    here = compiled.numba_dirs(UNIT)[0]
+    name, old, new, keep, names = MUTATIONS[mutation]
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "runtime", copy / "runtime", ignore=shutil.ignore_patterns("__pycache__"))
+    f = copy / "runtime" / "core" / "kernel" / name
+    if old:
+        text = f.read_text()
+        assert text.count(old) == 1, f"{name}: the mutation's text {old!r} is not there once: update MUTATIONS"
+        f.write_text(text.replace(old, new))
+    env = {**os.environ, "PYTHONPATH": str(copy), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    where = ("from runtime.core import compiled; from runtime.core.units import KERNEL; "
+             "print(compiled.unit_dir(KERNEL), compiled.sources_digest(KERNEL))")
+    r = subprocess.run([sys.executable, "-c", where], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    folder, digest = r.stdout.split()
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    for p in here.iterdir():
+        if p.name.split(".")[0] in keep and p.suffix in (".nbi", ".nbc"):
+            shutil.copy2(p, folder / p.name)
+    (folder / f"{UNIT.slug}-sources.sha256").write_text(digest)
+    check = ("import json; from runtime.core import compiled; from runtime.core.units import KERNEL; "
+             "compiled._active.add(KERNEL.slug); want = json.loads(KERNEL.golden.read_text())['expected']; "
+             "print(json.dumps({'diff': compiled._check(KERNEL, want), 'compiled': compiled.compiled_here(KERNEL)}))")
+    r = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    if names is None:
+        assert got == {"diff": None, "compiled": 0}
+    else:
+        assert got["diff"] is not None and got["diff"].startswith(names) and "raised" not in got["diff"], got
+        assert got["compiled"] > 0

@@ -4,7 +4,8 @@
 numpy) under one policy per miss rule, fallback, eviction kind, admission, prefetch kind, fetch cap, pinned
 hot set and per-layer capacity, through every way a caller enters the compiled code: `PolicyCache.step` on
 the lean and the full specialization of `run_layer`, with a ranking and with router scores, in two chunks;
-`step_layers` (the simulator's call) on both specializations; `next_use` (Belady). It returns every counter
+`step_layers` (the simulator's call) on both specializations; `next_use` (Belady: inside the belady case, and
+its own output on strided views of another dtype, as the simulator passes them). It returns every counter
 per layer, every decision and the final residency. `selfcheck.json` (package data) holds what the
 independent pure-Python reference (tests/reference.py) gives for the same runs, written by `python -m
 tests.golden` and checked by tests/test_compile_once.py. runtime/core/compiled.py runs the comparison once
@@ -195,4 +196,20 @@ def exercise() -> dict:
     c = case()
     out = {name: _run(name, fields, mode, c) for name, (fields, mode) in CASES.items()}
     out["decide"] = decide.exercise()
+    out["next_use"] = _next_uses(c)
+    return out
+
+
+def _next_uses(c: dict) -> list[dict]:
+    """`next_use` per layer on the case's ids and valid flags as the simulator passes them (strided views of the
+    [T, L, ..] arrays, t0 = 3): {"nxt": [T][K], "first": [E]} (inf as None)."""
+    from runtime.core.kernel.cache import next_use
+
+    ids = np.array(c["ids"], np.int64)  # [T, L, K]: another dtype than the kernel's, converted by next_use
+    valid = np.array(c["valid"], np.bool_)  # [T, L]
+    out = []
+    for l_ in range(L):
+        nxt, first = next_use(ids[:, l_], valid[:, l_], E, 3)
+        out.append({"nxt": [[None if np.isinf(x) else float(x) for x in row] for row in nxt],
+                    "first": [None if np.isinf(x) else float(x) for x in first]})
     return out
