@@ -390,3 +390,56 @@ def test_each_entry_points_check_fails_on_a_wrong_build_of_it(tmp_path, mutation
     else:
         assert got["diff"] is not None and got["diff"].startswith(names) and "raised" not in got["diff"], got
         assert got["compiled"] > 0
+
+
+SIGNATURES = """
+import json, sys
+from pathlib import Path
+from runtime.core import compiled
+from runtime.core.units import COSTMODEL, KERNEL
+from runtime.core.kernel import warmup
+
+def signatures():
+    return {d.py_func.__module__ + "." + d.py_func.__name__: sorted(str(s) for s in d.signatures)
+            for unit in (KERNEL, COSTMODEL) for d in compiled.dispatchers(unit)}
+
+warmup()
+compiled.ensure(COSTMODEL)
+out = {"checked": signatures()}
+from runtime.backends.simulate import simulate
+from runtime.core.policy import PolicyConfig
+from runtime.formats.trace.synthetic import synthetic_trace
+trace = synthetic_trace(1200, 3, 32, 4, seed=0)  # the sweep tests' trace
+for fields in ({"rule": "threshold", "tau": 0.15, "beta": 0.1}, {"rule": "fetch_all", "evict": "belady"},
+               {"rule": "first_choice", "evict": "lru", "prefetch": "oracle", "prefetch_n": 2},
+               {"rule": "threshold", "tau": 0.15, "fallback": "drop", "evict": "s3fifo", "copy_buffers": 1},
+               {"rule": "fetch_all", "route": "cache-route", "route_keep": 1, "route_window": 4}):
+    simulate(trace, PolicyConfig(**fields), capacity_fraction=0.5, record_decisions=True)
+out["simulation"] = signatures()
+from runtime import cli
+from runtime.tools.tinyhf import build_tiny
+tmp, text = Path(sys.argv[1]), sys.argv[2]
+model = build_tiny("qwen3_moe", tmp / "e8")
+args = ["--model", str(model), "--text", text, "--policy", "quality-first", "--policy", "host-compute", "--policy",
+        "cache-route", "--window", "24", "--max-tokens", "48", "--capacity", "3", "--json"]
+cli.emulate_main(args)
+out["emulation"] = signatures()
+cli.emulate_main(args + ["--backend", "engine"])
+out["engine"] = signatures()
+print(json.dumps(out))
+"""
+
+
+def test_production_compiles_no_signature_the_check_did_not_run(tmp_path, text):
+    """After the post-load checks, a sweep-sized simulation (Belady's replay, prefetch, routing, decisions kept),
+    an emulation of a tiny model and the engine's CPU run of it (its one compiled call) add no signature to any
+    compiled function of either unit: every entry point converts its arguments to the signature the check ran."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the session's numba cache: the units load, nothing compiles
+    r = subprocess.run([sys.executable, "-c", SIGNATURES, str(tmp_path), str(text)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    checked = got.pop("checked")
+    assert any(checked.values()), checked
+    for where, sigs in got.items():
+        assert sigs == checked, (where, {k: v for k, v in sigs.items() if v != checked[k]})
