@@ -9,7 +9,7 @@ when torch is imported), so it must run before torch is imported in the process;
 changes nothing (measured: docs/performance.md "Threads beside another job"), and `configure` says so
 in a debug log line. Why: with OpenMP's default (active) policy each idle thread spins before it sleeps, so
 beside another job on a 2-core machine a training step waited on threads that were burning the other
-job's core (13 s per step against ~1 s with PASSIVE; issue 34).
+job's core (13 s per step against ~1 s with PASSIVE).
 """
 
 from __future__ import annotations
