@@ -19,7 +19,7 @@ venv: $(STAMP)
 # Two pytest-xdist workers, each test module on one of them (--dist loadfile: a module's fixtures are built once),
 # the longest modules first (--no-loadscope-reorder keeps tests/conftest.py's order); TEST_WORKERS=0 runs the suite
 # in one process. Three workers on two CPUs took longer (1,702 s against 1,460 s) and slowed each end-to-end sweep 2-3x, near its
-# time limit (docs/testing.md gives the timings).
+# time limit (reports/test_suite_runs.md gives the timings).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
