@@ -44,7 +44,7 @@ CAPTURED = ("ffn_moe_logits", "ffn_moe_probs", "ffn_moe_probs_biased", "ffn_moe_
             "ffn_moe_weights_softmax", "ffn_moe_weights_norm", "ffn_moe_weights_scaled")
 # the weights the experts are multiplied with: the last of these the graph built
 APPLIED = ("ffn_moe_weights_scaled", "ffn_moe_weights_norm", "ffn_moe_weights_softmax", "ffn_moe_weights")
-_NAME = re.compile(r"^(%s)-(\d+)$" % "|".join(CAPTURED))
+_NAME = re.compile(r"^(" + "|".join(CAPTURED) + r")-(\d+)$")
 GGML_F32, GGML_F16, GGML_I32 = 0, 1, 26
 _NUMPY = {GGML_F32: np.float32, GGML_F16: np.float16, GGML_I32: np.int32}
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # llama_expert_gating_func_type
@@ -456,4 +456,56 @@ def record_gguf(model_path: str | os.PathLike, text_path: str | os.PathLike, out
     if router_scores and rec.logits is None:
         raise InputError(f"--router-scores: llama.cpp's graph of {info.arch} has no ffn_moe_logits tensor")
     save_trace(trace, out)
+    return out
+
+
+# ---------------------------------------------------------------------------- `expertsweep record --model X.gguf`
+
+# the record flags a GGUF takes (runtime/tools/record.py `main`); any other set to a non-default value is refused
+GGUF_FLAGS = ("model", "text", "out", "depth", "max_tokens", "window", "router_scores", "llamacpp_defaults")
+NOT_FOR_GGUF = {
+    "--lookahead": "llama.cpp's graph has no lookahead router to record",
+    "--dtype": "a GGUF runs in its own tensor types (export another: python -m runtime.tools.gguf_export --dtype)",
+    "--max-memory": "llama.cpp memory-maps the GGUF and holds what it needs",
+    "--device": "llama.cpp's own build decides where it computes",
+    "--batch-windows": "llama.cpp decodes one window per call",
+}
+
+
+def add_flags(p) -> None:
+    """The record command's llama.cpp flag."""
+    p.add_argument("--llamacpp-defaults", action="store_true",
+                   help="with a .gguf model: keep llama.cpp's default context (flash attention auto, F16 KV "
+                        "cache), what its users run; default: flash attention off and an F32 KV cache, with "
+                        "which an F32 GGUF's routing equals the checkpoint's")
+
+
+def refuse_flags(values: dict[str, tuple[object, object]]) -> None:
+    """One-line InputError for the first flag (name -> (value, default)) set away from its default."""
+    for flag, (value, default) in values.items():
+        if value != default:
+            why = NOT_FOR_GGUF.get(flag, "it applies to a Hugging Face checkpoint only")
+            raise InputError(f"{flag} = {value}: does not apply to a .gguf --model (recorded by llama.cpp): {why}")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (ru_maxrss, KiB on Linux), in MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def record_main(p, a, progress: bool = True) -> Path:
+    """`record` with a .gguf `--model` (or `--llamacpp-defaults`): refuse the flags it does not take, record,
+    state the peak RSS on stderr."""
+    import sys
+
+    if not is_gguf_path(a.model):
+        raise InputError(f"--llamacpp-defaults: applies to a .gguf --model only, not {a.model}")
+    refuse_flags({"--" + dest.replace("_", "-"): (value, p.get_default(dest))
+                  for dest, value in vars(a).items() if dest not in GGUF_FLAGS})
+    out = record_gguf(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, progress, a.router_scores,
+                      LlamaSettings(exact=not a.llamacpp_defaults))
+    print(f"expertsweep record: peak RSS {peak_rss_mib():.0f} MiB (this process, llama.cpp included)",
+          file=sys.stderr)
     return out

@@ -6,6 +6,9 @@ progress bar; `--lookahead P` adds the lookahead column (layer l + 1's router ap
 router input, first P ids) that `--prefetch lookahead` replays. `--device cuda` computes on the GPU:
 a model that fits is moved there, a larger one has each layer streamed through it
 (runtime/backends/stream.py's LayerPipe; docs/emulation.md).
+A `--model` ending in `.gguf` is recorded by llama.cpp itself (runtime/tools/llamacpp.py; the extra
+`expertsweep[llamacpp]`): same windows, same columns; flags that only a Hugging Face checkpoint has are
+refused (docs/traces.md, "Recording with llama.cpp").
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from runtime.backends.hfmodel import (
 from runtime.core.errors import ArgumentParser, InputError, check_output_path
 from runtime.core.spec import add_run_flags
 from runtime.formats.trace import save_trace
+from runtime.tools import llamacpp
 
 
 def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike,
@@ -31,7 +35,13 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
                  batch_windows: int = 8, progress: bool = False, lookahead: int = 0, dtype: str = "auto",
                  max_memory: float | str = "auto", device: str | None = None, router_scores: bool = False) -> Path:
     """Record the exact model's routing over a text into `out_path` (.parquet or .arrow); `lookahead` P > 0
-    also records the lookahead lists, `router_scores` every expert's router score (Cache-Prior replays it)."""
+    also records the lookahead lists, `router_scores` every expert's router score (Cache-Prior replays it).
+    A `.gguf` model is recorded by llama.cpp (runtime/tools/llamacpp.py)."""
+    if llamacpp.is_gguf_path(model_dir):
+        llamacpp.refuse_flags({"--lookahead": (lookahead, 0), "--dtype": (dtype, "auto"),
+                               "--max-memory": (max_memory, "auto"), "--device": (device, None)})
+        return llamacpp.record_gguf(model_dir, text_path, out_path, max_tokens, depth, window, progress,
+                                    router_scores)
     out = Path(out_path)
     if out.suffix not in (".parquet", ".arrow"):
         raise InputError(f"--out {out}: use a .parquet or .arrow file name")
@@ -52,7 +62,8 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(prog="python -m runtime.record", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory, or a .gguf file "
+                   "(recorded by llama.cpp: pip install 'expertsweep[llamacpp]')")
     p.add_argument("--text", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--depth", type=int, default=None, help="ranking depth M (default: E, exact)")
@@ -66,7 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda: where the layers compute (default: the host, plainly); "
                    "a model larger than the device is streamed through it layer by layer")
     add_model_flags(p)
+    llamacpp.add_flags(p)
     a = p.parse_args(argv)
+    if llamacpp.is_gguf_path(a.model) or a.llamacpp_defaults:
+        out = llamacpp.record_main(p, a, progress=True)
+        print(out)
+        return
     out = record_trace(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, a.batch_windows, progress=True,
                        lookahead=a.lookahead, dtype=a.dtype, max_memory=a.max_memory,
                        device=a.device, router_scores=a.router_scores)
