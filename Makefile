@@ -7,11 +7,18 @@ STAMP := $(VENV)/.installed
 .PHONY: venv test lint bench model findings families peer-replay pareto mlflow-ui clean
 
 # constraints.txt: the tested versions (pip freeze); pyproject.toml bounds them at the next major
+# The llamacpp extra (recording a .gguf; tests/test_llamacpp.py): the registry has only llama-cpp-python's source,
+# so its wheel is built once (about 13 minutes on 2 cores) into $(WHEEL_CACHE) and found there by every later
+# venv; ../shared/wheels, where a checkout has one, is looked in first (a cache, never required).
+WHEEL_CACHE := $(or $(EXPERTSWEEP_CACHE),$(HOME)/.cache/expertsweep)/wheels
+WHEEL_LINKS := $(if $(wildcard ../shared/wheels/*.whl),--find-links ../shared/wheels) --find-links $(WHEEL_CACHE)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	mkdir -p $(WHEEL_CACHE)
+	$(BIN)/python -m pip wheel -q --no-deps -c constraints.txt $(WHEEL_LINKS) -w $(WHEEL_CACHE) llama-cpp-python
+	$(BIN)/python -m pip install -q -c constraints.txt $(WHEEL_LINKS) -e '.[test,llamacpp]'
 	touch $(STAMP)
 
 venv: $(STAMP)
