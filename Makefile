@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 # constraints.txt: the tested versions (pip freeze); pyproject.toml bounds them at the next major
 # The llamacpp extra (recording a .gguf; tests/test_llamacpp.py): the registry has only llama-cpp-python's source,
-# so its wheel is built once (about 13 minutes on 2 cores) into $(WHEEL_CACHE) and found there by every later
+# so its wheel is built once (a long C++ build) into $(WHEEL_CACHE) and found there by every later
 # venv; ../shared/wheels, where a checkout has one, is looked in first (a cache, never required).
 WHEEL_CACHE := $(or $(EXPERTSWEEP_CACHE),$(HOME)/.cache/expertsweep)/wheels
 WHEEL_LINKS := $(if $(wildcard ../shared/wheels/*.whl),--find-links ../shared/wheels) --find-links $(WHEEL_CACHE)

@@ -8,8 +8,9 @@ recorder's default), the same with llama.cpp's defaults (flash attention auto, F
 the Q8_0 and Q4_0 GGUFs of llama.cpp's own quantizer (the routing their users get). Per setting: cells
 compared, top-k sets equal, differing sets and how many of those are router near-ties, near-tie cells in
 all, the largest probability and gate-weight differences. Without --model: the demo model when it is built
-(make model), else a random checkpoint of the demo's shape (4 layers, 64 experts, top-8). The text: the
-repository's README.md and docs/*.md.
+(make model), else a random checkpoint of the demo's shape (4 layers, 64 experts, top-8). The text:
+tests/data/kernel_source.txt (the tests' frozen text, a former version of the kernel source; the random
+checkpoint's tokenizer is trained on it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+TEXT = ROOT / "tests" / "data" / "kernel_source.txt"
 
 from runtime.formats.trace import load_trace  # noqa: E402
 from runtime.tools.gguf_export import export_gguf, quantize_gguf  # noqa: E402
@@ -50,9 +52,8 @@ def default_model(work: Path) -> tuple[Path, str]:
     demo = model_dir("demo")
     if is_complete(demo):
         return demo, f"the demo model ({demo})"
-    texts = tuple(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     path = build_checkpoint(work / "random-demo-shape", layers=4, hidden=128, experts=64, top_k=8,
-                            moe_intermediate=64, vocab_size=1024, texts=texts)
+                            moe_intermediate=64, vocab_size=1024, texts=(TEXT.read_text(),))
     return path, "a random checkpoint of the demo's shape (4 layers, hidden 128, 64 experts, top-8, routers of " \
                  "logit spread about 2; llamacpp_compare.build_checkpoint)"
 
@@ -67,8 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, what = (Path(a.model), f"{a.model}") if a.model else default_model(work)
-        text = work / "text.txt"
-        text.write_text("\n".join(q.read_text() for q in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]))
+        text = TEXT
         t0 = time.perf_counter()
         hf = load_trace(record_trace(model, text, work / "hf.parquet", a.max_tokens, window=a.window,
                                      router_scores=True, max_memory=8))
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             "near_tie_relative": NEAR_TIE, "hf_record_seconds": round(hf_s, 2), "settings": rows,
             "peak_rss_mib": round(peak_rss_mib())}
     lines = [
-        f"Model: {what}. Text: the repository's README.md and docs/*.md, first {hf.T} tokens in windows of "
+        f"Model: {what}. Text: tests/data/kernel_source.txt, first {hf.T} tokens in windows of "
         f"{a.window}; {hf.L} MoE layers, {hf.E} experts, top-{hf.k}: {hf.T * hf.L} (token, layer) cells per setting.",
         "",
         f"A cell is a router near-tie when the checkpoint's k-th and (k+1)-th probabilities are within {NEAR_TIE} "
