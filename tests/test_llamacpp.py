@@ -158,6 +158,18 @@ def test_flags_llamacpp_does_not_take_are_refused(flag, tmp_path, capsys):
     assert err.count("\n") == 1 and not out.exists()
 
 
+def test_record_trace_refuses_them_too(tmp_path):
+    """The Python API (record_trace) takes a .gguf and refuses the same arguments, before any work."""
+    from runtime.core.errors import InputError
+    from runtime.tools.record import record_trace
+
+    with pytest.raises(InputError, match="--lookahead = 2: does not apply to a .gguf"):
+        record_trace("m.gguf", "t.txt", tmp_path / "o.parquet", lookahead=2)
+    with pytest.raises(InputError, match="--batch-windows = 4: does not apply to a .gguf"):
+        record_trace("m.gguf", "t.txt", tmp_path / "o.parquet", batch_windows=4)
+    assert not (tmp_path / "o.parquet").exists()
+
+
 def test_llamacpp_defaults_needs_a_gguf(tmp_path, capsys):
     code, err = _record(["--model", str(tmp_path), "--text", "t.txt", "--out", str(tmp_path / "o.parquet"),
                          "--llamacpp-defaults"], capsys)

@@ -39,7 +39,8 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
     A `.gguf` model is recorded by llama.cpp (runtime/tools/llamacpp.py)."""
     if llamacpp.is_gguf_path(model_dir):
         llamacpp.refuse_flags({"--lookahead": (lookahead, 0), "--dtype": (dtype, "auto"),
-                               "--max-memory": (max_memory, "auto"), "--device": (device, None)})
+                               "--max-memory": (max_memory, "auto"), "--device": (device, None),
+                               "--batch-windows": (batch_windows, 8)})
         return llamacpp.record_gguf(model_dir, text_path, out_path, max_tokens, depth, window, progress,
                                     router_scores)
     out = Path(out_path)
