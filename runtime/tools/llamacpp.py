@@ -17,7 +17,8 @@ the architecture does, e.g. qwen3moe's renormalisation), ranking = every expert 
 probability (ties: lower id), router scores = `ffn_moe_logits`. Every token's logits are requested
 (otherwise the last layer runs only on the output rows). Flash attention off and an F32 KV cache by
 default (then the routing of an F32 GGUF equals the checkpoint's; `exact=False` keeps llama.cpp's
-defaults). docs/traces.md, "Recording with llama.cpp", has the measured agreement.
+defaults). docs/traces.md, "Recording with llama.cpp", says more; reports/llamacpp_routing.md has the
+measured agreement.
 """
 
 from __future__ import annotations
