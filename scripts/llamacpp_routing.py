@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         f"Model: {what}. Text: tests/data/kernel_source.txt, first {hf.T} tokens in windows of "
         f"{a.window}; {hf.L} MoE layers, {hf.E} experts, top-{hf.k}: {hf.T * hf.L} (token, layer) cells per setting.",
         "",
+        ("A random checkpoint's weights are not a trained model's: how far quantization moves a trained router "
+         "is for a rerun with --model (the demo model is used when built: make model)." if "random" in what else ""),
+        "",
         f"A cell is a router near-tie when the checkpoint's k-th and (k+1)-th probabilities are within {NEAR_TIE} "
         "of the k-th (relative). Probabilities: softmax of each trace's router scores; weights: expert by expert "
         "on cells whose sets agree.",
