@@ -6,6 +6,9 @@ progress bar; `--lookahead P` adds the lookahead column (layer l + 1's router ap
 router input, first P ids) that `--prefetch lookahead` replays. `--device cuda` computes on the GPU:
 a model that fits is moved there, a larger one has each layer streamed through it
 (runtime/backends/stream.py's LayerPipe; docs/emulation.md).
+
+`--routing FILE --routing-format vllm|sglang|sglang-pt|llamacpp-csv|pos-csv --experts E --out T.parquet` imports
+an engine's routing dump instead (runtime/formats/trace/imports.py): a trace without gate weights.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from runtime.backends.hfmodel import (
 from runtime.core.errors import ArgumentParser, InputError, check_output_path
 from runtime.core.spec import add_run_flags
 from runtime.formats.trace import save_trace
+from runtime.formats.trace.imports import add_routing_flags, import_main
 
 
 def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike,
@@ -52,8 +56,8 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(prog="python -m runtime.record", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--text", required=True)
+    p.add_argument("--model")  # --model and --text, or --routing (import_main checks which)
+    p.add_argument("--text")
     p.add_argument("--out", required=True)
     p.add_argument("--depth", type=int, default=None, help="ranking depth M (default: E, exact)")
     add_run_flags(p, ("emulation",), only=("max_tokens", "window", "batch_windows"))  # RunSpec's rows
@@ -66,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda: where the layers compute (default: the host, plainly); "
                    "a model larger than the device is streamed through it layer by layer")
     add_model_flags(p)
+    add_routing_flags(p)
     a = p.parse_args(argv)
+    if import_main(a, {"--model": a.model, "--text": a.text, "--depth": a.depth, "--lookahead": a.lookahead,
+                       "--router-scores": a.router_scores, "--device": a.device, "--max-tokens": a.max_tokens}):
+        return  # --routing: an engine's routing dump imported (runtime/formats/trace/imports.py)
     out = record_trace(a.model, a.text, a.out, a.max_tokens, a.depth, a.window, a.batch_windows, progress=True,
                        lookahead=a.lookahead, dtype=a.dtype, max_memory=a.max_memory,
                        device=a.device, router_scores=a.router_scores)
