@@ -322,15 +322,19 @@ def _llamacpp_csv(where: str, path: Path, num_experts: int, top_k: int | None, s
     layer, expert = vals[:, 0], vals[:, 1]
     starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])  # runs: one (ubatch, layer) each
     runs = np.diff(np.r_[starts, len(layer)])
+    def span(r: int) -> str:
+        return f"lines {int(lines[starts[r]])}-{int(lines[starts[r] + runs[r] - 1])} (layer {int(layer[starts[r]])})"
+
+    how = ""
     if top_k is None:
         top_k = int(runs.min())
+        how = f" (k inferred: the shortest run of one layer's rows, {span(int(np.argmin(runs)))}; give --top-k)"
         logger.info("%s: k = %d, the shortest run of one layer's rows (a one-token step); give --top-k if the dump "
                     "has none", where, top_k)
     bad = _first(runs % top_k != 0)
     if bad is not None:
         r = int(bad[0])
-        raise InputError(f"{where}: lines {int(lines[starts[r]])}-{int(lines[starts[r] + runs[r] - 1])} (layer "
-                         f"{int(layer[starts[r]])}) hold {int(runs[r])} rows, not a multiple of k = {top_k}")
+        raise InputError(f"{where}: {span(r)} hold {int(runs[r])} rows, not a multiple of k = {top_k}{how}")
     layers, rows = _per_layer(where, layer, lines, top_k)
     T = len(rows[0]) // top_k
     idx = np.stack([r.reshape(T, top_k) for r in rows], axis=1)  # [T, L, k] row indices
