@@ -26,8 +26,7 @@ from runtime.backends.hfmodel import (
 )
 from runtime.core.errors import ArgumentParser, InputError, check_output_path
 from runtime.core.spec import add_run_flags
-from runtime.formats.trace import save_trace
-from runtime.formats.trace.imports import add_routing_flags, import_main
+from runtime.formats.trace import add_routing_flags, import_main, save_trace
 
 
 def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike,
