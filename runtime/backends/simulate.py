@@ -78,8 +78,8 @@ def check_gate_weights(policy: PolicyConfig, trace: Trace) -> None:
         field, why = readers[0]
         raise InputError(f"policy {policy.label()!r} needs the trace column topk_weights (gate weights), which this "
                          f"trace ({trace.meta.source or 'imported routing'}) lacks: {field} = {getattr(policy, field)!r}"
-                         f" ({why}); without gate weights use fetch-every-miss, host-compute or first_choice / "
-                         f"fetch_cap with fallback host, any eviction, prefetch, no beta, no route")
+                         f" ({why}); without gate weights: fetch_all, or first_choice / substitute_all / a fetch "
+                         f"cap with fallback host; any eviction, prefetch oracle; no beta, no route")
 
 
 def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_residency,
