@@ -271,12 +271,25 @@ def _bad_files(tmp: Path) -> list[tuple[str, Path, list[str], str]]:
         ("llamacpp-csv", write("layers.csv", "\n".join(csv[:line_of_first_layer1 - 1]
                                                       + csv[line_of_first_layer1 - 1 + 4 * 10:]) + "\n"), [],
          r"layers\.csv: layer 0 has 30 tokens but layer 1 has 20 \(ragged"),
+        ("llamacpp-csv", write("ubatch.csv", _shifted_ubatch(ids)), ["--top-k", "4"],
+         r"ubatch\.csv: lines 14-21 \(layer 1\) hold 2 token\(s\) where layer 0's matching ubatch holds 3 "
+         r"\(each ubatch lists every MoE layer with the same tokens\)"),
         ("pos-csv", write("missing.csv", "\n".join(pos_rows[:4] + [pos_rows[4].rsplit(",", 1)[0]] + pos_rows[5:]) + "\n"),
          [], r"missing\.csv: line 5 has 5 fields, expected 6"),
         ("pos-csv", write("pos.csv", "\n".join(pos_rows[:T + 3] + ["7" + pos_rows[T + 3][pos_rows[T + 3].index(","):]]
                                                 + pos_rows[T + 4:]) + "\n"), [],
          rf"pos\.csv: line {T + 4}: token 2 of layer 1 has pos 7, but layer 0's token 2 \(line 4\) has pos 2"),
     ]
+
+
+def _shifted_ubatch(ids: np.ndarray) -> str:
+    """Two layers, two ubatches of 3 tokens; layer 1 moves a token from its first ubatch to its second (the totals
+    agree, the ubatches do not)."""
+    rows = ["layer,expert"]
+    for t0, t1, shift in ((0, 3, 1), (3, 6, -1)):
+        rows += [f"0,{e}" for t in range(t0, t1) for e in ids[t, 0]]
+        rows += [f"1,{e}" for t in range(t0, t1 - shift) for e in ids[t, 1]]
+    return "\n".join(rows) + "\n"
 
 
 def test_bad_files_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):

@@ -336,6 +336,18 @@ def _llamacpp_csv(where: str, path: Path, num_experts: int, top_k: int | None, s
         r = int(bad[0])
         raise InputError(f"{where}: {span(r)} hold {int(runs[r])} rows, not a multiple of k = {top_k}{how}")
     layers, rows = _per_layer(where, layer, lines, top_k)
+    # one ubatch lists every layer with the same tokens: the i-th run of every layer has the same length
+    first = runs[layer[starts] == layers[0]]  # layer 0's runs' lengths, one per ubatch
+    for lay in layers[1:]:
+        mine = np.flatnonzero(layer[starts] == lay)  # this layer's runs
+        n = min(len(mine), len(first))
+        bad = _first(runs[mine[:n]] != first[:n])
+        i = int(bad[0]) if bad is not None else (n if len(mine) != len(first) else None)
+        if i is not None:
+            r = int(mine[min(i, len(mine) - 1)])
+            theirs = int(first[i]) // top_k if i < len(first) else 0
+            raise InputError(f"{where}: {span(r)} hold {int(runs[r]) // top_k} token(s) where layer {int(layers[0])}'s "
+                             f"matching ubatch holds {theirs} (each ubatch lists every MoE layer with the same tokens)")
     T = len(rows[0]) // top_k
     idx = np.stack([r.reshape(T, top_k) for r in rows], axis=1)  # [T, L, k] row indices
     ids = expert[idx]
