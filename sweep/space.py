@@ -426,15 +426,23 @@ def without_gate_weights(spec: dict[str, Any], where: str = "space", limit: int 
         space = parse_space(spec, where)
         axes = [(p.name, p.values() if p.kind in ("fixed", "choice") else (p.low,) + ((None,) if p.off else ()))
                 for p in space.params if p.name not in CAPACITY_FIELDS]
-        if math.prod(len(v) for _, v in axes) > limit:
-            raise InputError(f"{where}: more than {limit} combinations to check against a trace without gate "
-                             f"weights; fix some parameters")
+
+        def draws(i: int, on: dict[str, Any]):  # noqa: ANN202 - what trials draw: in draw order, each parameter
+            if i == len(axes):  # drawn only when active given those before it (Space.sample)
+                yield dict(on)
+                return
+            name, values = axes[i]
+            if not _active(name, on):
+                yield from draws(i + 1, on)
+                return
+            for v in values:
+                yield from draws(i + 1, {**on, name: v})
+
         used, bad = set(), 0  # (name, value) in a weight-free point; points that read weights
-        for combo in itertools.product(*(v for _, v in axes)):
-            on: dict[str, Any] = {}  # what a trial draws: in draw order, each parameter active given those before
-            for (n, _), v in zip(axes, combo, strict=True):
-                if _active(n, on):
-                    on[n] = v
+        for count, on in enumerate(draws(0, {})):
+            if count == limit:
+                raise InputError(f"{where}: more than {limit} policies to check against a trace without gate "
+                                 f"weights; fix some parameters")
             active.update(on)
             if reads(on):
                 bad += 1
