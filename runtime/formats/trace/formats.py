@@ -1,7 +1,8 @@
 """Router traces on disk: the in-memory `Trace`, its file formats and the validation of every loaded trace.
 
 A trace records, for every token of a stream and every traced MoE layer, the router's top-k
-selection (in router order), the gate weights the model applied, and the first M entries of the
+selection (in router order), the gate weights the model applied (or none: `TraceMeta.gate_weights` False, routing
+ids imported from an engine's dump by imports.py), and the first M entries of the
 candidate ranking (M >= k; M = E keeps it exact); optionally a lookahead list per token and layer
 (the first P ids of layer l + 1's router applied to layer l's router input, for prefetch), and
 optionally the router scores of every expert (`router_scores`, float32 [T, L, E]: the logits of a softmax
