@@ -9,6 +9,9 @@ a model that fits is moved there, a larger one has each layer streamed through i
 A `--model` ending in `.gguf` is recorded by llama.cpp itself (runtime/tools/llamacpp.py; the extra
 `expertsweep[llamacpp]`): same windows, same columns; flags that only a Hugging Face checkpoint has are
 refused (docs/traces.md, "Recording with llama.cpp").
+
+`--routing FILE --routing-format vllm|sglang|sglang-pt|llamacpp-csv|pos-csv --experts E --out T.parquet` imports
+an engine's routing dump instead (runtime/formats/trace/imports.py): a trace without gate weights.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from runtime.backends.hfmodel import (
 )
 from runtime.core.errors import ArgumentParser, InputError, check_output_path
 from runtime.core.spec import add_run_flags
-from runtime.formats.trace import save_trace
+from runtime.formats.trace import add_routing_flags, import_main, save_trace
 from runtime.tools import llamacpp
 
 
@@ -63,9 +66,9 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(prog="python -m runtime.record", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory, or a .gguf file "
-                   "(recorded by llama.cpp: pip install 'expertsweep[llamacpp]')")
-    p.add_argument("--text", required=True)
+    p.add_argument("--model", help="a Hugging Face checkpoint directory, or a .gguf file (recorded by llama.cpp: "
+                   "pip install 'expertsweep[llamacpp]'); --model and --text, or --routing (import_main checks which)")
+    p.add_argument("--text")
     p.add_argument("--out", required=True)
     p.add_argument("--depth", type=int, default=None, help="ranking depth M (default: E, exact)")
     add_run_flags(p, ("emulation",), only=("max_tokens", "window", "batch_windows"))  # RunSpec's rows
@@ -79,7 +82,12 @@ def main(argv: list[str] | None = None) -> None:
                    "a model larger than the device is streamed through it layer by layer")
     add_model_flags(p)
     llamacpp.add_flags(p)
+    add_routing_flags(p)
     a = p.parse_args(argv)
+    if import_main(a, {"--model": a.model, "--text": a.text, "--depth": a.depth, "--lookahead": a.lookahead,
+                       "--router-scores": a.router_scores, "--device": a.device, "--max-tokens": a.max_tokens,
+                       "--llamacpp-defaults": a.llamacpp_defaults}):
+        return  # --routing: an engine's routing dump imported (runtime/formats/trace/imports.py)
     if llamacpp.is_gguf_path(a.model) or a.llamacpp_defaults:
         out = llamacpp.record_main(p, a, progress=True)
         print(out)
