@@ -415,23 +415,38 @@ def resolve_vram_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
 
 
 def fit_to_trace(cfg: SweepConfig) -> SweepConfig:
-    """A sweep of a trace without gate weights (imported routing ids, docs/traces.md): the space without the
-    values and parameters with which every policy reads gate weights (`sweep.space.without_gate_weights`) and the
-    named baselines without the presets that read them, said in one logged line; unchanged for a trace with
-    gate weights, a synthetic one or a model's (recorded with weights)."""
+    """A sweep of a trace file: the space without what the trace cannot replay, said in one logged line.
+    Without gate weights (imported routing ids, docs/traces.md): the values and parameters with which every
+    policy reads gate weights (`sweep.space.without_gate_weights`) and the named baselines that read them.
+    Without a lookahead column (an import, or a recording without `--lookahead`): `prefetch: lookahead`.
+    Unchanged for a complete trace, a synthetic one or a model's (recorded with what the space needs)."""
     if not isinstance(cfg.trace, str):
         return cfg
     from runtime.core.policy import gate_weight_readers
     from runtime.formats.trace import load_trace
 
-    if load_trace(cfg.trace).meta.gate_weights:
+    trace = load_trace(cfg.trace)
+    spec, notes, baselines, lacks = cfg.space_spec, [], cfg.baseline_policies, []
+    where = f"{cfg.source}: space (trace {Path(cfg.trace).name}"
+    if not trace.meta.gate_weights:
+        lacks.append("no gate weights")
+        spec, notes = without_gate_weights(spec, where + " has no gate weights)")
+        baselines = tuple(n for n in cfg.baseline_policies if not gate_weight_readers(PRESETS[n]))
+        if not baselines:
+            raise InputError(f"{cfg.source}: baselines {list(cfg.baseline_policies)}: every one reads gate weights, "
+                             f"which the trace {cfg.trace} lacks (name fetch-every-miss or host-compute)")
+    prefetch = spec.get("prefetch")
+    if trace.lookahead is None and isinstance(prefetch, dict) and "lookahead" in prefetch.get("choices", ()):
+        kept = [v for v in prefetch["choices"] if v != "lookahead"]
+        if not kept:
+            raise InputError(f"{where}): prefetch = {prefetch!r}: the trace has no lookahead column (record it with "
+                             f"--lookahead P, or choose oracle / off)")
+        spec = {**spec, "prefetch": {**prefetch, "choices": kept}}
+        lacks.append("no lookahead column")
+        notes = [*notes, "prefetch lookahead (no lookahead column)"]
+    if not lacks:
         return cfg
-    where = f"{cfg.source}: space (trace {Path(cfg.trace).name} has no gate weights)"
-    spec, notes = without_gate_weights(cfg.space_spec, where)
-    baselines = tuple(n for n in cfg.baseline_policies if not gate_weight_readers(PRESETS[n]))
-    if not baselines:
-        raise InputError(f"{cfg.source}: baselines {list(cfg.baseline_policies)}: every one reads gate weights, which "
-                         f"the trace {cfg.trace} lacks (name fetch-every-miss or host-compute)")
+    where += f" has {' and '.join(lacks)})"
     dropped = [n for n in cfg.baseline_policies if n not in baselines]
     log.warning("%s: left out of the search: %s%s", where, ", ".join(notes) or "nothing",
                 f"; baselines {', '.join(dropped)}" if dropped else "")

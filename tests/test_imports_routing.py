@@ -489,11 +489,13 @@ def test_a_sweep_on_a_weightless_trace_leaves_the_weight_reading_dimensions_out(
     assert len(lines) == 1 and "has no gate weights" in lines[0], lines
     for left_out in ("rule = threshold", "tau", "beta other than off", "admission_delay", "route = cache-prior",
                      "route_lambda", "fallback = substitute", "fallback = lowbit", "lowbit_bits",
+                     "prefetch lookahead (no lookahead column)",
                      "baselines rule-0.15, first-choice, substitute-all, quality-first, speed-first"):
         assert left_out in lines[0], (left_out, lines[0])
     assert fit.baseline_policies == ("fetch-every-miss", "host-compute")
     assert fit.space["rule"].values() == ("first_choice", "substitute_all", "fetch_all")
     assert fit.space["fallback"].values() == ("host",) and fit.space["beta"].values() == (None,)
+    assert fit.space["prefetch"].values() == ("off", "oracle")  # an import has no lookahead column to replay
     assert not {"tau", "admission_delay", "route_lambda", "route_window", "lowbit_bits"} & set(fit.space.names)
     assert {"evict", "gamma", "half_life", "prefetch", "capacity_fraction"} - {"capacity_fraction"} <= set(
         fit.space.searched())
@@ -511,9 +513,18 @@ def test_a_sweep_on_a_weightless_trace_leaves_the_weight_reading_dimensions_out(
     by_fraction = {k: v for k, v in space.items() if k != "vram_budget_GiB"} | {"capacity_fraction": 0.25}
     frac = sweep_config.from_dict({**base, "space": by_fraction, "trace": str(tmp_path / "ids.parquet")}, "demo.yaml")
     assert "tau" not in sweep_config.fit_to_budget(frac, None).space.names and "tau" in frac.space.names
-    save_trace(synthetic_trace(20, 2, E, K, seed=0), tmp_path / "w.parquet")
+    save_trace(synthetic_trace(20, 2, E, K, seed=0, lookahead_depth=K), tmp_path / "w.parquet")
     weighted = sweep_config.from_dict({**base, "trace": str(tmp_path / "w.parquet")}, "demo.yaml")
     assert sweep_config.fit_to_trace(weighted) is weighted
+    # a weighted trace recorded without --lookahead: only prefetch lookahead is left out, said in one line
+    save_trace(synthetic_trace(20, 2, E, K, seed=0), tmp_path / "nolook.parquet")
+    no_look = sweep_config.from_dict({**base, "trace": str(tmp_path / "nolook.parquet")}, "demo.yaml")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sweep.config"):
+        fit = sweep_config.fit_to_trace(no_look)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sweep.config"]
+    assert len(lines) == 1 and lines[0].endswith("left out of the search: prefetch lookahead (no lookahead column)")
+    assert fit.space["prefetch"].values() == ("off", "oracle") and fit.space["tau"] == no_look.space["tau"]
     none = sweep_config.from_dict(base, "demo.yaml")
     assert sweep_config.fit_to_trace(none) is none
 
