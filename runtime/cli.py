@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str, int | None, str | None, str]] = {
                 "exact perplexity of a checkpoint under policies, or decoded by the engine "
                 "(python -m runtime.emulate)"),
     "record": ("runtime.tools.record", "main", logging.WARNING, None,
-               "record a checkpoint's router trace over a text (python -m runtime.record)"),
+               "record a checkpoint's router trace over a text, or a .gguf's by llama.cpp (python -m runtime.record)"),
     "findings": ("runtime.tools.findings", "main", logging.INFO, "%(name)s: %(message)s",
                  "the paper's findings on a checkpoint, with intervals (python -m runtime.findings)"),
     "model": ("runtime.tools.tinymodel", "main", None, None,

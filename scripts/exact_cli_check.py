@@ -1,4 +1,4 @@
-"""Engine == emulation from the command line, every preset in its own processes (issue 41, deliverable 4).
+"""Engine == emulation from the command line, every preset in its own processes (the exact-equality check).
 
     python scripts/exact_cli_check.py [--model DIR] [--text FILE] [--max-tokens 4096] [--window 256]
                                       [--capacity-fraction 0.25] [--policies all|P1,P2] [--device cpu]

@@ -487,7 +487,7 @@ def test_one_device_read_per_layer_and_no_float64_on_the_device(pair, monkeypatc
     assert f64 == []
 
 
-BUDGET_POLICIES = {  # issue 40: a bounded copy pool (B buffers per layer), with admission, prefetch and low-bit copies
+BUDGET_POLICIES = {  # a bounded copy pool (B buffers per layer), with admission, prefetch and low-bit copies
     "quality-first-buffers1-d2": replace(PRESETS["quality-first"], beta=0.05, admission_delay=2, copy_buffers=1),
     "lookahead-beta-buffers2": PolicyConfig(rule="threshold", tau=0.15, prefetch="lookahead", prefetch_n=3, beta=0.05,
                                             copy_buffers=2),

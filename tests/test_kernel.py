@@ -533,7 +533,7 @@ def test_calibrated_capacities_need_counts():
 def test_second_process_loads_the_kernel_from_the_cache():
     """warmup() compiles (or loads) the kernel here; a second process with the same numba cache then compiles
     nothing (its dispatchers report no cache miss) and adds no cache file. A closure over a dispatcher (the
-    former run_layers) or a strided signature compiled again in every process (docs/performance.md)."""
+    former run_layers) or a strided signature compiled again in every process (reports/compile_once.md)."""
     from runtime.core.kernel import warmup
     from runtime.core.kernel.cache import kernel_signatures
 

@@ -37,6 +37,7 @@ from runtime.core.policy import (
     PRESETS,
     PolicyConfig,
     add_policy_flags,
+    gate_weight_readers,
     policies_from_flags,
 )
 from runtime.core.spec import (
@@ -68,10 +69,24 @@ def layer_major(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
                   (trace.valid, np.bool_)))
 
 
+def check_gate_weights(policy: PolicyConfig, trace: Trace) -> None:
+    """A trace without gate weights (imported routing ids, TraceMeta.gate_weights False) replays only the policies
+    that read none (runtime/core/policy.py GATE_WEIGHT_READERS): any other is a one-line InputError naming the
+    policy, the field that reads them and the missing column."""
+    readers = [] if trace.meta.gate_weights else gate_weight_readers(policy)
+    if readers:
+        field, why = readers[0]
+        raise InputError(f"policy {policy.label()!r} needs the trace column topk_weights (gate weights), which this "
+                         f"trace ({trace.meta.source or 'imported routing'}) lacks: {field} = {getattr(policy, field)!r}"
+                         f" ({why}); without gate weights: fetch_all, or first_choice / substitute_all / a fetch "
+                         f"cap with fallback host; any eviction, prefetch oracle; no beta, no route")
+
+
 def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_residency,
            decisions: bool = False) -> Replay:
     """Run the kernel over every layer of a trace (layers are independent caches)."""
     T, L = trace.T, trace.L
+    check_gate_weights(policy, trace)
     first_use, nxt = None, None
     if policy.evict == "belady":
         first_use, nxt = [], np.zeros((L, T, trace.k))

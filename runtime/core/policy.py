@@ -353,6 +353,29 @@ def kernel_record(policy: PolicyConfig) -> np.ndarray:
 PARAM_BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 
 
+# What reads a trace's gate weights (`topk_weights`) or its ranking below the top-k, by the policy field that turns
+# it on: (field, when, what reads them). run_layer.py reads a weight only in the miss rule's comparison with tau,
+# in a non-fetched miss's fallback (its mass; a substitute also walks the ranking past k), in the admission
+# accumulators and in cache-aware routing; fetch-every-miss, every eviction kind, the fetch cap with fallback host,
+# pinning, capacity allocation and prefetch (oracle, or lookahead from its own column) read ids only. A trace
+# without gate weights (TraceMeta.gate_weights False: routing imported from an engine's dump,
+# runtime/formats/trace/imports.py) replays exactly the policies for which none applies (docs/traces.md).
+GATE_WEIGHT_READERS: tuple[tuple[str, Callable[[PolicyConfig], bool], str], ...] = (
+    ("rule", lambda p: p.rule in ("threshold", "band"), "the rule compares each miss's gate weight with tau"),
+    ("fallback", lambda p: p.fallback in ("substitute", "drop", "lowbit") and not (p.rule == "fetch_all"
+                                                                                  and p.fetch_cap is None),
+     "a miss that is not fetched is substituted (from the ranking past k), dropped or computed low-bit, its gate "
+     "weight counted as lost mass (fallback host reads none)"),
+    ("beta", lambda p: p.beta is not None, "admission accumulates the gate weights of the misses not fetched"),
+    ("route", lambda p: p.route != "off", "cache-aware routing recomputes and moves gate weights"),
+)
+
+
+def gate_weight_readers(policy: PolicyConfig) -> list[tuple[str, str]]:
+    """(field, what reads the weights) for every part of `policy` that reads gate weights; [] when none does."""
+    return [(name, why) for name, applies, why in GATE_WEIGHT_READERS if applies(policy)]
+
+
 PRESETS: dict[str, PolicyConfig] = {
     "fetch-every-miss": PolicyConfig(rule="fetch_all"),
     "rule-0.15": PolicyConfig(rule="threshold", tau=0.15),

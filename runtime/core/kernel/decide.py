@@ -25,7 +25,7 @@ binding (`address_table`) from which it rebuilds every array as a view (`carray`
 (a record scalar alone costs ~4 us to unbox) and the call's constants included, and calls `decide_row`.
 The table points into arrays its maker keeps alive.
 
-Module-level `@njit(cache=True)` functions only, each name unique in the project (the cache's rules);
+Module-level `@njit(cache=True)` functions only, each name unique in the project (the compile cache's rules);
 `exercise()` runs the call on fixed cases for the post-load check: a tiny one, and selfcheck.py's trace under
 every policy the engine sends through this call (DECIDE_CASES).
 """
