@@ -33,7 +33,9 @@ COSTMODEL = ("import json, logging; logging.basicConfig(level=logging.WARNING); 
 
 
 def _env(cache: Path) -> dict:
-    return {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    # a cold kernel compile on a loaded machine can take minutes of wall time: the processes that wait for it here
+    # must not give up on the lock (EXPERTSWEEP_COMPILE_LOCK_TIMEOUT, default 300 s) and compile in memory
+    return {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), "EXPERTSWEEP_COMPILE_LOCK_TIMEOUT": "900"}
 
 
 def _start(code: str, cache: Path) -> subprocess.Popen:
