@@ -1,0 +1,210 @@
+"""llama.cpp's expert cache (one shared LRU pool) and its `-ncmoe` layer split (docs/policies.md, Additions (5)).
+
+The compiled pool (runtime/core/kernel/shared_pool.py, driven by runtime/core/llamacpp_cache.py) and the split
+against tests/reference_llamacpp.py on random traces, driven every way a backend drives them (one call over the
+trace, layer-major chunks, any interleaving of the layers' steps); two constructed traces on which the shared
+LRU and the per-layer LRU at the same memory differ, each way round, with the counts worked by hand; the
+policy fields' errors and presets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.core.errors import InputError
+from runtime.core.kernel import EV_DEV, EV_FETCH, EV_HOST, N_EV, PolicyCache
+from runtime.core.llamacpp_cache import LayerSplitCache, SharedPoolCache, cache_for, ncmoe_layers
+from runtime.core.policy import PRESETS, PolicyConfig
+from tests.reference_llamacpp import ncmoe_reference, shared_pool_reference
+
+LRU = PRESETS["llamacpp-lru"]
+NCMOE = PRESETS["llamacpp-ncmoe"]
+
+
+def random_trace(seed: int, T: int, L: int, E: int, k: int, invalid: float = 0.05):
+    """ids int32 [T, L, k] (distinct per cell, skewed toward low ids), valid bool [T, L]."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, E + 1) ** 1.1
+    p /= p.sum()
+    ids = np.stack([np.stack([rng.choice(E, size=k, replace=False, p=p) for _ in range(L)]) for _ in range(T)])
+    valid = rng.random((T, L)) >= invalid
+    return ids.astype(np.int32), valid
+
+
+def warm(ids, E, caps):
+    """Each layer's C_l most selected experts (ties lower id): the warm start's rule."""
+    out = []
+    for l_, c in enumerate(caps):
+        counts = np.bincount(ids[:, l_].ravel(), minlength=E)
+        out.append(np.lexsort((np.arange(E), -counts))[:c].astype(np.int32))
+    return out
+
+
+def drive(cache, ids, valid, how: str, seed: int = 0):
+    """kind, served, slot [T, L, k] and events [T, L, N_EV] from the cache driven `how`: `layers` (step_layers),
+    `chunks` (layer-major chunks of random sizes, every layer the same chunk: the emulation), `any` (random
+    interleaving: a random layer gets its next 1..5 tokens), `tokens` (one token at a time, layers in order)."""
+    T, L, k = ids.shape
+    if how == "layers":
+        ev = np.zeros((L, T, N_EV), np.int32)
+        kind, served, slot = cache.step_layers(np.ascontiguousarray(ids.swapaxes(0, 1)), None, None,
+                                               np.ascontiguousarray(valid.swapaxes(0, 1)), ev, decisions=True)
+        return kind.swapaxes(0, 1), served.swapaxes(0, 1), slot.swapaxes(0, 1), ev.swapaxes(0, 1)
+    rng = np.random.default_rng(seed)
+    parts: list[list] = [[] for _ in range(L)]  # per layer its StepResults in order
+    if how == "any":
+        nxt = [0] * L
+        while min(nxt) < T:
+            l_ = int(rng.choice([x for x in range(L) if nxt[x] < T]))
+            n = min(int(rng.integers(1, 6)), T - nxt[l_])
+            parts[l_].append(cache.step(l_, ids[nxt[l_] : nxt[l_] + n, l_], None, valid=valid[nxt[l_] : nxt[l_] + n, l_]))
+            nxt[l_] += n
+    else:
+        t = 0
+        while t < T:
+            n = 1 if how == "tokens" else min(int(rng.integers(1, 20)), T - t)
+            for l_ in range(L):
+                parts[l_].append(cache.step(l_, ids[t : t + n, l_], None, valid=valid[t : t + n, l_]))
+            t += n
+    out = [np.stack([np.concatenate([getattr(r, f) for r in parts[l_]]) for l_ in range(L)], axis=1)
+           for f in ("kind", "served", "slot", "events")]
+    return tuple(out)
+
+
+CASES = [  # (seed, T, L, E, k, C per layer, warm)
+    (0, 300, 3, 16, 2, 4, True),
+    (1, 300, 4, 12, 3, 3, False),
+    (2, 200, 2, 32, 4, [6, 9], True),
+    (3, 250, 5, 8, 1, 1, True),
+]
+
+
+@pytest.mark.parametrize("how", ["layers", "chunks", "any", "tokens"])
+@pytest.mark.parametrize("case", CASES)
+def test_shared_pool_equals_reference(case, how):
+    seed, T, L, E, k, C, is_warm = case
+    caps = np.broadcast_to(np.asarray(C), (L,)).astype(np.int64)
+    ids, valid = random_trace(seed, T, L, E, k)
+    init = warm(ids[:60], E, caps) if is_warm else None
+    cache = SharedPoolCache(LRU, E, k, caps, init)
+    kind, served, slot, ev = drive(cache, ids, valid, how, seed)
+    rkind, rslot, rcount = shared_pool_reference(ids.tolist(), valid.tolist(), E, caps.tolist(),
+                                                 None if init is None else [x.tolist() for x in init])
+    np.testing.assert_array_equal(kind, np.array(rkind))
+    np.testing.assert_array_equal(slot, np.array(rslot))
+    np.testing.assert_array_equal(served, np.where(valid[..., None], ids, -1))
+    per = cache.per_layer()
+    for l_ in range(L):
+        for key in ("calls", "hits", "fetches"):
+            assert per[l_][key] == rcount[l_][key], (l_, key)
+        assert per[l_]["substitutions"] == per[l_]["drops"] == per[l_]["host_computes"] == 0
+    np.testing.assert_array_equal(ev[..., EV_DEV], np.where(valid, k, 0))
+    np.testing.assert_array_equal(ev[..., EV_FETCH], (kind == 1).sum(axis=2))
+    tot = cache.counter_totals()
+    assert tot["fetches"] > 0 and tot["hits"] > 0  # neither kind is vacuous on these traces
+    assert sum(len(cache.resident(l_)) for l_ in range(L)) == int(caps.sum())  # the pool is full at the end
+
+
+def per_layer_lru_fetches(ids, E, C):
+    """Fetches per layer of the per-layer LRU (the kernel's `fetch_all + lru`) with C slots per layer, cold."""
+    T, L, k = ids.shape
+    pc = PolicyCache(PolicyConfig(rule="fetch_all", evict="lru"), E, k, np.full(L, C))
+    for l_ in range(L):
+        pc.step(l_, ids[:, l_], np.full((T, k), 1.0 / k))
+    return [r["fetches"] for r in pc.per_layer()]
+
+
+def test_shared_beats_per_layer_on_an_unbalanced_trace():
+    """Layer 0 cycles through 3 experts, layer 1 repeats one; 2 slots per layer (a pool of 4). Per layer, LRU with 2
+    slots misses every one of layer 0's 60 tokens; the shared pool holds all 4 keys after 3 tokens."""
+    T = 60
+    ids = np.stack([np.arange(T) % 3, np.zeros(T, int)], axis=1)[:, :, None].astype(np.int32)  # [T, 2, 1]
+    valid = np.ones((T, 2), bool)
+    assert per_layer_lru_fetches(ids, 8, 2) == [60, 1]
+    cache = SharedPoolCache(LRU, 8, 1, np.array([2, 2]))
+    drive(cache, ids, valid, "chunks")
+    assert [r["fetches"] for r in cache.per_layer()] == [3, 1]
+    assert shared_pool_reference(ids.tolist(), valid.tolist(), 8, [2, 2])[2] == [
+        {"calls": 60, "hits": 57, "fetches": 3}, {"calls": 60, "hits": 59, "fetches": 1}]
+
+
+def test_per_layer_beats_shared_when_one_layer_scans():
+    """Layer 0 scans 64 experts (never a reuse within 64 tokens), layer 1 picks expert 0 every 5th token and expert
+    1 otherwise; 2 slots per layer. Per layer, layer 1 keeps both (2 fetches); in the shared pool layer 0's scan
+    pushes layer 1's expert 0 out between its uses: it misses at t = 0, 5, ..., 195 (40) plus expert 1 once."""
+    T = 200
+    ids = np.stack([np.arange(T) % 64, np.where(np.arange(T) % 5 == 0, 0, 1)], axis=1)[:, :, None].astype(np.int32)
+    valid = np.ones((T, 2), bool)
+    assert per_layer_lru_fetches(ids, 64, 2) == [200, 2]
+    cache = SharedPoolCache(LRU, 64, 1, np.array([2, 2]))
+    drive(cache, ids, valid, "tokens")
+    assert [r["fetches"] for r in cache.per_layer()] == [200, 41]
+    assert [c["fetches"] for c in shared_pool_reference(ids.tolist(), valid.tolist(), 64, [2, 2])[2]] == [200, 41]
+
+
+def test_warm_pool_evicts_smallest_key_first():
+    """Never-touched residents (stamp -1) go smallest key first: layer 1's first miss evicts layer 0's resident."""
+    cache = SharedPoolCache(LRU, 4, 1, np.array([1, 1]), [np.array([2]), np.array([3])])
+    res = cache.step(1, np.array([[0]]))  # layer 1 waits for layer 0's token 0
+    assert res.kind[0, 0] == -1
+    cache.step(0, np.array([[1]]))  # layer 0 misses: evicts the smallest key, its own 0 * 4 + 2 = 2
+    assert res.kind[0, 0] == 1 and cache.resident(0).tolist() == [1] and cache.resident(1).tolist() == [0]
+
+
+@pytest.mark.parametrize("how", ["layers", "chunks", "any"])
+def test_ncmoe_equals_reference(how):
+    T, L, E, k = 120, 5, 8, 2
+    ids, valid = random_trace(7, T, L, E, k)
+    caps = np.full(L, 5)  # 25 slots: 3 layers of 8 fit, N = 2
+    cache = LayerSplitCache(NCMOE, E, k, caps)
+    kind, served, slot, ev = drive(cache, ids, valid, how)
+    N, rkind, rslot, rcount = ncmoe_reference(ids.tolist(), valid.tolist(), E, caps.tolist())
+    assert N == cache.ncmoe == ncmoe_layers(caps, E) == 2
+    np.testing.assert_array_equal(kind, np.array(rkind))
+    np.testing.assert_array_equal(slot, np.array(rslot))
+    per = cache.per_layer()
+    for l_ in range(L):
+        for key in ("calls", "hits", "host_computes"):
+            assert per[l_][key] == rcount[l_][key]
+        assert per[l_]["fetches"] == 0
+    assert [r["capacity"] for r in per] == [0, 0, 8, 8, 8]
+    np.testing.assert_array_equal(ev[:, :2, EV_HOST], np.where(valid[:, :2], k, 0))
+    np.testing.assert_array_equal(ev[:, 2:, EV_DEV], np.where(valid[:, 2:], k, 0))
+
+
+@pytest.mark.parametrize("caps,E,N", [([3, 3], 8, 2), ([7, 7, 7, 7], 8, 1), ([4] * 48, 128, 47), ([6, 7], 8, 1)])
+def test_ncmoe_is_the_smallest_split_that_fits(caps, E, N):
+    assert ncmoe_layers(caps, E) == N
+    L = len(caps)
+    assert (L - N) * E <= sum(caps) < (L - N + 1) * E
+
+
+def test_cache_for_and_policy_errors():
+    assert isinstance(cache_for(LRU, 8, 2, np.array([3, 3])), SharedPoolCache)
+    assert isinstance(cache_for(NCMOE, 8, 2, np.array([3, 3])), LayerSplitCache)
+    assert isinstance(cache_for(PRESETS["fetch-every-miss"], 8, 2, np.array([3, 3])), PolicyCache)
+    for bad, flag in ((dict(pool="shared"), "--evict"), (dict(pool="shared", evict="lru", beta=0.5), "--beta"),
+                      (dict(rule="threshold", tau=0.1, layer_split="ncmoe"), "--rule"),
+                      (dict(layer_split="ncmoe", prefetch="oracle"), "--prefetch"),
+                      (dict(pool="shared", evict="lru", layer_split="ncmoe"), "--layer-split")):
+        with pytest.raises(InputError, match=f"needs {flag} = ") as exc:
+            PolicyConfig(**bad)
+        assert "\n" not in str(exc.value)
+    with pytest.raises(InputError, match="--pool = 'per-layer' is unknown"):
+        PolicyConfig(pool="per-layer")
+    assert LRU.label() == "fetch_all + lru + pool=shared" and NCMOE.label() == "fetch_all + ncmoe"
+    assert "pool" in LRU.active_params() and "pool" not in PRESETS["rule-0.15"].active_params()
+    with pytest.raises(InputError, match="k=2 <= C < E=8"):
+        SharedPoolCache(LRU, 8, 2, np.array([1, 3]))
+
+
+def test_all_resident_pool_hits_everything():
+    """A pool of L * E slots (allow_full, as the emulation's exactness check uses) holds every key: only hits."""
+    ids, valid = random_trace(5, 50, 2, 6, 2, invalid=0.0)
+    cache = cache_for(LRU, 6, 2, np.full(2, 6), [np.arange(6)] * 2, allow_full=True)
+    drive(cache, ids, valid, "chunks")
+    assert cache.counter_totals()["hits"] == cache.counter_totals()["calls"] == 200
+    split = cache_for(NCMOE, 6, 2, np.full(2, 6), allow_full=True)
+    drive(split, ids, valid, "chunks")
+    assert split.ncmoe == 0 and split.counter_totals()["hits"] == 200
