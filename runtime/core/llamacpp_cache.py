@@ -42,7 +42,26 @@ from runtime.core.units import KERNEL as UNIT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerSplitCache", "SharedPoolCache", "cache_for", "is_llamacpp", "ncmoe_layers"]
+__all__ = ["ENGINE_REFUSES", "LayerSplitCache", "SharedPoolCache", "cache_for", "is_llamacpp", "ncmoe_layers",
+           "refuse_on_engine"]
+
+
+# llama.cpp's expert cache and layer split are not run by the engine (runtime/backends/engine/): its slot arrays,
+# plans and grouped expert call are per layer (a shared pool would need one [S] slot array addressed across
+# layers), and it has no host-compute layers; refused with these reasons, never run as another policy
+ENGINE_REFUSES = {
+    ("pool", "shared"): "llama.cpp's expert cache, preset llamacpp-lru: the engine's slots and grouped expert call "
+                        "are per layer; use the simulator or the emulation",
+    ("layer_split", "ncmoe"): "llama.cpp's layer split, preset llamacpp-ncmoe: the engine has no host-compute layers; "
+                              "use the simulator or the emulation",
+}
+
+
+def refuse_on_engine(policy: PolicyConfig) -> None:
+    """A one-line InputError when `policy` is one of llama.cpp's ways of holding experts (ENGINE_REFUSES)."""
+    for (fld, value), why in ENGINE_REFUSES.items():
+        if getattr(policy, fld) == value:
+            raise InputError(f"backend engine: policy {fld} = {value!r} is not supported ({why})")
 
 
 def is_llamacpp(policy: PolicyConfig) -> bool:
