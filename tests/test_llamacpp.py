@@ -208,3 +208,94 @@ def test_all_resident_pool_hits_everything():
     split = cache_for(NCMOE, 6, 2, np.full(2, 6), allow_full=True)
     drive(split, ids, valid, "chunks")
     assert split.ncmoe == 0 and split.counter_totals()["hits"] == 200
+
+
+# --- the backends ---------------------------------------------------------------------------------------------------
+
+def test_simulator_is_exact_and_charges_host_layers():
+    """The simulator's counters are the reference's on a synthetic trace; -ncmoe's host layers are charged as host
+    computes (k host calls per host token-layer: all-resident time + N * k * (host - device) per token)."""
+    from runtime.backends.simulate import simulate
+    from runtime.formats import costmodel
+    from runtime.formats.trace import synthetic_trace
+
+    T, L, E, k, C = 200, 4, 64, 6, 16
+    tr = synthetic_trace(T, L, E, k, 16, seed=3)
+    init = warm(np.asarray(tr.topk_ids)[:50], E, [C] * L)
+    r = simulate(tr, LRU, C, initial_residency=init, record_decisions=True, baselines=False)
+    rkind, rslot, rcount = shared_pool_reference(np.asarray(tr.topk_ids).tolist(), np.asarray(tr.valid).tolist(), E,
+                                                 [C] * L, [x.tolist() for x in init])
+    np.testing.assert_array_equal(r.decisions["kind"], np.array(rkind))
+    np.testing.assert_array_equal(r.decisions["slot"], np.array(rslot))
+    assert [p["fetches"] for p in r.per_layer] == [c["fetches"] for c in rcount]
+    assert r.counters["fetches"] > 0 and r.counters["substitutions"] == r.counters["host_computes"] == 0
+    params = costmodel.cost_params(costmodel.load_host_profile(r.extra["host"]),
+                                   costmodel.load_model_shape(r.extra["model_shape"])
+                                   if r.extra["model_shape"] in costmodel.list_model_shapes()
+                                   else costmodel.shape_for_trace(tr, None))
+    resident = costmodel.all_resident_time(np.asarray(tr.valid), params, k)
+    assert r.time_per_token_s > resident  # the fetches stall
+    s = simulate(tr, NCMOE, C, initial_residency=init, baselines=False)
+    N = s.extra["ncmoe"]
+    assert N == L - (L * C) // E == 3
+    assert s.counters["host_computes"] == int(np.asarray(tr.valid)[:, :N].sum()) * k
+    assert s.counters["hits"] + s.counters["host_computes"] == s.counters["calls"] and s.counters["fetches"] == 0
+    assert np.asarray(tr.valid).all()
+    assert s.time_per_token_s == pytest.approx(resident + N * k * (params.host_expert_s - params.device_expert_s),
+                                               rel=1e-12)
+    slot_bytes = costmodel.expert_bytes(costmodel.load_model_shape(s.extra["model_shape"])
+                                        if s.extra["model_shape"] in costmodel.list_model_shapes()
+                                        else costmodel.shape_for_trace(tr, None))
+    assert s.extra["expert_slots_GiB"] == pytest.approx((L - N) * E * slot_bytes / 2**30)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pathlib import Path
+
+    from tests.tiny_hf import build_tiny
+
+    d = tmp_path_factory.mktemp("llamacpp")
+    text = d / "text.txt"
+    text.write_text((Path(__file__).resolve().parent / "data" / "kernel_source.txt").read_text()[:6000])
+    return d, text, build_tiny("qwen3_moe", d / "qwen3_moe", num_experts=8, top_k=2)
+
+
+def test_emulation_is_exact_and_the_simulator_replays_it(tiny):
+    """Under both presets the emulation's per-token NLL is fetch-every-miss's (which computes every selected expert
+    exactly) bit for bit, every cell is decided (HIT / FETCH, or HOST / HIT), and the simulator replaying the
+    emulation's own trace from its warm start makes the same decision at every token, layer and rank."""
+    import pyarrow.parquet as pq
+
+    from runtime.backends import get_backend
+    from runtime.core.spec import RunSpec
+
+    d, text, ckpt = tiny
+    common = dict(model=str(ckpt), text=str(text), window=16, max_tokens=96, record_decisions=True)
+    cap = {"llamacpp-lru": 3, "llamacpp-ncmoe": 5, "fetch-every-miss": 3}  # ncmoe: 10 slots hold 1 layer of E = 8
+    specs = [RunSpec(policy=PRESETS[n], name=n, trace_out=str(d / f"{n}.parquet"), residency_out=str(d / f"{n}.npy"),
+                     nll_out=str(d / "nll.parquet"), capacity=c, **common) for n, c in cap.items()]
+    lru, ncmoe, exact = get_backend("emulation").evaluate_many(specs)
+    nll = pq.read_table(d / "nll.parquet").to_pandas()
+    for name, res, kinds in (("llamacpp-lru", lru, {0, 1}), ("llamacpp-ncmoe", ncmoe, {0, 4})):
+        np.testing.assert_array_equal(nll[f"nll_{name}"].to_numpy(), nll["nll_fetch-every-miss"].to_numpy())
+        assert res.perplexity == exact.perplexity
+        assert set(np.unique(res.decisions["kind"]).tolist()) == kinds, name
+        sim = get_backend("simulator").evaluate(RunSpec(policy=PRESETS[name], trace=str(d / f"{name}.parquet"),
+                                                        capacity=cap[name], initial_residency=str(d / f"{name}.npy"),
+                                                        record_decisions=True))
+        for f in ("kind", "served", "slot"):
+            np.testing.assert_array_equal(sim.decisions[f], res.decisions[f], err_msg=f"{name} {f}")
+        assert sim.counters == res.counters
+    assert lru.counters["fetches"] > 0 and lru.counters["hits"] > 0
+    assert ncmoe.extra["ncmoe"] == 1 and 2 * ncmoe.per_layer[0]["host_computes"] == ncmoe.counters["calls"]
+
+
+@pytest.mark.parametrize("name", ["llamacpp-lru", "llamacpp-ncmoe"])
+def test_engine_refuses_in_one_line(name):
+    from runtime.backends import get_backend
+    from runtime.core.spec import RunSpec
+
+    with pytest.raises(InputError, match=f"backend engine: policy .* is not supported .*preset {name}") as exc:
+        get_backend("engine").evaluate(RunSpec(policy=PRESETS[name], model="M", text="T", capacity=4))
+    assert "\n" not in str(exc.value)
