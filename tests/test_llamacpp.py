@@ -299,3 +299,57 @@ def test_engine_refuses_in_one_line(name):
     with pytest.raises(InputError, match=f"backend engine: policy .* is not supported .*preset {name}") as exc:
         get_backend("engine").evaluate(RunSpec(policy=PRESETS[name], model="M", text="T", capacity=4))
     assert "\n" not in str(exc.value)
+
+
+# --- llama.cpp's flags ------------------------------------------------------------------------------------------------
+
+def test_flags_of_the_two_presets():
+    """qwen3-30b-a3b: one expert is 3 * 2048 * 768 bf16 weights = 9 MiB; C = 32 of 48 layers is a pool of 1,536
+    slots + 1 padding slot = 13,833 MiB, and 1,536 slots hold 12 layers of 128 experts: -ncmoe 36."""
+    from runtime.core.llamacpp_flags import (
+        llamacpp_args,
+        llamacpp_flags,
+        moe_cache_mib,
+        moe_cache_slots,
+    )
+    from runtime.formats import costmodel
+
+    shape = costmodel.load_model_shape("qwen3-30b-a3b")
+    assert costmodel.expert_bytes(shape) == 9 * 2**20
+    assert llamacpp_flags(LRU, shape, 32) == "--moe-cache-mib 13833"
+    assert llamacpp_args(NCMOE, shape, 32) == ["-ncmoe", "36"]
+    assert llamacpp_flags(NCMOE, shape, [32] * 47 + [33]) == "-ncmoe 36"  # 1,537 slots: still 12 layers
+    for name in costmodel.list_model_shapes():  # every shape: the smallest budget that llama.cpp splits into S slots
+        sh = costmodel.load_model_shape(name)
+        for C in (sh.top_k, sh.num_experts // 4, sh.num_experts - 1):
+            S = sh.num_layers * C
+            mib = moe_cache_mib(sh, S)
+            assert moe_cache_slots(sh, mib) == S and moe_cache_slots(sh, mib - 1) < S, (name, C)
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("rule-0.15", "llama.cpp has no substitution of a missed expert"),
+    ("fetch-every-miss", "not a cache per layer"),
+    ("host-compute", "compute its misses on the host"),
+    ("quality-first", "no background admission"),
+    ("cache-prior", "no cache-aware routing"),
+])
+def test_flags_say_what_llamacpp_lacks(name, needle):
+    from runtime.core.llamacpp_flags import llamacpp_args, llamacpp_flags
+    from runtime.formats import costmodel
+
+    shape = costmodel.load_model_shape("qwen3-30b-a3b")
+    line = llamacpp_flags(PRESETS[name], shape, 32)
+    assert llamacpp_args(PRESETS[name], shape, 32) is None and needle in line and "\n" not in line
+    assert ("evicts by LRU only" in line) == (name != "host-compute")  # host-compute never evicts
+
+
+def test_flags_command_line(capsys):
+    from runtime.core.errors import cli_main
+    from runtime.core.llamacpp_flags import main
+
+    cli_main(lambda: main(["--policy", "llamacpp-ncmoe", "--model-shape", "mixtral-8x7b", "--capacity", "4"]))
+    assert capsys.readouterr().out == "-ncmoe 16\n"  # 32 layers x 4 slots hold 16 layers of 8 experts
+    with pytest.raises(SystemExit) as exc:
+        cli_main(lambda: main(["--policy", "llamacpp-lru", "--model-shape", "mixtral-8x7b", "--capacity", "x"]))
+    assert exc.value.code == 2 and "--capacity = 'x'" in capsys.readouterr().err
