@@ -353,3 +353,29 @@ def test_flags_command_line(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(lambda: main(["--policy", "llamacpp-lru", "--model-shape", "mixtral-8x7b", "--capacity", "x"]))
     assert exc.value.code == 2 and "--capacity = 'x'" in capsys.readouterr().err
+
+
+def test_sweep_measures_llamacpp_presets_without_the_engine(monkeypatch, caplog):
+    """The sweep's baselines include both presets (every preset without routing); the engine refuses them, so its
+    batch on a calibrated host leaves them out (one log line each) instead of failing every policy of the batch."""
+    import sys
+    from types import SimpleNamespace
+
+    from sweep.config import DEFAULT_BASELINES
+    from sweep.remeasure import Measurer
+
+    assert {"llamacpp-lru", "llamacpp-ncmoe"} <= set(DEFAULT_BASELINES)
+    sent = []
+
+    def remote(fn):
+        return SimpleNamespace(options=lambda **kw: SimpleNamespace(
+            remote=lambda specs, backend: sent.append((backend, [s["policy"] for s in specs])) or len(specs)))
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(remote=remote, get=lambda n: [None] * n))
+    m = Measurer("M", "T", None, SimpleNamespace(rows=[], keys=set()), lambda rows: None, progress=False)
+    with caplog.at_level("INFO", logger="sweep.remeasure"):
+        m.engine([{**PRESETS[n].to_dict(), "capacity_fraction": 0.25}
+                  for n in ("llamacpp-lru", "fetch-every-miss", "llamacpp-ncmoe")], 64, "h", 0)
+    assert len(sent) == 1 and sent[0][0] == "engine"
+    assert [PolicyConfig(**p) for p in sent[0][1]] == [PRESETS["fetch-every-miss"]]
+    assert caplog.text.count("skipped: backend engine: policy") == 2

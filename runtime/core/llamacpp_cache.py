@@ -42,8 +42,8 @@ from runtime.core.units import KERNEL as UNIT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENGINE_REFUSES", "LayerSplitCache", "SharedPoolCache", "cache_for", "is_llamacpp", "ncmoe_layers",
-           "refuse_on_engine"]
+__all__ = ["ENGINE_REFUSES", "LayerSplitCache", "SharedPoolCache", "cache_for", "engine_refusal", "is_llamacpp",
+           "ncmoe_layers", "refuse_on_engine"]
 
 
 # llama.cpp's expert cache and layer split are not run by the engine (runtime/backends/engine/): its slot arrays,
@@ -57,11 +57,19 @@ ENGINE_REFUSES = {
 }
 
 
-def refuse_on_engine(policy: PolicyConfig) -> None:
-    """A one-line InputError when `policy` is one of llama.cpp's ways of holding experts (ENGINE_REFUSES)."""
+def engine_refusal(policy: PolicyConfig) -> str | None:
+    """Why the engine refuses `policy` (one line), or None when it runs it (ENGINE_REFUSES)."""
     for (fld, value), why in ENGINE_REFUSES.items():
         if getattr(policy, fld) == value:
-            raise InputError(f"backend engine: policy {fld} = {value!r} is not supported ({why})")
+            return f"backend engine: policy {fld} = {value!r} is not supported ({why})"
+    return None
+
+
+def refuse_on_engine(policy: PolicyConfig) -> None:
+    """A one-line InputError when `policy` is one of llama.cpp's ways of holding experts (ENGINE_REFUSES)."""
+    why = engine_refusal(policy)
+    if why is not None:
+        raise InputError(why)
 
 
 def is_llamacpp(policy: PolicyConfig) -> bool:
