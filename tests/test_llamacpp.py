@@ -306,13 +306,13 @@ def test_engine_refuses_in_one_line(name):
 def test_flags_of_the_two_presets():
     """qwen3-30b-a3b: one expert is 3 * 2048 * 768 bf16 weights = 9 MiB; C = 32 of 48 layers is a pool of 1,536
     slots + 1 padding slot = 13,833 MiB, and 1,536 slots hold 12 layers of 128 experts: -ncmoe 36."""
-    from runtime.core.llamacpp_flags import (
+    from runtime.formats import costmodel
+    from runtime.tools.llamacpp_flags import (
         llamacpp_args,
         llamacpp_flags,
         moe_cache_mib,
         moe_cache_slots,
     )
-    from runtime.formats import costmodel
 
     shape = costmodel.load_model_shape("qwen3-30b-a3b")
     assert costmodel.expert_bytes(shape) == 9 * 2**20
@@ -335,8 +335,8 @@ def test_flags_of_the_two_presets():
     ("cache-prior", "no cache-aware routing"),
 ])
 def test_flags_say_what_llamacpp_lacks(name, needle):
-    from runtime.core.llamacpp_flags import llamacpp_args, llamacpp_flags
     from runtime.formats import costmodel
+    from runtime.tools.llamacpp_flags import llamacpp_args, llamacpp_flags
 
     shape = costmodel.load_model_shape("qwen3-30b-a3b")
     line = llamacpp_flags(PRESETS[name], shape, 32)
@@ -346,7 +346,7 @@ def test_flags_say_what_llamacpp_lacks(name, needle):
 
 def test_flags_command_line(capsys):
     from runtime.core.errors import cli_main
-    from runtime.core.llamacpp_flags import main
+    from runtime.tools.llamacpp_flags import main
 
     cli_main(lambda: main(["--policy", "llamacpp-ncmoe", "--model-shape", "mixtral-8x7b", "--capacity", "4"]))
     assert capsys.readouterr().out == "-ncmoe 16\n"  # 32 layers x 4 slots hold 16 layers of 8 experts

@@ -2,7 +2,7 @@
 "Additions (5)"): `--moe-cache-mib M` for its expert cache (`llamacpp-lru`), `-ncmoe N` for its layer split
 (`llamacpp-ncmoe`), and for any other policy one line saying what llama.cpp lacks to run it.
 
-`python -m runtime.core.llamacpp_flags --policy llamacpp-lru --model-shape qwen3-30b-a3b --capacity 32` prints the
+`python -m runtime.tools.llamacpp_flags --policy llamacpp-lru --model-shape qwen3-30b-a3b --capacity 32` prints the
 line; the sweep's answer table calls `llamacpp_flags`.
 """
 
@@ -93,7 +93,7 @@ def llamacpp_flags(policy: PolicyConfig, shape: costmodel.ModelShape, capacities
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = ArgumentParser(prog="python -m runtime.core.llamacpp_flags", description=__doc__.splitlines()[0],
+    p = ArgumentParser(prog="python -m runtime.tools.llamacpp_flags", description=__doc__.splitlines()[0],
                        allow_abbrev=False)
     add_policy_flags(p)
     p.add_argument("--model-shape", required=True, help="a cost-model shape name (runtime/data/models) or YAML file")
