@@ -379,3 +379,11 @@ def test_sweep_measures_llamacpp_presets_without_the_engine(monkeypatch, caplog)
     assert len(sent) == 1 and sent[0][0] == "engine"
     assert [PolicyConfig(**p) for p in sent[0][1]] == [PRESETS["fetch-every-miss"]]
     assert caplog.text.count("skipped: backend engine: policy") == 2
+
+
+def test_sweep_family_names_the_structure():
+    from sweep.report import family
+
+    assert family(PRESETS["llamacpp-lru"].to_dict()) == "fetch_all+pool:shared"
+    assert family(PRESETS["llamacpp-ncmoe"].to_dict()) == "fetch_all+split:ncmoe"
+    assert family(PRESETS["fetch-every-miss"].to_dict()) == "fetch_all"
