@@ -147,6 +147,15 @@ def _p(default, flag: str, help: str, **kw) -> Any:
     return field(default=default, metadata={"param": dict(flag=flag, help=help, **kw)})
 
 
+def _llamacpp_conflict(p: PolicyConfig) -> tuple[str, Any, Any] | None:
+    """The first field that llama.cpp's expert cache and layer split fix, set otherwise: (flag, value, needed)."""
+    for name, needed in (("rule", "fetch_all"), ("beta", None), ("prefetch", "off"), ("fetch_cap", None),
+                         ("pin_fraction", 0.0), ("capacity_alloc", "uniform"), ("route", "off")):
+        if getattr(p, name) != needed:
+            return PARAM_BY_NAME[name].flag, getattr(p, name), needed
+    return None
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """A miss policy (docs/policies.md). Validated when built; `cpu` normalised to substitute_all + host."""
@@ -384,15 +393,6 @@ def kernel_record(policy: PolicyConfig) -> np.ndarray:
             rec[0][prm.kernel[0]] = prm.kernel[1](policy)
     return rec
 PARAM_BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
-
-
-def _llamacpp_conflict(p: PolicyConfig) -> tuple[str, Any, Any] | None:
-    """The first field that llama.cpp's expert cache and layer split fix, set otherwise: (flag, value, needed)."""
-    for name, needed in (("rule", "fetch_all"), ("beta", None), ("prefetch", "off"), ("fetch_cap", None),
-                         ("pin_fraction", 0.0), ("capacity_alloc", "uniform"), ("route", "off")):
-        if getattr(p, name) != needed:
-            return PARAM_BY_NAME[name].flag, getattr(p, name), needed
-    return None
 
 
 PRESETS: dict[str, PolicyConfig] = {
