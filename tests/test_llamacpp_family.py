@@ -291,6 +291,28 @@ def test_emulation_is_exact_and_the_simulator_replays_it(tiny):
     assert ncmoe.extra["ncmoe"] == 1 and 2 * ncmoe.per_layer[0]["host_computes"] == ncmoe.counters["calls"]
 
 
+def test_policy_all_on_the_engine_runs_every_other_preset(tiny, capsys):
+    """`--policy all --backend engine` runs every preset the engine takes and names the two it refuses in one
+    stderr line, instead of failing as a whole (the emulation runs all of them)."""
+    import json
+
+    from runtime.cli import emulate_main
+
+    d, text, ckpt = tiny
+    argv = ["--model", str(ckpt), "--text", str(text), "--window", "16", "--max-tokens", "48", "--capacity", "3",
+            "--policy", "all", "--json"]
+    emulate_main([*argv, "--backend", "engine"])
+    captured = capsys.readouterr()
+    ran = set(json.loads(captured.out))
+    left_out = [line for line in captured.err.splitlines() if "--policy all" in line]
+    assert left_out == ["expertsweep: --policy all on --backend engine: left out llamacpp-lru, llamacpp-ncmoe "
+                        "(the backend refuses them)"], captured.err
+    assert ran == set(PRESETS) - {"llamacpp-lru", "llamacpp-ncmoe"}
+    emulate_main([*argv, "--backend", "emulation"])
+    captured = capsys.readouterr()
+    assert set(json.loads(captured.out)) == set(PRESETS) and "--policy all" not in captured.err
+
+
 @pytest.mark.parametrize("name", ["llamacpp-lru", "llamacpp-ncmoe"])
 def test_engine_refuses_in_one_line(name):
     from runtime.backends import get_backend

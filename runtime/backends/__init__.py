@@ -49,6 +49,14 @@ class Backend:
             if getattr(spec.policy, fld) == value:
                 raise InputError(f"backend {self.name}: policy {fld} = {value!r} is not supported ({why})")
 
+    def runs(self, spec: RunSpec) -> bool:
+        """Whether `check` accepts the spec."""
+        try:
+            self.check(spec)
+        except InputError:
+            return False
+        return True
+
     def evaluate(self, spec: RunSpec, progress: bool = False) -> Result:
         return self.evaluate_many([spec], progress)[0]
 
