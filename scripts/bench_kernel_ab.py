@@ -86,7 +86,9 @@ def main() -> None:
     ap.add_argument("--policy", action="append", default=[],
                     help="NAME=JSON of PolicyConfig fields (both revisions must know them); default: the presets")
     a = ap.parse_args()
-    policies: dict = {n: None for n in PRESETS}
+    # (llama.cpp's shared pool and layer split are not the per-layer kernel: runtime/core/llamacpp_cache.py)
+    policies: dict = {n: None for n, p in PRESETS.items()
+                      if getattr(p, "pool", "per_layer") == "per_layer" and getattr(p, "layer_split", "none") == "none"}
     for p in a.policy:
         name, _, fields = p.partition("=")
         policies[name] = json.loads(fields)
