@@ -41,7 +41,31 @@ def kernel_golden() -> dict:
         out[name] = row
     out["decide"] = decide_golden()
     out["next_use"] = next_use_golden(c)
+    pool = shared_pool_golden(c)
+    out["shared_pool"] = {"step": pool, "layers": pool}
     return out
+
+
+def shared_pool_golden(c: dict) -> dict:
+    """llama.cpp's shared pool on selfcheck.py's case (`_pool`), from tests/reference_llamacpp.py: kind and slot per
+    cell (-1 at invalid ones), calls / hits / fetches per layer, the final residency (the last key per slot)."""
+    from runtime.core.kernel import selfcheck as sc
+    from tests.reference_llamacpp import shared_pool_reference
+
+    kind, slot, counters = shared_pool_reference(c["ids"], c["valid"], sc.E, list(sc.CAPS), [list(r) for r in sc.INIT])
+    # the pool's content: each slot's owner (key layer * E + expert), from the warm start (keys in order, slots 0..)
+    # through every decision's slot
+    keys = sorted(layer * sc.E + e for layer in range(sc.L) for e in sc.INIT[layer])
+    owner: dict[int, int] = dict(enumerate(keys))
+    for t in range(sc.T):
+        for layer in range(sc.L):
+            for j in range(sc.K):
+                if kind[t][layer][j] >= 0:
+                    owner[slot[t][layer][j]] = layer * sc.E + c["ids"][t][layer][j]
+    resident = [sorted(key - layer * sc.E for key in owner.values() if key // sc.E == layer) for layer in range(sc.L)]
+    return {"kind": [x for t in range(sc.T) for layer in range(sc.L) for x in kind[t][layer]],
+            "slot": [x for t in range(sc.T) for layer in range(sc.L) for x in slot[t][layer]],
+            "counters": counters, "resident": resident}
 
 
 def next_use_golden(c: dict) -> list[dict]:

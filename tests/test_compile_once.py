@@ -325,22 +325,28 @@ def test_with_nothing_writable_the_units_compile_in_memory(tmp_path):
 # name -> (kernel file, text, its replacement, the kernel modules whose cached code stays valid (they do not call
 # the changed file: their cache files are copied, so only the changed code compiles), what the first difference names)
 MUTATIONS = {
-    "none": ("decide.py", "", "", ("search", "evict", "primitives", "route", "run_layer", "cache", "decide"), None),
+    "none": ("decide.py", "", "", ("search", "evict", "primitives", "route", "run_layer", "cache", "decide",
+                                   "shared_pool"), None),
     # the engine's call: a drop under drop_renorm no longer makes the plan slow (the engine then skips the renorm)
     "decide-drop-renorm-fast": ("decide.py", "c == HOST or c == LOWBIT or (c == DROP and drop_renorm)",
                                 "c == HOST or c == LOWBIT", ("search", "evict", "primitives", "route", "run_layer",
-                                                             "cache"), "decide.threshold-drop-renorm-lfuda.returns["),
+                                                             "cache", "shared_pool"),
+                                "decide.threshold-drop-renorm-lfuda.returns["),
     # the engine's call takes run_layer's lean build for every policy
     "decide-lean-build": ("decide.py", "run_layers(tok, t0, pol, cs, out, layer, layer < 0)",
                           "run_layers(tok, t0, pol, cs, out, layer, layer >= 0)",
-                          ("search", "evict", "primitives", "route", "run_layer", "cache"), "decide."),
+                          ("search", "evict", "primitives", "route", "run_layer", "cache", "shared_pool"), "decide."),
     # Belady's next uses count invalid tokens as uses
     "next_use-counts-invalid": ("cache.py", "        if not valid[i]:\n            continue\n", "",
-                                ("search", "evict", "primitives", "route", "run_layer", "decide"),
+                                ("search", "evict", "primitives", "route", "run_layer", "decide", "shared_pool"),
                                 ("belady.", "next_use[")),
+    # llama.cpp's shared pool no longer touches a hit: FIFO instead of LRU
+    "shared_pool-fifo": ("shared_pool.py", "                _unlink(s, prev, nxt, ends)\n                _append(s, prev, nxt, ends)\n"
+                         "                kind[l_, i, j] = HIT", "                kind[l_, i, j] = HIT",
+                         ("search", "evict", "primitives", "route", "run_layer", "cache", "decide"), "shared_pool."),
     # run_layers swaps its two builds: the lean one for the full policies (a full kernel compile: the slow case)
     "run_layers-swapped-builds": ("run_layer.py", "if lean:", "if not lean:",
-                                  ("search", "evict", "primitives", "route", "cache"), ""),
+                                  ("search", "evict", "primitives", "route", "cache", "shared_pool"), ""),
 }
 
 
@@ -415,7 +421,8 @@ trace = synthetic_trace(1200, 3, 32, 4, seed=0)  # the sweep tests' trace
 for fields in ({"rule": "threshold", "tau": 0.15, "beta": 0.1}, {"rule": "fetch_all", "evict": "belady"},
                {"rule": "first_choice", "evict": "lru", "prefetch": "oracle", "prefetch_n": 2},
                {"rule": "threshold", "tau": 0.15, "fallback": "drop", "evict": "s3fifo", "copy_buffers": 1},
-               {"rule": "fetch_all", "route": "cache-route", "route_keep": 1, "route_window": 4}):
+               {"rule": "fetch_all", "route": "cache-route", "route_keep": 1, "route_window": 4},
+               {"rule": "fetch_all", "evict": "lru", "pool": "shared"}, {"rule": "fetch_all", "layer_split": "ncmoe"}):
     simulate(trace, PolicyConfig(**fields), capacity_fraction=0.5, record_decisions=True)
 out["simulation"] = signatures()
 from runtime import cli
@@ -424,7 +431,7 @@ tmp, text = Path(sys.argv[1]), sys.argv[2]
 model = build_tiny("qwen3_moe", tmp / "e8")
 args = ["--model", str(model), "--text", text, "--policy", "quality-first", "--policy", "host-compute", "--policy",
         "cache-route", "--window", "24", "--max-tokens", "48", "--capacity", "3", "--json"]
-cli.emulate_main(args)
+cli.emulate_main(args + ["--policy", "llamacpp-lru"])
 out["emulation"] = signatures()
 cli.emulate_main(args + ["--backend", "engine"])
 out["engine"] = signatures()
@@ -433,8 +440,9 @@ print(json.dumps(out))
 
 
 def test_production_compiles_no_signature_the_check_did_not_run(tmp_path, text):
-    """After the post-load checks, a sweep-sized simulation (Belady's replay, prefetch, routing, decisions kept),
-    an emulation of a tiny model and the engine's CPU run of it (its one compiled call) add no signature to any
+    """After the post-load checks, a sweep-sized simulation (Belady's replay, prefetch, routing, llama.cpp's pool and
+    layer split, decisions kept), an emulation of a tiny model (llama.cpp's pool among its policies) and the
+    engine's CPU run of it (its one compiled call) add no signature to any
     compiled function of either unit: every entry point converts its arguments to the signature the check ran."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the session's numba cache: the units load, nothing compiles
     r = subprocess.run([sys.executable, "-c", SIGNATURES, str(tmp_path), str(text)], cwd=ROOT, env=env,
