@@ -21,7 +21,6 @@ print).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
@@ -37,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime.core.errors import ArgumentParser, InputError, cli_main  # noqa: E402
 from runtime.tools.reports import git_commit, write_report  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,9 @@ def run_target(target: str, parent: Path) -> dict:
     models.mkdir()
     env = {**os.environ, "NUMBA_CACHE_DIR": str(numba), "EXPERTSWEEP_CACHE": str(models)}
     logger.info("make %s in %s", target, clone)
+    load_before = os.getloadavg()[0]
     res = measure(["make", "-o", ".venv/.installed", target], clone, env, log=parent / f"{target}.log")
+    res["load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # a shared machine's other work
     out = res.pop("output")
     res.update(parse_pytest(out))
     res["tail"] = out[-3000:]
@@ -126,12 +128,13 @@ def run_target(target: str, parent: Path) -> dict:
 def body(results: dict[str, dict]) -> str:
     lines = ["Each target in a fresh clone of the commit (`.venv` linked, empty `NUMBA_CACHE_DIR` and "
              "`EXPERTSWEEP_CACHE`); CPU over every process it started (Ray's included).", "",
-             "| target | exit | wall s | user CPU s | sys CPU s | passed | skipped | failed | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| target | exit | wall s | user CPU s | sys CPU s | passed | skipped | failed | errors | load before, after |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for t, r in results.items():
         c = r["counts"]
         lines.append(f"| make {t} | {r['rc']} | {r['wall_s']:.0f} | {r['user_s']:.0f} | {r['sys_s']:.0f} | "
-                     f"{c.get('passed', 0)} | {c.get('skipped', 0)} | {c.get('failed', 0)} | {c.get('error', 0)} |")
+                     f"{c.get('passed', 0)} | {c.get('skipped', 0)} | {c.get('failed', 0)} | {c.get('error', 0)} | "
+                     f"{r['load_1min'][0]:.1f}, {r['load_1min'][1]:.1f} |")
     for t, r in results.items():
         lines += ["", f"## make {t}: the 25 slowest test phases", "", "| seconds | phase | test |", "|---|---|---|"]
         lines += [f"| {d['seconds']:.1f} | {d['phase']} | {d['test']} |" for d in r["slowest"]]
@@ -144,21 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["measure"]:  # one command, timed the same way (a module's tests while tuning them)
         cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
         if not cmd:
-            print("expertsweep: error: scripts/suite_time.py measure: no command given", file=sys.stderr)
-            return 2
+            raise InputError("scripts/suite_time.py measure: no command given")
         become_subreaper()
         res = measure(cmd, Path.cwd(), dict(os.environ))
         print(res.pop("output")[-4000:])
         print(f"suite_time: exit {res['rc']}, wall {res['wall_s']} s, user {res['user_s']} s, sys {res['sys_s']} s, "
               f"CPU {res['user_s'] + res['sys_s']:.1f} s")
         return res["rc"]
-    p = argparse.ArgumentParser(prog="suite_time.py", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="scripts/suite_time.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", default="test,check", help="comma-separated make targets (default: test,check)")
     p.add_argument("--keep", action="store_true", help="keep the temporary clones and logs (printed)")
     a = p.parse_args(argv)
     targets = [t for t in a.targets.split(",") if t]
     if not targets or not set(targets) <= {"test", "check"}:
-        p.error(f"--targets: {a.targets!r} (use test and/or check)")
+        raise InputError(f"scripts/suite_time.py: --targets {a.targets!r}: use test and/or check")
     if not become_subreaper():
         logger.warning("not a subreaper: the CPU time leaves out processes that outlive their parents (Ray's)")
     parent = Path(tempfile.mkdtemp(prefix="suite_time."))
@@ -182,4 +184,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status: list[int] = []
+    cli_main(lambda: status.append(main()))
+    sys.exit(status[0] if status else 1)
