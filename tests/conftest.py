@@ -45,7 +45,7 @@ TEXT = (Path(__file__).resolve().parent / "data" / "kernel_source.txt").read_tex
 # module in this collection order, the long ones start at once and the short ones fill in beside them (xdist's own
 # order, by number of tests, ran the few-test long modules last: they set the end of the run). The local cluster's
 # module leads (its token test is the longest test, and its six others share one cluster of three nodes).
-LONGEST_FIRST = ("test_sweep_cluster.py", "test_sweep_local.py", "test_findings_page.py", "test_gpu_checks.py",
+LONGEST_FIRST = ("test_sweep_cluster.py", "test_sweep_local.py", "test_gpu_checks.py", "test_findings_page.py",
                  "test_sweep_stop.py", "test_contract.py", "test_compile_once.py", "test_tinymodel.py",
                  "test_reference_cases.py", "test_exact_cli.py", "test_engine.py")
 
