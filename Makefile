@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench model findings families peer-replay pareto mlflow-ui clean
+.PHONY: venv test check lint bench model findings families peer-replay pareto mlflow-ui clean
 
 # constraints.txt: the tested versions (pip freeze); pyproject.toml bounds them at the next major
 # The llamacpp extra (recording a .gguf; tests/test_llamacpp.py): the registry has only llama-cpp-python's source,
@@ -30,6 +30,12 @@ venv: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# The fast loop while editing: every module's tests but the `slow` ones (pyproject's marker: the end-to-end sweeps
+# on Ray, the local cluster, the GPU script's CPU rehearsal, the wheel in a fresh venv, the findings command on its
+# trained model, the kernel's interrupted-compile chain). CI runs `make test`; scripts/suite_time.py times both.
+check: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check runtime sweep tests scripts

@@ -12,11 +12,11 @@ calibrates and is not evaluated), the cost model's default host and the trace's 
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
 from runtime.backends import get_backend
+from runtime.core.errors import ArgumentParser
 from runtime.core.policy import PRESETS, PolicyConfig
 from runtime.core.spec import HELD_OUT, RunSpec
 from runtime.tools.reports import write_report
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fractions", default="0.25,0.5")
     ap.add_argument("--traces", default=str(ROOT.parent / "shared" / "data" / "traces"))
     a = ap.parse_args()

@@ -15,7 +15,6 @@ checkpoint's tokenizer is trained on it).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TEXT = ROOT / "tests" / "data" / "kernel_source.txt"
 
+from runtime.core.errors import ArgumentParser  # noqa: E402
 from runtime.formats.trace import load_trace  # noqa: E402
 from runtime.tools.gguf_export import export_gguf, quantize_gguf  # noqa: E402
 from runtime.tools.llamacpp import LlamaSettings, peak_rss_mib, record_gguf  # noqa: E402
@@ -59,7 +59,7 @@ def default_model(work: Path) -> tuple[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a Qwen3-MoE checkpoint directory (default: see above)")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=256)

@@ -344,20 +344,21 @@ def test_topic_stream_switches(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def test_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def test_model() -> Path:
     """The `test` reference model's shape, corpus and tokenizer (2 layers, 64 experts, top-8), trained 400 steps at a
-    peak learning rate of 5e-3 (~45 s on one core), into a private cache: its heavy-expert effect is large
+    peak learning rate of 5e-3 (~45 s on one core), built once into the shared test-model cache (tests/fixture_cache.py:
+    keyed by its spec, corpus and the builder's sources; a later run reuses it): its heavy-expert effect is large
     (docs/testing.md)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from runtime.tools import tinymodel
+    from tests.fixture_cache import cached_model
 
     spec = dataclasses.replace(tinymodel.SPECS["test"], name="findingstest", steps=400, warmup_steps=30, lr=5e-3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EXPERTSWEEP_CACHE", str(tmp_path_factory.mktemp("models")))
-        return tinymodel.ensure_model(spec, progress=False)
+    return cached_model(spec)
 
 
+@pytest.mark.slow
 def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     out_md, out_json = tmp_path / "f.md", tmp_path / "f.json"
@@ -417,6 +418,7 @@ def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     assert md.count("\n| ") >= len(res["rows"]) + 1
 
 
+@pytest.mark.slow
 def test_shared_runs_are_the_runs_they_stand_for(test_model: Path, tmp_path: Path) -> None:
     """A mass policy served by its preset's run (the same PolicyConfig, mass recorded) and a copy left out (the same
     decisions on the exact routing) have the figures their own emulations would have; --power-only keeps row 1."""
@@ -440,6 +442,7 @@ def test_shared_runs_are_the_runs_they_stand_for(test_model: Path, tmp_path: Pat
     assert res["power"][0]["ci95"] == res["rows"][0]["data"]["substitute-all"]["ci95"]
 
 
+@pytest.mark.slow
 def test_topic_finding_on_two_domains(test_model: Path, tmp_path: Path) -> None:
     from runtime.backends import hfmodel
     from runtime.tools.findings.topic import finding_topic

@@ -492,7 +492,7 @@ def test_a_sweep_on_a_weightless_trace_leaves_the_weight_reading_dimensions_out(
                      "prefetch lookahead (no lookahead column)",
                      "baselines rule-0.15, first-choice, substitute-all, quality-first, speed-first"):
         assert left_out in lines[0], (left_out, lines[0])
-    assert fit.baseline_policies == ("fetch-every-miss", "host-compute")
+    assert fit.baseline_policies == ("fetch-every-miss", "host-compute", "llamacpp-lru", "llamacpp-ncmoe")
     assert fit.space["rule"].values() == ("first_choice", "substitute_all", "fetch_all")
     assert fit.space["fallback"].values() == ("host",) and fit.space["beta"].values() == (None,)
     assert fit.space["prefetch"].values() == ("off", "oracle")  # an import has no lookahead column to replay
