@@ -351,7 +351,8 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("mutation", [pytest.param(m, marks=pytest.mark.slow) if m == "run_layers-swapped-builds" else m
+                                      for m in MUTATIONS])  # the swapped builds compile the whole kernel: `make test`
 def test_each_entry_points_check_fails_on_a_wrong_build_of_it(tmp_path, mutation):
     """A copy of runtime/ with one kernel file changed on purpose, in a separate process: the post-load check
     (`compiled._check`, the fixed cases against the golden table) names a difference in the changed entry point's
