@@ -28,7 +28,7 @@ cached object is code this process did not compile, so before a unit decides any
    here; a mismatch of code compiled in this process raises `CompiledCheckError` (the command exits 3 with
    one line saying what to do, never a silent wrong run).
 
-The check runs once per process and unit (reports/compile_once.md: its cost).
+The check runs once per process and unit (its cost: reports/compile_once.md, reports/compile_cost.md).
 """
 
 from __future__ import annotations
