@@ -71,7 +71,7 @@ def test_embedded_sweep_end_to_end(tmp_path):
     out = tmp_path / "out"
     db = tmp_path / "mlflow.db"
     # RAY_AUTH_MODE unset, as for a user: the embedded cluster takes token authentication with a token of
-    # this run (sweep.pareto.prepare_ray_auth)
+    # this run (sweep.driver's prepare_ray_auth)
     proc = run_driver(cfg, out, "--ray-address", "local", "--num-cpus", "2", "--mlflow-uri", f"sqlite:///{db}",
                       RAY_AUTH_MODE="")
     assert proc.returncode == 0, proc.stderr[-4000:]
