@@ -90,11 +90,13 @@ def test_conditional_sampling_follows_the_policy_semantics():
 
 
 def test_baselines_inside_the_space_become_optuna_trials():
-    space = parse_space(SPACE)
+    space = parse_space({**SPACE, "copy_buffers": {"choices": [1, "off"]}})
     study = optuna.create_study(directions=["minimize", "minimize"])
     inside = complete({**PRESETS["quality-first"].to_dict(), "capacity_fraction": 0.25})
     outside = complete({**PRESETS["host-compute"].to_dict(), "capacity_fraction": 0.25})
     assert space.contains(inside) and not space.contains(outside)
+    # the preset's one copy buffer per layer: outside a space that leaves copy_buffers unset (unbounded)
+    assert not parse_space(SPACE).contains(inside)
     params, dists = space.optuna_params(inside)
     study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, values=[1.0, 2.0]))
     assert study.trials[0].params["tau"] == 0.15 and study.trials[0].params["beta"] == 0.5
