@@ -11,7 +11,7 @@ core; each process imports only its own tree's `runtime` and times the replay lo
 layer without decisions; no logs), best of --repeats per policy by process CPU time, and checks the
 counters against the other side's. Separate processes avoid the bias of importing a second kernel module
 into one process (`bench_simulator.py --against HEAD` measured the same kernel 1.6-2.3x slower as the
-second module at load 8: docs/performance.md). Prints per policy the best over rounds for each side and
+second module at load 8: reports/kernel_ab_revisions.md). Prints per policy the best over rounds for each side and
 the ratio after / before (> 1: the after revision is faster), and the load average per round.
 """
 
@@ -86,7 +86,9 @@ def main() -> None:
     ap.add_argument("--policy", action="append", default=[],
                     help="NAME=JSON of PolicyConfig fields (both revisions must know them); default: the presets")
     a = ap.parse_args()
-    policies: dict = {n: None for n in PRESETS}
+    # (llama.cpp's shared pool and layer split are not the per-layer kernel: runtime/core/llamacpp_cache.py)
+    policies: dict = {n: None for n, p in PRESETS.items()
+                      if getattr(p, "pool", "per_layer") == "per_layer" and getattr(p, "layer_split", "none") == "none"}
     for p in a.policy:
         name, _, fields = p.partition("=")
         policies[name] = json.loads(fields)

@@ -32,7 +32,7 @@ if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
 TEXT = (Path(__file__).resolve().parent / "data" / "kernel_source.txt").read_text()[:12000]
 
 
-# The modules that take longest, longest first (their summed test times in a two-worker run, docs/testing.md):
+# The modules that take longest, longest first (their summed test times in a two-worker run, reports/test_suite_runs.md):
 # `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder, so each worker takes the next whole
 # module in this collection order, the long ones start at once and the short ones fill in beside them (xdist's own
 # order, by number of tests, ran the few-test long modules last: they set the end of the run).

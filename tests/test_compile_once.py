@@ -2,7 +2,7 @@
 
 A first compile of the policy kernel killed at several points, then four processes starting together on what
 it left (one compiles the rest, under the lock; three load), then one that only loads: their decisions equal the
-reference's (issue 39: a cache left by an interrupted first compile made every later process drop what it should
+reference's (a cache left by an interrupted first compile made every later process drop what it should
 substitute). A cache whose files are truncated or garbage, or whose objects load but compute something else,
 is detected, removed and compiled again with one warning; a fresh compile that disagrees with the golden table
 is an error. Those last ones run on the cost model's replay, whose compile takes seconds (the mechanism is the
@@ -95,7 +95,7 @@ def test_costmodel_golden_table_is_the_interpreted_replay():
 
 
 def test_interrupted_first_compiles_then_four_at_once_then_a_loader_decide_as_the_reference(tmp_path):
-    """Issue 39's sequence at three points: a first compile into an empty cache killed after its first file, a
+    """The interrupted-compile sequence at three points: a first compile into an empty cache killed after its first file, a
     second killed after the first specialization of run_layer, a third killed after run_layers (before its
     last file); then four processes start together on what they left: one compiles the rest (under the lock),
     three wait and load what it wrote; a last one only loads (compiles nothing), warns of nothing, and every one

@@ -485,13 +485,13 @@ def test_script_page_is_whole_and_checks_flags_first() -> None:
     spec.loader.exec_module(script)
     md = script.page(_result(), "python scripts/findings.py")
     assert md.startswith(script.INTRO) and md.count("## Reading the table") == 1
-    before = (REPO / "docs" / "findings.md").stat().st_mtime_ns
+    before = (REPO / "reports" / "findings" / "findings.md").stat().st_mtime_ns
     proc = subprocess.run([sys.executable, "scripts/findings.py", "--capacity-fraction", "2"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
-    assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
+    assert (REPO / "reports" / "findings" / "findings.md").stat().st_mtime_ns == before
 
 
 def test_stability_marks_rows_whose_verdict_differs_between_builds() -> None:
@@ -517,7 +517,8 @@ def test_stability_marks_rows_whose_verdict_differs_between_builds() -> None:
 
 
 def test_an_older_result_says_so() -> None:
-    """A result of the findings before issue 35 (no `format`) renders with a line saying its rules are older."""
+    """A result of the findings before one interval per statistic (no `format`) renders with a line saying its
+    rules are older."""
     res = _result()
     assert "older version of the findings" not in render.to_markdown(res)
     del res["format"]
@@ -538,14 +539,14 @@ def test_script_skips_real_traces_without_shared(tmp_path: Path) -> None:
 
 
 def test_the_committed_page_is_its_json_rendered() -> None:
-    """docs/findings.md is docs/findings.json rendered by scripts/findings.py's page(), byte for byte (nothing
-    hand-edited), generated at a clean commit (commit.dirty false)."""
+    """reports/findings/findings.md is its findings.json rendered by scripts/findings.py's page(), byte for byte
+    (nothing hand-edited), generated at a clean commit (commit.dirty false)."""
     import importlib.util
 
-    res = json.loads((REPO / "docs" / "findings.json").read_text())
+    res = json.loads((REPO / "reports" / "findings" / "findings.json").read_text())
     assert res["commit"]["dirty"] is False and len(res["commit"]["commit"]) == 40
     spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.page(res, res["command"]) == (REPO / "docs" / "findings.md").read_text()
+    assert script.page(res, res["command"]) == (REPO / "reports" / "findings" / "findings.md").read_text()
     assert "lowered perplexity" in next(r["paper"] for r in res["rows"] if r["id"] == "4a")

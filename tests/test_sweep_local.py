@@ -185,7 +185,7 @@ def _resume_a_copy(cfg: Path, out: Path, db: Path, tmp_path: Path, parent_id: st
 
 @pytest.mark.slow
 def test_calibrated_host_is_measured_and_remeasured_by_the_engine(tmp_path, micro_model):
-    """`profile: calibrate`: issue 4's calibration runs as a Ray task on the host (CPU device mode
+    """`profile: calibrate`: the engine's calibration runs as a Ray task on the host (CPU device mode
     here), the sweep simulates with that profile, and the front is re-measured by the engine."""
     pytest.importorskip("runtime.tools.calibrate")
     cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=512, trials=3,

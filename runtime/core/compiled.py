@@ -19,7 +19,7 @@ cached object is code this process did not compile, so before a unit decides any
    in this process (`Dispatcher.recompile`, callees first) and logs one warning; a mismatch after that fresh
    compile raises `CompiledCheckError` (the command exits non-zero, never a silent wrong run).
 
-The check runs once per process and unit (docs/performance.md, "Compile once": its cost).
+The check runs once per process and unit (reports/compile_once.md: its cost).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ KERNEL = Unit(
     slug="kernel",
     package_dir=_KERNEL,
     modules=tuple(f"runtime.core.kernel.{m}" for m in ("search", "evict", "primitives", "route", "run_layer", "cache",
-                                                     "decide")),
+                                                     "decide", "shared_pool")),
     sources=(*sorted(_KERNEL.glob("*.py")), _CORE / "policy.py", _CORE / "compiled.py"),
     exercise="runtime.core.kernel.selfcheck:exercise",
     golden=_KERNEL / "selfcheck.json",

@@ -25,7 +25,7 @@ binding (`address_table`) from which it rebuilds every array as a view (`carray`
 (a record scalar alone costs ~4 us to unbox) and the call's constants included, and calls `decide_row`.
 The table points into arrays its maker keeps alive.
 
-Module-level `@njit(cache=True)` functions only, each name unique in the project (issue 39's cache rules);
+Module-level `@njit(cache=True)` functions only, each name unique in the project (the compile cache's rules);
 `exercise()` runs the call on a fixed tiny case for a post-load check.
 """
 
@@ -300,7 +300,7 @@ EXERCISE_ROWS = ((1, 2, 0.25, 0.75, 0.1, 0.2, 0.9, 0.3, 1.0),
 def exercise() -> dict:
     """`decide_row` on a fixed tiny case (E = 4, k = 2, C = 2, fetch-every-miss, experts 0 and 1 resident, three
     tokens) through the engine's entry `decide_layer` -> its outputs as plain ints and floats: a post-load check
-    compares them with the values of a fresh compile (issue 39). Also compiles the call (`Engine.bind` and the
+    compares them with the values of a fresh compile (a cache left by an interrupted compile). Also compiles the call (`Engine.bind` and the
     GPU checks' kernel step run it)."""
     from runtime.core.kernel.cache import PolicyCache
     from runtime.core.policy import PRESETS

@@ -6,8 +6,8 @@ Per token (docs/policies.md, "Per token, per layer, in this order" and "Addition
 are closures that numba inlines with the state arrays as they are (module-level stages taking the arrays
 pay reference counts: 17-30% slower). `lean` is passed as a constant by `run_layers`, so run_layer compiles
 as two `Literal[bool]` specializations of one module-level dispatcher (distinct symbols: no two cached
-objects share one, docs/performance.md "Compile once"). docs/architecture.md ("kernel") and
-docs/performance.md ("Where the time goes") hold the rest; the input contract: a ranking row starts with
+objects share one, reports/compile_once.md). docs/architecture.md ("kernel") and
+docs/simulator.md ("How the kernel is fast") hold the rest; the input contract: a ranking row starts with
 the token's selection and holds distinct ids, or router scores stand for it (ties lower id).
 """
 
