@@ -76,7 +76,7 @@ clean:
 # embedded Ray, the emulation ladder, MLflow in mlflow/mlflow.db; results/demo/. Prints the answer
 # last (per host and perplexity budget, the fastest policy within it). PARETO_ARGS=--verbose: logs.
 pareto: $(STAMP)
-	$(BIN)/python sweep/pareto.py --config search_spaces/demo.yaml --ray-address local $(PARETO_ARGS)
+	$(BIN)/python -m sweep --config search_spaces/demo.yaml --ray-address local $(PARETO_ARGS)
 
 # MLflow UI over the sweeps' default store, on 127.0.0.1:5000 (MLFLOW_PORT=... to change); prints the
 # runs page (#/experiments/<id>/runs: MLflow 3.17's UI opens an experiment on its overview).

@@ -3,7 +3,7 @@
 #
 #   bash infra/local_cluster.sh up [HEAD_HOST WORKER1_HOST WORKER2_HOST]   # default rtx4090 rtx3090 rtx3090
 #   EXPERTSWEEP_LOCAL_MODEL=NAME bash infra/local_cluster.sh up            # worker 1 also offers model:NAME
-#   . /tmp/expertsweep-ray-local/client.env && python sweep/pareto.py --config search_spaces/smoke.yaml
+#   . /tmp/expertsweep-ray-local/client.env && python -m sweep --config search_spaces/smoke.yaml
 #   bash infra/local_cluster.sh status
 #   bash infra/local_cluster.sh down
 #

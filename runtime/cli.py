@@ -1,7 +1,7 @@
 """The `expertsweep` command: one console command, a subcommand per tool, and the emulation's command line.
 
 `expertsweep sweep | simulate | emulate | record | findings | model [ARGS]` (pyproject.toml
-`[project.scripts]`) runs the same `main(argv)` as `python sweep/pareto.py`,
+`[project.scripts]`) runs the same `main(argv)` as `python -m sweep`,
 `python -m runtime.simulate | emulate | record | findings` and `python -m runtime.tools.tinymodel`, with
 the same flags, one-line errors and exit status 2 on bad input. Each subcommand's module is
 imported only when it runs (`expertsweep simulate` never imports torch).
@@ -30,8 +30,8 @@ _WARN = "expertsweep: warning: %(message)s"
 # subcommand -> (module, its main, log level and format as its `python -m` form sets them (None: its main
 # sets its own), what it does)
 COMMANDS: dict[str, tuple[str, str, int | None, str | None, str]] = {
-    "sweep": ("sweep.pareto", "main", None, None,
-              "the Ray Tune + Optuna sweep: speed/perplexity Pareto fronts per host (python sweep/pareto.py)"),
+    "sweep": ("sweep.driver", "main", None, None,
+              "the Ray Tune + Optuna sweep: speed/perplexity Pareto fronts per host (python -m sweep)"),
     "simulate": ("runtime.backends.simulate", "main", logging.WARNING, _WARN,
                  "replay a router trace under a policy with a host cost model (python -m runtime.simulate)"),
     "emulate": ("runtime.cli", "emulate_main", logging.WARNING, _WARN,

@@ -1,6 +1,6 @@
 """Sweep benchmark: simulator trials per hour and the Ray + MLflow overhead, on an embedded Ray.
 
-Runs `sweep/pareto.py` in this process (search_spaces/bench.yaml: the demo model's trace, two
+Runs the sweep driver (sweep/driver.py) in this process (search_spaces/bench.yaml: the demo model's trace, two
 simulated hosts, NSGA-II, no re-measurement) with MLflow on SQLite in the output folder, while
 a thread samples the CPU time of this process and every process under it (Ray's GCS, raylet,
 workers) from /proc. Reports:
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="print the rows as Markdown (reports/sweep_overhead.md)")
     a = ap.parse_args()
 
-    from sweep.pareto import run
+    from sweep.driver import run
 
     out = Path(a.out)
     argv = ["--config", a.config, "--out", str(out), "--trials", str(a.trials), "--ray-address", "local",

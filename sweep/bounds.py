@@ -2,7 +2,7 @@
 
 A bound is not a policy to run (it needs the future: Belady's next uses, the next layer's true selection)
 and it is not sampled: `bound_params` gives each kind's fixed runs, which the sweep screens once per
-host beside the named baselines (sweep/pareto.py), at the baselines' capacity (the equal-memory budget).
+host beside the named baselines (sweep/driver.py), at the baselines' capacity (the equal-memory budget).
 Each is fetch-every-miss (`rule = fetch_all`, every miss fetched) with:
 
 - `Belady eviction`: the victim is the resident used furthest in the future (`evict = belady`), no copy

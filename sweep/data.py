@@ -16,7 +16,7 @@ folder, the safetensors shards and their index included; no weight is read) plus
 parameters (the text's SHA-256, max_tokens, lookahead, dtype). A second sweep on the same
 checkpoint therefore records nothing. The task returns the trace bytes (and config.json), which
 the driver writes into `<out>/traces/` for the report and hands to the workers through Ray's
-object store (sweep/pareto.py): no node reads the driver's output folder.
+object store (sweep/driver.py): no node reads the driver's output folder.
 
 A synthetic trace (`trace: {synthetic: {...}}`) is generated in `<out>/traces/` with its
 calibration twin (the same model draw `seed`, another token draw `sample`), reused while its

@@ -1,7 +1,7 @@
-"""What the sweep driver (sweep/pareto.py) does once the screening is over: the multi-fidelity ladder and
-the engine on calibrated hosts (`_ladder`), the report, stats.json and the MLflow tables, child runs and
-parent metrics of a finished sweep (`_answer`, `_stats`, `_answer_metrics`, `_log_bound_metrics`), and the
-results printed on stdout, the answer last (`_print`).
+"""What the sweep driver (sweep/driver.py) does once the screening is over: the multi-fidelity ladder and
+the engine on calibrated hosts (`climb_ladder`), the report, stats.json and the MLflow tables, child runs and
+parent metrics of a finished sweep (`write_answer`, `answer_metrics`; `_stats`, `_log_bound_metrics`), and the
+results printed on stdout, the answer last (`print_results`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from runtime.core.errors import atomic_write
 from sweep import hosts, report, tracking
 
 
-def _answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str], notes: list[str],  # noqa: ANN001
+def write_answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str], notes: list[str],  # noqa: ANN001
             ladder_stats: dict[str, Any], session, ledger, tracker: tracking.Tracker,  # noqa: ANN001
             timing: tuple[float, float, list[float]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A finished sweep's report and stats.json written, and logged into MLflow (a child run per front policy,
@@ -38,7 +38,7 @@ def _answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str],
         tracker.log_table(rep["policy_by_host"], "tables/policy_by_host.json")
     if not rep["answer"].empty:
         tracker.log_table(rep["answer"], "tables/answer.json")
-        tracker.log_parent_metrics(_answer_metrics(rep["answer"]))
+        tracker.log_parent_metrics(answer_metrics(rep["answer"]))
     _log_bound_metrics(tracker, rep)
     tracker.flush()
     stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
@@ -55,7 +55,7 @@ def _answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str],
     return rep, stats
 
 
-def _ladder(cfg, inputs, session, ledger, enabled: bool,  # noqa: ANN001
+def climb_ladder(cfg, inputs, session, ledger, enabled: bool,  # noqa: ANN001
             placement: dict[str, Any] | None = None) -> tuple[list[str], dict[str, Any]]:
     """The multi-fidelity ladder (sweep/ladder.py) and the engine on calibrated hosts; (notes, stats)."""
     from sweep import ladder
@@ -119,7 +119,7 @@ def _log_bound_metrics(tracker, rep: dict[str, Any]) -> None:  # noqa: ANN001
         tracker.log_parent_metrics(bound_metrics(rep["bounds"]))
 
 
-def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFrame
+def answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFrame
     """MLflow parent metrics of the answer: per host and budget, the speed ratio and the upper bound."""
     out = {}
     for _, r in ans.iterrows():
@@ -132,7 +132,7 @@ def _answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataF
     return out
 
 
-def _print(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out: Path, stats: dict,
+def print_results(rep: dict[str, Any], host_names: list[str], gpus: dict[str, str], out: Path, stats: dict,
            mlflow_line: str = "") -> None:
     """The results on stdout: the fronts, then the answer last (what the user asked)."""
     for h in host_names:

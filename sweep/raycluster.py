@@ -1,4 +1,4 @@
-"""Joining or starting the Ray cluster a sweep runs on (sweep/pareto.py): `prepare_ray_auth` sets token
+"""Joining or starting the Ray cluster a sweep runs on (sweep/driver.py): `prepare_ray_auth` sets token
 authentication for a cluster the driver may embed, before Ray is imported; `connect_ray` joins the cluster
 `--ray-address` names (or `RAY_ADDRESS`, or a running local one) or starts an embedded one whose single node
 carries every host's resource, and turns a refused or unreachable cluster into one line naming the flag
@@ -16,7 +16,7 @@ from pathlib import Path
 from runtime.core.errors import InputError
 from sweep import hosts
 
-log = logging.getLogger("sweep.pareto")  # the driver's logger: its records read as they did in pareto.py
+log = logging.getLogger("sweep.driver")  # the driver's logger: its records read as the driver's
 
 
 def prepare_ray_auth(address: str) -> None:

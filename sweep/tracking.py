@@ -22,7 +22,7 @@ screens; `flush` waits for every queued operation):
   active fields as params (`active_params`: the policy table's rule of when a field matters, so no
   `lowbit_bits` without a low-bit fallback), its simulated and measured figures as metrics; each is one `create_run`, one `log_batch` and one `set_terminated`, written
   when the report is (not per trial);
-- every run carries MLflow's source tags: `mlflow.source.name` (sweep/pareto.py),
+- every run carries MLflow's source tags: `mlflow.source.name` (sweep/driver.py),
   `mlflow.source.type` (LOCAL), `mlflow.user`, and where the code is a git checkout
   `mlflow.source.git.commit`, `mlflow.source.git.branch`, `mlflow.source.git.repoURL` and
   `mlflow.source.git.dirty`.
@@ -121,7 +121,7 @@ def _git(*args: str) -> str | None:
     return p.stdout.strip() if p.returncode == 0 else None
 
 
-def source_tags(source: str = "sweep/pareto.py") -> dict[str, str]:
+def source_tags(source: str = "sweep/driver.py") -> dict[str, str]:
     """MLflow's source tags for a run of this code: the script, LOCAL, the user and, in a git
     checkout, its commit, branch, remote and whether the working tree had changes."""
     from mlflow.entities import SourceType

@@ -75,12 +75,12 @@ def install_audited() -> None:
 
 
 def main() -> None:
-    """`python -m tests.sweep_faults '<faults JSON>' ARGS...`: sweep/pareto.py's `main(ARGS)` in this
+    """`python -m tests.sweep_faults '<faults JSON>' ARGS...`: the sweep driver's `main(ARGS)` in this
     process, its `ray.init` given the runtime_env of the faults."""
     import ray
 
     from runtime.core.errors import cli_main
-    from sweep import pareto
+    from sweep import driver
 
     renv = runtime_env(json.loads(sys.argv[1]))
     init = ray.init
@@ -91,7 +91,7 @@ def main() -> None:
         return init(*args, runtime_env=renv, **kwargs)
 
     ray.init = init_with_faults
-    cli_main(lambda: pareto.main(sys.argv[2:]))
+    cli_main(lambda: driver.main(sys.argv[2:]))
 
 
 if __name__ == "__main__":

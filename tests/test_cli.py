@@ -222,3 +222,29 @@ def test_cpu_heavy_entry_points_set_passive_openmp_waiting_and_their_threads(ent
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert threads.configure() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize("form", ["python -m sweep", "python sweep/pareto.py"])
+def test_the_sweep_runs_as_a_module_and_as_a_script_by_its_path(form, tmp_path):
+    """`python -m sweep` and `python sweep/pareto.py` (the form `ray job submit` runs: a script by its path, from
+    any folder) both run this checkout's driver: a decoy `sweep` package on PYTHONPATH is never imported (the
+    script puts the checkout root first), the usage line names the form, a bad --config is one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    decoy = tmp_path / "decoy" / "sweep"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy sweep package was imported')\n")
+    head, cwd = (["-m", "sweep"], repo) if form == "python -m sweep" else ([str(repo / "sweep" / "pareto.py")], tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(decoy.parent)}
+    run = [sys.executable, *head]
+    helped = subprocess.run([*run, "--help"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith(f"usage: {form} "), helped.stdout[:300] + helped.stderr
+    bad = subprocess.run([*run, "--config", str(tmp_path / "nowhere.yaml")], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout + bad.stderr
+    assert bad.stderr.strip().splitlines() == [f"expertsweep: error: --config {tmp_path / 'nowhere.yaml'}: cannot "
+                                               "read (No such file or directory)"], bad.stderr

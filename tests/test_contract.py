@@ -60,6 +60,9 @@ POLICIES = {
     "buffers-1-d3": PolicyConfig(rule="substitute_all", beta=0.05, admission_delay=3, copy_buffers=1),
     "lookahead-buffers-1": PolicyConfig(rule="threshold", tau=0.3, prefetch="lookahead", prefetch_n=3, beta=0.3,
                                         copy_buffers=1),
+    # the admission presets carry one copy buffer per layer; their unbounded forms (`--copy-buffers unbounded`)
+    "quality-first-unbounded": dataclasses.replace(PRESETS["quality-first"], copy_buffers=None),
+    "speed-first-unbounded": dataclasses.replace(PRESETS["speed-first"], copy_buffers=None),
 }
 SIGMOID_FAMILIES = {"deepseek_v3"}  # Cache-Prior is refused there (docs/policies.md, Additions (4))
 ENGINE_FAMILIES = {f for f in FAMILIES if f != "gpt_oss"}  # the engine needs bias-free fused experts

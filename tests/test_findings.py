@@ -523,7 +523,6 @@ def test_admission_regret_follows_the_kernels_admissions() -> None:
     hit must find its expert where the logs put it (else it raises), the admissions counted are the simulator's,
     and a policy without admission admits nothing."""
     from runtime.backends.simulate import replay
-    from runtime.core.policy import PRESETS
     from runtime.formats.trace.synthetic import synthetic_trace
 
     tr = synthetic_trace(3000, 2, 32, 4, seed=5)
@@ -531,7 +530,7 @@ def test_admission_regret_follows_the_kernels_admissions() -> None:
     init = [np.arange(8) for _ in range(tr.L)]
     for pol in ("quality-first", "speed-first"):
         r = X_ADM.regret(tr, pol, caps, init)
-        sim = replay(tr, PRESETS[pol], caps, init).cache.counter_totals()["admissions"]
+        sim = replay(tr, X.paper_policy(pol), caps, init).cache.counter_totals()["admissions"]
         assert r["admissions"] == sim > 20
         assert 0 < r["regret_share"] < 1 and 0 < r["unused_share"] < 1
         assert r["regret_per_token_layer"] == pytest.approx(r["regret_share"] * sim / (tr.T * tr.L))

@@ -27,7 +27,8 @@ def _shape(L: int = 2, E: int = 64, k: int = 8) -> costmodel.ModelShape:
 @pytest.mark.parametrize("slots", [8, 16, 40])
 def test_equal_memory_gives_each_policy_its_slots_for_the_same_bytes(slots: int) -> None:
     """At the smallest budget holding the rule's C, capacities_for_budget leaves a policy with a pool of B copy
-    buffers per layer C - B slots (the budget charges L * B buffers), and the unbounded preset L * k * d fewer."""
+    buffers per layer C - B slots (the budget charges L * B buffers: the presets' B = 1), and the unbounded pool
+    L * k * d fewer."""
     shape = _shape()
     b = M.column_budget(shape, slots)
     assert int(costmodel.capacities_for_budget(shape, b, PRESETS["rule-0.15"])[0]) == slots
@@ -36,7 +37,9 @@ def test_equal_memory_gives_each_policy_its_slots_for_the_same_bytes(slots: int)
     for name in M.ADMISSION:
         for buffers in (1, 2):
             assert M.slots_at(shape, b, M.pooled(name, buffers)) == slots - buffers
-        assert M.slots_at(shape, b, PRESETS[name]) == slots - shape.top_k * PRESETS[name].admission_delay
+        assert M.slots_at(shape, b, PRESETS[name]) == slots - 1
+        unbounded = dataclasses.replace(PRESETS[name], copy_buffers=None)
+        assert M.slots_at(shape, b, unbounded) == slots - shape.top_k * PRESETS[name].admission_delay
     for name in ("cache-prior", "cache-route"):  # routing copies nothing in the background: the rule's slots
         assert M.slots_at(shape, b, PRESETS[name]) == slots
 

@@ -115,10 +115,10 @@ def test_each_command_refuses_every_abbreviated_flag(name, module, fn):
 
 def test_the_issue_typo_is_refused():
     """`expertsweep sweep --host rtx4090` (for --hosts) is one line, not a full sweep."""
-    from sweep import pareto
+    from sweep import driver
 
     with pytest.raises(InputError, match=r"unrecognized arguments: --host rtx4090"):
-        pareto.build_parser().parse_args(["--config", "smoke", "--host", "rtx4090"])
+        driver.build_parser().parse_args(["--config", "smoke", "--host", "rtx4090"])
     from runtime import cli
 
     with pytest.raises(InputError, match="invalid choice"):

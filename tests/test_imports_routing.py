@@ -411,7 +411,7 @@ def test_the_simulator_command_refuses_one_line_exit_2(tmp_path):
                         "--policy", "quality-first", "--capacity", "8", "--initial-residency", "cold",
                         "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "policy 'threshold(0.15) + lfu + beta=0.5' needs the trace column topk_weights" in r.stderr
+    assert "policy 'threshold(0.15) + lfu + beta=0.5 + buffers=1' needs the trace column topk_weights" in r.stderr
     assert not (tmp_path / "r.json").exists()
 
 

@@ -66,7 +66,7 @@ def installed(tmp_path_factory):
 @pytest.mark.slow
 def test_wheel_carries_its_data_and_the_command(installed):
     bin_, work, env = installed
-    code = ("import runtime, sweep.pareto as p; from runtime.formats import costmodel as c; "
+    code = ("import runtime, sweep.driver as p; from runtime.formats import costmodel as c; "
             "print(runtime.__file__); print(p.DEFAULT_CONFIG, p.DEFAULT_CONFIG.is_file()); "
             "print(c.list_host_profiles()); print(c.list_model_shapes())")
     r = _run([bin_ / "python", "-c", code], work, env)

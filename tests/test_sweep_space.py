@@ -90,11 +90,13 @@ def test_conditional_sampling_follows_the_policy_semantics():
 
 
 def test_baselines_inside_the_space_become_optuna_trials():
-    space = parse_space(SPACE)
+    space = parse_space({**SPACE, "copy_buffers": {"choices": [1, "off"]}})
     study = optuna.create_study(directions=["minimize", "minimize"])
     inside = complete({**PRESETS["quality-first"].to_dict(), "capacity_fraction": 0.25})
     outside = complete({**PRESETS["host-compute"].to_dict(), "capacity_fraction": 0.25})
     assert space.contains(inside) and not space.contains(outside)
+    # the preset's one copy buffer per layer: outside a space that leaves copy_buffers unset (unbounded)
+    assert not parse_space(SPACE).contains(inside)
     params, dists = space.optuna_params(inside)
     study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, values=[1.0, 2.0]))
     assert study.trials[0].params["tau"] == 0.15 and study.trials[0].params["beta"] == 0.5
@@ -445,7 +447,7 @@ def test_mlflow_tracking_uri_is_honoured_and_runs_carry_their_source(tmp_path, m
                             text=True).stdout.strip()
     for run in (client.get_run(parent), child):
         tags = run.data.tags
-        assert tags["mlflow.source.name"] == "sweep/pareto.py" and tags["mlflow.source.type"] == "LOCAL"
+        assert tags["mlflow.source.name"] == "sweep/driver.py" and tags["mlflow.source.type"] == "LOCAL"
         assert tags["mlflow.source.git.commit"] == commit and tags["mlflow.source.git.dirty"] in ("true", "false")
     assert client.get_run(parent).info.status == "FINISHED" and tr.errors == 0
     assert tracking.runs_page("http://127.0.0.1:5000/", tr.experiment_id) == \
@@ -480,9 +482,9 @@ def test_offline_bounds_are_drawn_never_answered(tmp_path):
     # the answer gives the device memory the policy uses beside its time
     assert ans["device_memory_GiB"].tolist() == [pytest.approx(real["device_memory_GiB"])]
     assert "| device GiB |" in (tmp_path / "summary.md").read_text().split("## Offline bounds")[0]
-    from sweep.pareto import _answer_metrics
+    from sweep.finish import answer_metrics
 
-    assert _answer_metrics(rep["answer"])["answer_a_within_1pct_device_memory_GiB"] == pytest.approx(
+    assert answer_metrics(rep["answer"])["answer_a_within_1pct_device_memory_GiB"] == pytest.approx(
         real["device_memory_GiB"])
     for f in ("pareto_a.csv", "screening_a.csv"):
         assert not set(pd.read_csv(tmp_path / f)["policy_key"]) & bound_keys, f

@@ -208,12 +208,12 @@ def test_a_resume_after_a_stop_before_screening_gives_the_clean_answer(tmp_path,
 def test_the_stop_handler_asks_tune_first_then_stops_at_once():
     """SIGTERM (as SIGINT) inside tuner.fit(): Tune's own interrupt (SIGUSR1) once, the driver raises Stopped when
     fit returns; a second signal, or one outside fit, raises Stopped at once."""
-    from sweep.pareto import Stopped, _Stop
+    from sweep.driver import StopHandler, Stopped
 
     got = []
     old = signal.signal(signal.SIGUSR1, lambda *_: got.append("usr1"))
     try:
-        stop = _Stop()
+        stop = StopHandler()
         stop.in_fit = True
         stop(signal.SIGTERM, None)
         assert got == ["usr1"] and stop.signal == "SIGTERM"
@@ -222,7 +222,7 @@ def test_the_stop_handler_asks_tune_first_then_stops_at_once():
         with pytest.raises(Stopped, match="SIGINT"):
             stop(signal.SIGINT, None)
         assert got == ["usr1"]
-        outside = _Stop()
+        outside = StopHandler()
         with pytest.raises(Stopped, match="SIGINT"):
             outside(signal.SIGINT, None)
         assert got == ["usr1"]

@@ -62,6 +62,9 @@ class Param:
     low_open: bool = False
     high_open: bool = False
     nullable: bool = False  # None is a value (tau: unused, beta: admission off, prefetch_n: k)
+    # words the flag takes for None (copy_buffers: `unbounded`, or `off` as a sweep space writes it), so that a
+    # flag can unset a preset's value (`--policy quality-first --copy-buffers unbounded`)
+    none_words: tuple[str, ...] = ()
     active: str = "always"  # when the parameter matters, as text (docs, space validation)
     # how the compiled kernel reads it: (field of the kernel's policy record, encoder of the PolicyConfig);
     # None for parameters the kernel never reads (runtime/core/kernel/run_layer.py reads the record as
@@ -76,7 +79,8 @@ class Param:
             return " | ".join(map(str, self.choices))
         lo = "-inf" if self.low is None else f"{self.low:g}"
         hi = "inf" if self.high is None else f"{self.high:g}"
-        return f"{'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
+        words = "".join(f" | {w}" for w in self.none_words)
+        return f"{'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}{words}"
 
     def check(self, value: Any, where: str) -> Any:
         """The value converted to this parameter's type, or an InputError naming flag, field and value."""
@@ -197,8 +201,9 @@ class PolicyConfig:
                                 nullable=True, active="prefetch != off")
     copy_buffers: int | None = _p(None, "--copy-buffers", "copy buffers per MoE layer for the background copies "
                                   "(admissions, prefetches); a copy with no free buffer waits (admission) or is "
-                                  "not made (prefetch); the budget charges L * copy_buffers buffers (unset: "
-                                  "unbounded, charged the worst case)", low=1, nullable=True,
+                                  "not made (prefetch); the budget charges L * copy_buffers buffers (unbounded or "
+                                  "off: no bound, charged the worst case; the presets quality-first and speed-first "
+                                  "carry 1)", low=1, nullable=True, none_words=("unbounded", "off"),
                                   active="beta set or prefetch != off",
                                   kernel=("copy_buffers", lambda p: -1 if p.copy_buffers is None else p.copy_buffers))
     pin_fraction: float = _p(0.0, "--pin-fraction", "pin the first floor(pin_fraction * C_l) experts of each layer's "
@@ -424,8 +429,10 @@ PRESETS: dict[str, PolicyConfig] = {
     "first-choice": PolicyConfig(rule="first_choice"),
     "substitute-all": PolicyConfig(rule="substitute_all"),
     "host-compute": PolicyConfig(rule="cpu"),
-    "quality-first": PolicyConfig(rule="threshold", tau=0.15, beta=0.5),
-    "speed-first": PolicyConfig(rule="first_choice", beta=0.5),
+    # the paper's admission presets with the copy pool the engine needs for background admission: one buffer per
+    # MoE layer (docs/policies.md, "Additions (3)"; `copy_buffers=None`, unbounded, is charged L * k * d buffers)
+    "quality-first": PolicyConfig(rule="threshold", tau=0.15, beta=0.5, copy_buffers=1),
+    "speed-first": PolicyConfig(rule="first_choice", beta=0.5, copy_buffers=1),
     # cache-aware routing (docs/policies.md, Additions (4)): Skliar et al.'s Cache-Prior with max-rank J = 1 and
     # lambda = 0.5 (our choice inside the paper's range), colibri's CACHE_ROUTE with J = 1, M = 16, no alpha scaling
     "cache-prior": PolicyConfig(rule="fetch_all", route="cache-prior", route_lambda=0.5, route_keep=1),
@@ -448,18 +455,34 @@ def add_policy_flags(p: argparse.ArgumentParser, repeatable_preset: bool = False
     g.add_argument("--policy", action="append" if repeatable_preset else "store",
                    help=f"preset{' (repeatable, or all)' if repeatable_preset else ''}: {', '.join(PRESETS)}")
     for prm in PARAMS:
-        conv = {str: str, int: _num(int, prm.flag), float: _num(float, prm.flag), bool: _bool(prm.flag)}[prm.type]
+        conv = {str: str, int: _num(int, prm.flag, prm.none_words), float: _num(float, prm.flag, prm.none_words),
+                bool: _bool(prm.flag)}[prm.type]
         more = dict(nargs="?", const=True) if prm.type is bool else {}  # `--drop-renorm` alone means true
         g.add_argument(prm.flag, dest=f"pol_{prm.name}", type=conv, default=None, **more,
                        help=f"{prm.help}; {prm.range_text()}; default {prm.default!r}; active when {prm.active}")
 
 
-def _num(kind: type, flag: str):
+class _Unset:
+    """What a flag's word for None (`Param.none_words`) parses to: given, unlike the flag's default None, so it
+    overrides a preset's value with None (`policy_overrides`)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+
+
+def _num(kind: type, flag: str, none_words: tuple[str, ...] = ()):
     def conv(text: str):
+        if text.strip().lower() in none_words:
+            return UNSET
         try:
             return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} = {text!r} is not {'an integer' if kind is int else 'a number'}") from None
+            also = f" (or {' | '.join(none_words)})" if none_words else ""
+            raise argparse.ArgumentTypeError(
+                f"{flag} = {text!r} is not {'an integer' if kind is int else 'a number'}{also}") from None
     return conv
 
 
@@ -481,7 +504,9 @@ def pinned_count(pin_fraction: float, capacity: int) -> int:
 
 
 def policy_overrides(a: argparse.Namespace) -> dict[str, Any]:
-    return {prm.name: getattr(a, f"pol_{prm.name}") for prm in PARAMS if getattr(a, f"pol_{prm.name}") is not None}
+    """The policy fields given on the command line (a word for None, `--copy-buffers unbounded`, as None)."""
+    given = {prm.name: getattr(a, f"pol_{prm.name}") for prm in PARAMS if getattr(a, f"pol_{prm.name}") is not None}
+    return {name: None if value is UNSET else value for name, value in given.items()}
 
 
 def policies_from_flags(a: argparse.Namespace) -> dict[str, PolicyConfig]:

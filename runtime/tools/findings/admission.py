@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from runtime.core.policy import PRESETS
 from runtime.core.spec import HELD_OUT_FRACTION
 from runtime.tools.findings.stats import fmt_ci
 
@@ -41,7 +40,7 @@ def curve(trace: Any, calib_ids: np.ndarray | None, grid: tuple[float, ...] = CK
     warm-started from `calib_ids` [T_c, L, k] (valid cells `calib_valid` [T_c, L]); for the policies with
     admission also `regret` (which experts the admissions evict)."""
     from runtime.backends.simulate import replay
-    from runtime.tools.findings.experiments import caps_and_warm
+    from runtime.tools.findings.experiments import caps_and_warm, paper_policy
 
     out, seen = [], set()
     for ck in grid:
@@ -52,7 +51,7 @@ def curve(trace: Any, calib_ids: np.ndarray | None, grid: tuple[float, ...] = CK
         caps, init = caps_and_warm(trace, calib_ids, c / trace.E, calib_valid)
         point: dict[str, Any] = {"slots": int(caps[0]), "c_over_k": float(caps[0]) / trace.k}
         for name in {n for pair in PAIRS for n in pair}:
-            t = replay(trace, PRESETS[name], caps, init).cache.counter_totals()
+            t = replay(trace, paper_policy(name), caps, init).cache.counter_totals()
             calls = max(t["calls"], 1)
             point[name] = {"mass_per_token": t["substituted_mass"] / trace.T,
                            "substituted_share": (t["substitutions"] + t["drops"]) / calls,
@@ -73,8 +72,9 @@ def regret(trace: Any, policy: str, caps: np.ndarray, init: Any) -> dict[str, fl
     "regret_per_token_layer"}. The slots' contents are followed from the warm start through the kernel's own logs
     (admissions, then each call's fetch), and every hit is checked against them."""
     from runtime.core.kernel import FETCH, HIT, PolicyCache
+    from runtime.tools.findings.experiments import paper_policy
 
-    cache = PolicyCache(PRESETS[policy], trace.E, trace.k, caps, init)
+    cache = PolicyCache(paper_policy(policy), trace.E, trace.k, caps, init)
     n_adm = n_regret = n_unused = 0
     for l_ in range(trace.L):
         occ = cache.slot_expert[l_].copy()  # [C_max] expert per slot, -1 empty

@@ -316,9 +316,18 @@ def mass_policies() -> dict[str, PolicyConfig]:
     return out
 
 
+def paper_policy(name: str) -> PolicyConfig:
+    """The preset `name` as the paper defines it (../shared/spec/policies.md, which has no copy pool): the
+    admission presets without the one copy buffer per layer the project's presets carry (`copy_buffers` unset,
+    unbounded); every other preset as it is. The equal-slot rows run these; the equal-memory rows (memory.py)
+    the presets' pool, charged to the budget."""
+    return dataclasses.replace(PRESETS[name], copy_buffers=None)
+
+
 def preset_policies() -> dict[str, PolicyConfig]:
-    """fetch-every-miss (the exact model's figures) and the lossy presets (`LOSSY`), by preset name."""
-    return {n: PRESETS[n] for n in ("fetch-every-miss", *LOSSY)}
+    """fetch-every-miss (the exact model's figures) and the lossy presets (`LOSSY`) as the paper defines them,
+    by preset name."""
+    return {n: paper_policy(n) for n in ("fetch-every-miss", *LOSSY)}
 
 
 def emulate_column(s: Setup, timed: Callable[..., Any]) -> tuple[dict[str, PolicyRun], dict[str, PolicyRun],
@@ -542,7 +551,7 @@ def finding_speed(s: Setup, runs: dict[str, PolicyRun], rid: str = "5",
     scale = trace.L / PAPER_LAYERS  # the head's share of a token as on the paper's 48-layer model
     n_win = trace.T // W
     pols: dict[str, tuple[PolicyConfig, int | None]] = {
-        n: (PRESETS[n], None) for n in ("fetch-every-miss", "quality-first", "speed-first")}
+        n: (paper_policy(n), None) for n in ("fetch-every-miss", "quality-first", "speed-first")}
     pols.update(policies or {})
     events = {}
     for n, (p, slots) in pols.items():

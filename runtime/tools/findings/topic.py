@@ -16,7 +16,7 @@ import numpy as np
 from runtime.core.policy import PRESETS, PolicyConfig
 from runtime.tools.findings import rows as R
 from runtime.tools.findings import stats
-from runtime.tools.findings.experiments import Row, Setup, emulate_policies
+from runtime.tools.findings.experiments import Row, Setup, emulate_policies, paper_policy
 from runtime.tools.findings.rules import UNTESTABLE
 from runtime.tools.findings.stats import fmt_ci
 
@@ -99,7 +99,7 @@ def segment_blocks(sums: list[np.ndarray], seed: int) -> tuple[np.ndarray, dict[
 def finding_topic(s: Setup, rid: str = "4b", quality_first: PolicyConfig | None = None,
                   budget: float | None = None) -> Row:
     """Row 4b (`rid`): the 0.15 rule at the column's slots against Quality-First (`quality_first`, default the
-    preset), at the column's slots or, with `budget` (GiB; row 4b-mem), at the slots that device memory leaves it
+    paper's, `paper_policy`), at the column's slots or, with `budget` (GiB; row 4b-mem), at the slots that device memory leaves it
     (`capacities_for_budget`, its copy buffers charged)."""
     if len(s.domains) < 2:
         return Row(rid, "one-domain model: no topic changes", "n/a", UNTESTABLE,
@@ -107,7 +107,7 @@ def finding_topic(s: Setup, rid: str = "4b", quality_first: PolicyConfig | None 
     stream, switches, doms = topic_stream(s, s.m.tokenizer)
     path: Path = s.tmp / "topic_stream.txt"
     path.write_text(stream, encoding="utf-8")
-    qf_pol = PRESETS["quality-first"] if quality_first is None else quality_first
+    qf_pol = paper_policy("quality-first") if quality_first is None else quality_first
     runs = emulate_policies(s, {"rule-0.15": PRESETS["rule-0.15"], "quality-first": qf_pol}, path, nll=True,
                             max_tokens=None, budget=None if budget is None else {"quality-first": budget})
     rule, qf = runs["rule-0.15"], runs["quality-first"]
