@@ -69,6 +69,8 @@ def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, micro_mod
     (on a micro model built in seconds: recording, sweep and emulation all run in the job)."""
     from mlflow.tracking import MlflowClient
 
+    from sweep.config import DEFAULT_BASELINES
+
     out = tmp_path / "out"
     cmd = [RAY, "job", "submit", "--address", ray_cluster.dashboard, "--working-dir", ".", "--",
            "python", "sweep/pareto.py", "--config", "search_spaces/smoke.yaml", "--out", str(out),
@@ -79,7 +81,8 @@ def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, micro_mod
         assert (out / f).is_file(), f
     rows = ledger(out)
     sim = [r for r in rows if r["fidelity"] == "simulator" and bound_of(r["baseline"]) is None]  # (bounds: the bounded copy pool)
-    assert len(sim) == 2 * (7 + 6) and all(r["status"] == "ok" for r in sim)
+    assert len(sim) == 2 * (len(DEFAULT_BASELINES) + 6)  # every named baseline and the 6 trials, both hosts
+    assert all(r["status"] == "ok" for r in sim)
     # every trial ran on a node of its host
     assert {r["node"] for r in sim if r["host"] == "rtx4090"} <= _node_of(ray_cluster, "host:rtx4090")
     assert {r["node"] for r in sim if r["host"] == "rtx3090"} <= _node_of(ray_cluster, "host:rtx3090")
