@@ -1,7 +1,7 @@
 """What the sweep driver (sweep/driver.py) does once the screening is over: the multi-fidelity ladder and
 the engine on calibrated hosts (`climb_ladder`), the report, stats.json and the MLflow tables, child runs and
-parent metrics of a finished sweep (`write_answer`, `answer_metrics`; `_stats`, `_log_bound_metrics`), and the
-results printed on stdout, the answer last (`print_results`).
+parent metrics of a finished sweep (`write_answer`, `answer_metrics`, `llamacpp_metrics`; `_stats`,
+`_log_bound_metrics`), and the results printed on stdout, the answer last (`print_results`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def write_answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, 
     meta = {"name": cfg.name, "trace": inputs.trace, "model": inputs.model_dir, "objectives": cfg.objectives,
             "sampler": cfg.sampler, "trials": cfg.trials, "mlflow_uri": uri, "parent_run_id": parent,
             "gpus": gpus, "notes": notes + list(cfg.budget_notes), "warm_start": inputs.warm_start, "ladder": ladder_stats,
-            "budgets": cfg.ppl_budgets_pct}
+            "budgets": cfg.ppl_budgets_pct, "shape": model_shape(cfg, inputs)}
     rep = report.write_report(out, ledger.rows, host_names, cfg.objectives, meta)
     tracker.log_children(report.policy_records(ledger.rows, rep["fronts"], host_names), gpus)
     tracker.log_table(rep["trials"], "tables/trials.json")
@@ -40,6 +40,8 @@ def write_answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, 
         tracker.log_table(rep["answer"], "tables/answer.json")
         tracker.log_parent_metrics(answer_metrics(rep["answer"]))
     _log_bound_metrics(tracker, rep)
+    if rep.get("llamacpp") is not None and not rep["llamacpp"].empty:
+        tracker.log_parent_metrics(llamacpp_metrics(rep["llamacpp"]))
     tracker.flush()
     stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
     stats["fit_window"] = fit_window
@@ -119,6 +121,30 @@ def _log_bound_metrics(tracker, rep: dict[str, Any]) -> None:  # noqa: ANN001
         tracker.log_parent_metrics(bound_metrics(rep["bounds"]))
 
 
+def model_shape(cfg, inputs):  # noqa: ANN001, ANN201 - SweepConfig, data.Inputs -> costmodel.ModelShape
+    """The cost model's shape of the sweep's trace (`cfg.model_shape` as the driver's input check resolved it): the
+    shape llama.cpp's flags are sized for (`--moe-cache-mib`'s bytes, `-ncmoe`'s layers)."""
+    from runtime.formats import costmodel
+    from runtime.formats.trace import load_trace
+
+    return costmodel.shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
+
+
+def llamacpp_metrics(llama) -> dict[str, float]:  # noqa: ANN001 - report.llamacpp_baselines' DataFrame
+    """MLflow parent metrics of llama.cpp's two baselines: per host and baseline, ms/token, the speed ratio over
+    fetch-every-miss and the device memory (none for a baseline the sweep did not run)."""
+    out = {}
+    for _, r in llama.iterrows():
+        if not _is_number(r.get("time_per_token_ms")):
+            continue
+        tag = f"{r['baseline'].replace('-', '_')}_{r['host']}"
+        out[f"{tag}_time_per_token_ms"] = float(r["time_per_token_ms"])
+        for k in ("speed_ratio_vs_fetch_all", "device_memory_GiB"):
+            if _is_number(r.get(k)):
+                out[f"{tag}_{k}"] = float(r[k])
+    return out
+
+
 def answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFrame
     """MLflow parent metrics of the answer: per host and budget, the speed ratio and the upper bound."""
     out = {}
@@ -127,6 +153,8 @@ def answer_metrics(ans) -> dict[str, float]:  # noqa: ANN001 - the answer DataFr
             tag = f"{r['host']}_within_{r['ppl_budget_pct']:g}pct"
             out[f"answer_{tag}_speed_ratio_vs_fetch_all"] = float(r["speed_ratio_vs_fetch_all"])
             out[f"answer_{tag}_ppl_ci_high"] = float(r["ppl_ci_high"])
+            if _is_number(r.get("speed_ratio_vs_llamacpp")):
+                out[f"answer_{tag}_speed_ratio_vs_llamacpp"] = float(r["speed_ratio_vs_llamacpp"])
             if _is_number(r.get("device_memory_GiB")):
                 out[f"answer_{tag}_device_memory_GiB"] = float(r["device_memory_GiB"])
     return out
@@ -155,6 +183,6 @@ def print_results(rep: dict[str, Any], host_names: list[str], gpus: dict[str, st
     print(f"outputs: {out}\n")
     if not rep["answer"].empty:
         print("The answer: per host and perplexity budget, the fastest policy within it (upper 95% bound)\n")
-        print(report.answer_text(rep["answer"]))
+        print(report.answer_text(rep["answer"], flags_below=True))
     else:
         print("No perplexity was measured (emulation off or no model): no answer, screening fronts only.")

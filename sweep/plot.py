@@ -1,8 +1,8 @@
 """The sweep's plots: ms/token against perplexity change (with intervals) and the mass view, per host.
 
 `plot_panels` draws one figure from per-host panels (`sweep.report.write_report` builds them: the
-measured full-budget rows, the front, the screened trials, the screening front, the offline bounds
-and the answer's policy keys) and writes it atomically as PNG (matplotlib's Agg backend).
+measured full-budget rows, the front, the screened trials, the screening front, the offline bounds,
+llama.cpp's two baselines and the answer's policy keys) and writes it atomically as PNG (matplotlib's Agg backend).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def edge_limits(panels: dict[str, dict[str, Any]], budgets: list[float]) -> tupl
 
 def plot_panels(panels: dict[str, dict[str, Any]], path: Path, title: str, budgets: list[float]) -> str:
     """Left: ms/token against perplexity change (interval bars, front drawn, baselines labelled) over
-    the full-budget policies; right: the screening fidelity's mass view. One colour per host.
+    the full-budget policies; right: the screening fidelity's mass view. One colour per host. Offline bounds
+    and llama.cpp's two baselines ("llama.cpp LRU cache", "llama.cpp -ncmoe N") are labelled horizontal lines.
 
     A policy far beyond the budgets would squeeze their region into a few pixels: then the axis ends
     at 3x the largest budget (`edge_limits`) and such a policy is drawn at the edge as a triangle
@@ -76,6 +77,12 @@ def plot_panels(panels: dict[str, dict[str, Any]], path: Path, title: str, budge
                            f" {b['time_per_token_ms']:.3f} ms", (0.01 + 0.33 * (j % 3), b["time_per_token_ms"]),
                            xycoords=("axes fraction", "data"), fontsize=7, color=c, xytext=(0, 2),
                            textcoords="offset points")
+        for j, (_, b) in enumerate(p.get("llamacpp", pd.DataFrame()).iterrows()):
+            for a in (ax, bx):  # llama.cpp's two baselines at the same memory: a labelled line at each one's time
+                a.axhline(b["time_per_token_ms"], color=c, ls="-.", lw=1.0)
+                a.annotate(f"{b['name']}" + (f" ({host})" if not one else "") + f" {b['time_per_token_ms']:.3f} ms",
+                           (0.99 - 0.33 * (j % 2), b["time_per_token_ms"]), xycoords=("axes fraction", "data"),
+                           fontsize=7, color=c, ha="right", xytext=(0, 2), textcoords="offset points")
         if not m.empty:
             x = m["ppl_change_pct"].to_numpy(dtype=float)
             inside = np.ones(len(m), bool) if lim is None else (x >= lim[0]) & (x <= lim[1])

@@ -280,9 +280,74 @@ def better_than_exact(r: pd.Series | dict[str, Any]) -> bool:
     return bool(hi is not None and pd.notna(hi) and float(hi) < 0)
 
 
-def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFrame:
+LLAMACPP_BASELINES = {"llamacpp-lru": "llama.cpp LRU cache", "llamacpp-ncmoe": "llama.cpp -ncmoe"}
+"""llama.cpp's two ways of holding experts (docs/policies.md, Additions (5)): preset -> its name on the plots."""
+
+
+def llamacpp_flags_of(policy_key_text: str, capacity_slots: Any, shape: Any) -> str:
+    """llama.cpp's flags for the policy of `policy_key_text` at `capacity_slots` (slots per layer) on the cost-model
+    `shape` (`runtime.tools.llamacpp_flags`), or the one line of what llama.cpp lacks to run it; "" without a shape
+    or slots."""
+    from runtime.tools.llamacpp_flags import llamacpp_flags
+
+    if shape is None or capacity_slots is None or (isinstance(capacity_slots, float) and math.isnan(capacity_slots)):
+        return ""
+    return llamacpp_flags(policy_of(json.loads(policy_key_text)), shape, capacity_slots)
+
+
+def llamacpp_baselines(source: pd.DataFrame, hosts: list[str], shape: Any = None) -> pd.DataFrame:
+    """Per host, llama.cpp's two baselines as the sweep ran them (their baseline rows, status ok): the name on the
+    plots ("llama.cpp LRU cache", "llama.cpp -ncmoe N"), their flags, device memory, ms/token and ratio over
+    fetch-every-miss; a preset with no ok run on a host has a row with `missing` saying why."""
+    recs = []
+    for host in hosts:
+        for preset, name in LLAMACPP_BASELINES.items():
+            rec: dict[str, Any] = {"host": host, "baseline": preset, "name": name}
+            runs = (source[(source["host"] == host) & (source["baseline"] == preset)]
+                    if not source.empty and "baseline" in source else source.iloc[:0])
+            ok = runs[runs["status"] == "ok"] if "status" in runs else runs
+            if ok.empty:
+                rec["missing"] = (f"{preset} is not among this sweep's baselines (baselines.policies)" if runs.empty
+                                  else f"{preset} ended {runs['status'].iloc[0]!r} on {host}")
+                recs.append(rec)
+                continue
+            r = ok.iloc[0]
+            flags = llamacpp_flags_of(r["policy_key"], r.get("capacity_slots"), shape)
+            if preset == "llamacpp-ncmoe" and flags.startswith("-ncmoe "):
+                rec["name"] = f"{name} {flags.split()[1]}"
+            rec.update(flags=flags, vram_budget_GiB=r.get("vram_budget_GiB", np.nan),
+                       device_memory_GiB=r.get("device_memory_GiB", np.nan), time_per_token_ms=r["time_per_token_ms"],
+                       speed_ratio_vs_fetch_all=r.get("speed_ratio_vs_fetch_all", np.nan), missing=None)
+            recs.append(rec)
+    return pd.DataFrame(recs)
+
+
+def _versus_llamacpp(llama: pd.DataFrame, host: str, gib: Any, ms: float) -> dict[str, Any]:
+    """The answer row's comparison with the faster of llama.cpp's two baselines on `host` at `gib` GiB (the same
+    device memory): its ms/token over the policy's (`speed_ratio_vs_llamacpp`, >1 = the policy is faster) and
+    which it is; or `llamacpp_missing`, why there is no ratio."""
+    mine = llama[llama["host"] == host] if not llama.empty else llama
+    gone = [m for m in mine.get("missing", pd.Series(dtype=object)).dropna()]
+    if mine.empty or gone:
+        return {"llamacpp_missing": "; ".join(gone) or f"no llama.cpp baseline on {host}"}
+    if not (isinstance(gib, int | float) and math.isfinite(gib)) or not np.allclose(
+            mine["vram_budget_GiB"].to_numpy(dtype=float), float(gib)):
+        return {"llamacpp_missing": f"llama.cpp's baselines on {host} ran at another device memory than the answer's "
+                                    f"({_gib(gib) or 'a capacity, not a memory budget'})"}
+    fast = mine.sort_values("time_per_token_ms").iloc[0]
+    return {"speed_ratio_vs_llamacpp": float(fast["time_per_token_ms"]) / float(ms), "llamacpp_faster": fast["name"],
+            "llamacpp_time_per_token_ms": float(fast["time_per_token_ms"]), "llamacpp_missing": None}
+
+
+def answer(tables: dict[str, pd.DataFrame], budgets: list[float], trials: pd.DataFrame | None = None,
+           shape: Any = None) -> pd.DataFrame:
     """Per host and budget: the fastest measured policy whose upper 95% bound stays within the budget
-    (`better_than_exact` marks one whose interval lies wholly below 0)."""
+    (`better_than_exact` marks one whose interval lies wholly below 0), with its speed ratio over the faster of
+    llama.cpp's two baselines on that host at the same device memory (`llamacpp_baselines` of `trials`, the
+    screening rows; of the tables when None) and llama.cpp's flags for it at its capacity on the cost-model
+    `shape` (or what llama.cpp lacks to run it)."""
+    src = trials if trials is not None else pd.concat([m for m in tables.values() if not m.empty] or [pd.DataFrame()])
+    llama = llamacpp_baselines(src, list(tables), shape)
     recs = []
     for host, m in tables.items():
         for b in budgets:
@@ -298,6 +363,8 @@ def answer(tables: dict[str, pd.DataFrame], budgets: list[float]) -> pd.DataFram
                            time_per_token_ms=r["time_per_token_ms"], speed_ratio_vs_fetch_all=r["speed_ratio_vs_fetch_all"],
                            ppl_change_pct=r["ppl_change_pct"], ppl_ci_low=r["ppl_ci_low"], ppl_ci_high=r["ppl_ci_high"],
                            policy_key=r["policy_key"], better_than_exact=better_than_exact(r))
+                rec.update(_versus_llamacpp(llama, host, r.get("vram_budget_GiB", np.nan), r["time_per_token_ms"]))
+                rec["llamacpp_flags"] = llamacpp_flags_of(r["policy_key"], r.get("capacity_slots"), shape)
                 if pd.notna(r.get("engine_time_per_token_ms", np.nan)):
                     rec["engine_time_per_token_ms"] = r["engine_time_per_token_ms"]
             recs.append(rec)
@@ -365,25 +432,62 @@ def _basis_text(ans: pd.DataFrame) -> str:
     return "at the same capacity (slots per layer; a policy's low-bit copies and staging come on top)"
 
 
-def answer_text(ans: pd.DataFrame) -> str:
-    lines = ["| host | perplexity budget | fastest policy within it (upper 95% bound) | family | device GiB | "
-             "ms/token | x fetch-every-miss | ppl change % [95% CI] | flag |", "|---|---|---|---|---|---|---|---|---|"]
+def _cell(v: Any, fmt: str) -> str:
+    """A number as `fmt`, or "-" where there is none (a missing baseline)."""
+    return format(float(v), fmt) if isinstance(v, int | float) and math.isfinite(v) else "-"
+
+
+def answer_text(ans: pd.DataFrame, flags_below: bool = False) -> str:
+    """The answer as Markdown: a row per host and budget, `x llama.cpp` beside `x fetch-every-miss` and the column
+    `llama.cpp flags`; with `flags_below` (the terminal), the flags go on a line under each row instead."""
+    cols = ["host", "perplexity budget", "fastest policy within it (upper 95% bound)", "family", "device GiB",
+            "ms/token", "x fetch-every-miss", "x llama.cpp", "ppl change % [95% CI]", "flag"]
+    cols += [] if flags_below else ["llama.cpp flags"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     flagged = 0
     for _, r in ans.iterrows():
         if r["policy"] is None or (isinstance(r["policy"], float) and math.isnan(r["policy"])):
-            lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | none measured within it | | | | | | |")
+            lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | none measured within it |" + " |" * (len(cols) - 3))
             continue
         flag = better_than_exact(r)
         flagged += flag
-        lines.append(f"| {r['host']} | {r['ppl_budget_pct']:g}% | {r['policy']} | {r['family']} | "
-                     f"{_gib(r.get('device_memory_GiB'))} | {r['time_per_token_ms']:.3f} | "
-                     f"{r['speed_ratio_vs_fetch_all']:.2f} | "
-                     f"{r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] | "
-                     f"{BETTER_THAN_EXACT if flag else ''} |")
+        line = (f"| {r['host']} | {r['ppl_budget_pct']:g}% | {r['policy']} | {r['family']} | "
+                f"{_gib(r.get('device_memory_GiB'))} | {r['time_per_token_ms']:.3f} | "
+                f"{r['speed_ratio_vs_fetch_all']:.2f} | {_cell(r.get('speed_ratio_vs_llamacpp'), '.2f')} | "
+                f"{r['ppl_change_pct']:+.2f} [{r['ppl_ci_low']:+.2f}, {r['ppl_ci_high']:+.2f}] | "
+                f"{BETTER_THAN_EXACT if flag else ''} |")
+        flags = r.get("llamacpp_flags") if isinstance(r.get("llamacpp_flags"), str) else ""
+        lines.append(line if flags_below else line + f" {flags} |")
+        if flags_below and flags:
+            lines.append(f"  llama.cpp: {flags}")
     if flagged:
         lines += ["", f"{flagged} answer row(s) flagged '{BETTER_THAN_EXACT}': the policy's whole 95% interval "
                   "lies below 0, i.e. dropping or substituting experts lowered perplexity; that is the model "
                   "(under-trained, or the text), not a policy worth recommending."]
+    return "\n".join(lines)
+
+
+def llamacpp_text(ans: pd.DataFrame, llama: pd.DataFrame) -> str:
+    """Which llama.cpp baseline `x llama.cpp` divides by on each host, or why it is `-`; then, per host, llama.cpp's
+    two baselines (name, flags, device GiB, ms/token, x fetch-every-miss)."""
+    lines = []
+    if not ans.empty and "llamacpp_faster" in ans:
+        for host, g in ans[ans["llamacpp_faster"].notna()].groupby("host", sort=False):
+            r = g.iloc[0]
+            lines.append(f"- `x llama.cpp` on {host}: over {r['llamacpp_faster']} "
+                         f"({r['llamacpp_time_per_token_ms']:.3f} ms/token), the faster of llama.cpp's two at "
+                         f"{_gib(r.get('vram_budget_GiB'))} GiB")
+    if not ans.empty and "llamacpp_missing" in ans:
+        for host, why in ans[["host", "llamacpp_missing"]].dropna().drop_duplicates().itertuples(index=False):
+            lines.append(f"- `x llama.cpp` on {host} is `-`: {why}")
+    if not llama.empty and "time_per_token_ms" in llama:
+        ran = llama[llama["time_per_token_ms"].notna()]
+        if not ran.empty:
+            lines += ["", "| host | llama.cpp | flags | device GiB | ms/token | x fetch-every-miss |",
+                      "|---|---|---|---|---|---|"]
+            for _, r in ran.iterrows():
+                lines.append(f"| {r['host']} | {r['name']} | `{r['flags']}` | {_gib(r.get('device_memory_GiB'))} | "
+                             f"{r['time_per_token_ms']:.3f} | {_cell(r.get('speed_ratio_vs_fetch_all'), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -516,7 +620,12 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
         _write_csv(fronts[h], out / f"pareto_{h}.csv")
         _write_parquet(fronts[h], out / f"pareto_{h}.parquet")
     paths: dict[str, Any] = {"trials": out / "trials.csv"}
-    ans = answer(tables, budgets) if not quality.empty else pd.DataFrame()
+    shape = meta.get("shape")  # the cost model's shape of the trace's model: llama.cpp's flags
+    ans = answer(tables, budgets, df, shape) if not quality.empty else pd.DataFrame()
+    llama = llamacpp_baselines(df, hosts, shape) if not df.empty else pd.DataFrame()
+    if not llama.empty:
+        _write_csv(llama, out / "llamacpp.csv")
+        paths["llamacpp"] = out / "llamacpp.csv"
     if not ans.empty:
         _write_csv(ans, out / "answer.csv")
         paths["answer"] = out / "answer.csv"
@@ -534,6 +643,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
                      "trials": df[(df["host"] == h) & (df["status"] == "ok")] if not df.empty else df,
                      "screening": screening.get(h, df.iloc[:0]),
                      "bounds": bd[bd["host"] == h] if not bd.empty else bd,
+                     "llamacpp": llama[(llama["host"] == h) & llama["time_per_token_ms"].notna()]
+                     if not llama.empty and "time_per_token_ms" in llama else pd.DataFrame(),
                      "answer_keys": set(ans.loc[ans["host"] == h, "policy_key"].dropna())
                      if not ans.empty and "policy_key" in ans else set()}
         if not df.empty:
@@ -547,26 +658,39 @@ def write_report(out: Path, rows: list[dict[str, Any]], hosts: list[str], object
         _write_csv(pbh, out / "policy_by_host.csv")
         paths["policy_by_host"] = out / "policy_by_host.csv"
     hyp = mass_hypothesis(rows)
-    summary = _summary(df, fronts, screening, ans, hyp, meta, paths, bd, pbh)
+    summary = _summary(df, fronts, screening, ans, hyp, meta, paths, bd, pbh, llama)
     atomic_write(out / "summary.md", lambda tmp: Path(tmp).write_text(summary))
     paths["summary"] = out / "summary.md"
     return {"paths": paths, "fronts": fronts, "screening": screening, "answer": ans, "hypothesis": hyp,
-            "trials": df, "measured": tables, "bounds": bd, "policy_by_host": pbh, "plot_xscale": xscale}
+            "trials": df, "measured": tables, "bounds": bd, "policy_by_host": pbh, "plot_xscale": xscale,
+            "llamacpp": llama}
 
 
 def _summary(df: pd.DataFrame, fronts: dict[str, pd.DataFrame], screening: dict[str, pd.DataFrame],
              ans: pd.DataFrame, hyp: dict[str, float], meta: dict[str, Any], paths: dict[str, Any],
-             bd: pd.DataFrame | None = None, pbh: pd.DataFrame | None = None) -> str:
+             bd: pd.DataFrame | None = None, pbh: pd.DataFrame | None = None,
+             llama: pd.DataFrame | None = None) -> str:
     lines = [f"# Sweep {meta.get('name', '')}", ""]
     if not ans.empty:
         lines += ["## The answer", "",
                   "Per host and perplexity budget: the fastest policy whose upper 95% bound of the perplexity "
                   "change (exact emulation at the full token budget) stays within the budget, the device memory "
                   "it uses, and its speed ratio over fetch-every-miss " + _basis_text(ans) +
-                  " (simulated time per token).", "", answer_text(ans), ""]
+                  " (simulated time per token); `x llama.cpp`: its speed ratio over the faster of llama.cpp's "
+                  "two ways of holding experts (its LRU expert cache `--moe-cache-mib`, its layer split `-ncmoe`) "
+                  "on that host at the same device memory; `llama.cpp flags`: the policy in llama.cpp's flags, "
+                  "or what llama.cpp lacks to run it.", "", answer_text(ans), ""]
     else:
         lines += ["No perplexity was measured (emulation off or no model), so there is no answer in perplexity; "
                   "the tables below are the simulator's screening fronts (time and substituted mass).", ""]
+    llama = llama if llama is not None else pd.DataFrame()
+    if not llama.empty:
+        lines += ["## llama.cpp", "",
+                  "llama.cpp's two ways of holding experts as the sweep ran them (named baselines `llamacpp-lru`, "
+                  "`llamacpp-ncmoe`), per host at the same device memory as every policy: its LRU expert cache "
+                  "(one pool of slots shared by all layers, every miss fetched) and its static split (the first N "
+                  "layers' experts computed on the host, the rest resident).", "",
+                  llamacpp_text(ans, llama), ""]
     if pbh is not None and not pbh.empty:
         hosts_ = list(dict.fromkeys(pbh["host"]))
         lines += ["## Policy x host", "",

@@ -191,6 +191,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                       "engine directly; the findings warm a cache"),
     "runtime.tools.record": ((SWEEP,), "record_trace: the sweep records the traces it replays"),
     "runtime.tools.tinymodel": ((SWEEP,), "ensure_model: the sweep builds its tiny reference model"),
+    "runtime.tools.llamacpp_flags": ((SWEEP,), "llamacpp_flags: the answer table's llama.cpp flags for each policy, "
+                                               "or what llama.cpp lacks to run it"),
 }
 
 
