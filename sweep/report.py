@@ -304,7 +304,7 @@ def llamacpp_baselines(source: pd.DataFrame, hosts: list[str], shape: Any = None
         for preset, name in LLAMACPP_BASELINES.items():
             rec: dict[str, Any] = {"host": host, "baseline": preset, "name": name}
             runs = (source[(source["host"] == host) & (source["baseline"] == preset)]
-                    if not source.empty and "baseline" in source else source.iloc[:0])
+                    if not source.empty and {"host", "baseline"} <= set(source) else source.iloc[:0])
             ok = runs[runs["status"] == "ok"] if "status" in runs else runs
             if ok.empty:
                 rec["missing"] = (f"{preset} is not among this sweep's baselines (baselines.policies)" if runs.empty
@@ -346,7 +346,8 @@ def answer(tables: dict[str, pd.DataFrame], budgets: list[float], trials: pd.Dat
     llama.cpp's two baselines on that host at the same device memory (`llamacpp_baselines` of `trials`, the
     screening rows; of the tables when None) and llama.cpp's flags for it at its capacity on the cost-model
     `shape` (or what llama.cpp lacks to run it)."""
-    src = trials if trials is not None else pd.concat([m for m in tables.values() if not m.empty] or [pd.DataFrame()])
+    src = trials if trials is not None else pd.concat(
+        [m.assign(host=h) for h, m in tables.items() if not m.empty] or [pd.DataFrame()])
     llama = llamacpp_baselines(src, list(tables), shape)
     recs = []
     for host, m in tables.items():
