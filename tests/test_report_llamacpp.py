@@ -155,3 +155,25 @@ def test_the_report_and_mlflow_metrics_name_llamacpps_two_baselines(tmp_path) ->
     assert m["llamacpp_lru_h_time_per_token_ms"] == 5.0 and m["llamacpp_ncmoe_h_time_per_token_ms"] == 8.0
     assert m["llamacpp_lru_h_speed_ratio_vs_fetch_all"] == pytest.approx(2.0)
     assert answer_metrics(rep["answer"])["answer_h_within_1pct_speed_ratio_vs_llamacpp"] == pytest.approx(2.5)
+
+
+def test_the_plot_draws_llamacpps_two_baselines_as_labelled_lines(tmp_path, monkeypatch) -> None:
+    import matplotlib.pyplot as plt
+
+    from sweep.plot import plot_panels
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its lines and labels
+    tabs = _tables(lru_ms=5.0, ncmoe_ms=8.0)
+    llama = llamacpp_baselines(tabs["h"], ["h"], _shape())
+    empty = tabs["h"].iloc[:0]
+    plot_panels({"h": {"measured": tabs["h"], "front": empty, "trials": empty, "screening": empty,
+                       "llamacpp": llama}}, tmp_path / "p.png", "h", [1.0])
+    (fig,) = figures
+    for ax in fig.axes:
+        texts = {t.get_text() for t in ax.texts}
+        assert {"llama.cpp LRU cache 5.000 ms", "llama.cpp -ncmoe 36 8.000 ms"} <= texts
+        flat = {float(ln.get_ydata()[0]) for ln in ax.lines if ln.get_linestyle() == "-."}
+        assert flat == {5.0, 8.0}
+    monkeypatch.undo()
+    plt.close(fig)
