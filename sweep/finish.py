@@ -1,6 +1,6 @@
 """What the sweep driver (sweep/driver.py) does once the screening is over: the multi-fidelity ladder and
 the engine on calibrated hosts (`climb_ladder`), the report, stats.json and the MLflow tables, child runs and
-parent metrics of a finished sweep (`write_answer`, `answer_metrics`, `llamacpp_metrics`; `_stats`,
+parent metrics of a finished sweep (`write_answer`, `answer_metrics`, `log_llamacpp_metrics`; `_stats`,
 `_log_bound_metrics`), and the results printed on stdout, the answer last (`print_results`).
 """
 
@@ -40,8 +40,7 @@ def write_answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, 
         tracker.log_table(rep["answer"], "tables/answer.json")
         tracker.log_parent_metrics(answer_metrics(rep["answer"]))
     _log_bound_metrics(tracker, rep)
-    if rep.get("llamacpp") is not None and not rep["llamacpp"].empty:
-        tracker.log_parent_metrics(llamacpp_metrics(rep["llamacpp"]))
+    log_llamacpp_metrics(tracker, rep)
     tracker.flush()
     stats = _stats(session, sweep_s, driver_cpu, tracker, ray.cluster_resources())
     stats["fit_window"] = fit_window
@@ -119,6 +118,12 @@ def _log_bound_metrics(tracker, rep: dict[str, Any]) -> None:  # noqa: ANN001
 
     if rep.get("bounds") is not None and not rep["bounds"].empty:
         tracker.log_parent_metrics(bound_metrics(rep["bounds"]))
+
+
+def log_llamacpp_metrics(tracker, rep: dict[str, Any]) -> None:  # noqa: ANN001 - tracking.Tracker
+    """llama.cpp's two baselines as MLflow parent metrics (`llamacpp_metrics`), where the sweep ran them."""
+    if rep.get("llamacpp") is not None and not rep["llamacpp"].empty:
+        tracker.log_parent_metrics(llamacpp_metrics(rep["llamacpp"]))
 
 
 def model_shape(cfg, inputs):  # noqa: ANN001, ANN201 - SweepConfig, data.Inputs -> costmodel.ModelShape

@@ -12,7 +12,7 @@ import pytest
 
 from runtime.core.policy import PRESETS
 from runtime.formats import costmodel
-from sweep.finish import answer_metrics, llamacpp_metrics
+from sweep.finish import answer_metrics, llamacpp_metrics, log_llamacpp_metrics
 from sweep.report import (
     answer,
     answer_text,
@@ -177,3 +177,22 @@ def test_the_plot_draws_llamacpps_two_baselines_as_labelled_lines(tmp_path, monk
         assert flat == {5.0, 8.0}
     monkeypatch.undo()
     plt.close(fig)
+
+
+def test_the_parent_run_logs_llamacpps_baselines_per_host(tmp_path) -> None:
+    """Through the sweep's Tracker into an MLflow store, read back with MLflow's client: a metric per host and
+    baseline that ran, none for one that did not."""
+    from mlflow.tracking import MlflowClient
+
+    from sweep.tracking import Tracker
+
+    tabs = _tables(lru_ms=5.0, ncmoe_ms=None)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    tracker = Tracker(uri, "x")
+    parent = tracker.start_parent("p", {}, {})
+    log_llamacpp_metrics(tracker, {"llamacpp": llamacpp_baselines(tabs["h"], ["h"], _shape())})
+    tracker.close()
+    got = MlflowClient(uri).get_run(parent).data.metrics
+    assert got["llamacpp_lru_h_time_per_token_ms"] == 5.0
+    assert got["llamacpp_lru_h_speed_ratio_vs_fetch_all"] == pytest.approx(2.0)
+    assert not any(k.startswith("llamacpp_ncmoe") for k in got)
