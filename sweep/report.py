@@ -481,6 +481,9 @@ def llamacpp_text(ans: pd.DataFrame, llama: pd.DataFrame) -> str:
     if not ans.empty and "llamacpp_missing" in ans:
         for host, why in ans[["host", "llamacpp_missing"]].dropna().drop_duplicates().itertuples(index=False):
             lines.append(f"- `x llama.cpp` on {host} is `-`: {why}")
+    if (ans.empty or "llamacpp_missing" not in ans) and not llama.empty:  # no answer: what did not run, per host
+        for host, why in llama[["host", "missing"]].dropna().itertuples(index=False):
+            lines.append(f"- on {host}: {why}")
     if not llama.empty and "time_per_token_ms" in llama:
         ran = llama[llama["time_per_token_ms"].notna()]
         if not ran.empty:

@@ -113,6 +113,10 @@ def test_a_missing_baseline_gives_a_dash_and_says_why(gone: str) -> None:
     why = [ln for ln in llamacpp_text(ans, pd.DataFrame()).splitlines() if "is `-`" in ln]
     assert why == [f"- `x llama.cpp` on h is `-`: {gone} is not among this sweep's baselines (baselines.policies)"]
     assert not any("vs_llamacpp" in k for k in answer_metrics(ans))
+    # without an answer (no perplexity measured), the llama.cpp section still says which did not run
+    llama = llamacpp_baselines(_tables(None, 8.0)["h"], ["h"], _shape())
+    assert "- on h: llamacpp-lru is not among this sweep's baselines (baselines.policies)" in llamacpp_text(
+        pd.DataFrame(), llama).splitlines()
 
 
 def test_a_baseline_at_another_memory_gives_a_dash() -> None:

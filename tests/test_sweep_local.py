@@ -102,6 +102,8 @@ def test_embedded_sweep_end_to_end(tmp_path):
         labels = [line.split("|")[1].strip() for line in table[2:]]
         assert labels == [b if isinstance(b, str) else p for b, p in zip(front["baseline"], front["policy"], strict=True)]
     assert "held-out" not in summary and "warm start" in summary.lower()
+    # llama.cpp's two baselines are not among this config's: its section says so, per host
+    assert "## llama.cpp" in summary and "- on rtx3090: llamacpp-ncmoe is not among this sweep's baselines" in summary
 
     client = MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("expertsweep")
