@@ -66,6 +66,18 @@ init = kernel.warm_residency(calib.topk_ids, calib.valid, trace.E, caps)
 w0, c0 = time.perf_counter(), time.process_time()
 kernel.warmup()
 warmup = {"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - w0}
+try:  # the optimized code's shape per run_layer specialization, where this process compiled it (the cold round)
+    import re
+    from runtime.core.kernel import run_layer as rl_mod
+    shape = {}
+    for sig in rl_mod.run_layer.signatures:
+        body = max(re.split(r"\ndefine ", rl_mod.run_layer.inspect_llvm(sig)), key=len)  # run_layer's own function
+        shape["lean" if "True" in str(sig[-1]) else "full"] = {
+            "llvm_lines": body.count("\n"), "refcount_increments": body.count("@NRT_incref("),
+            "refcount_decrements": body.count("@NRT_decref(")}
+    warmup["llvm"] = shape or None
+except Exception:  # loaded from the cache: no IR in this process
+    warmup["llvm"] = None
 args = [(np.ascontiguousarray(trace.topk_ids[:, l]), np.ascontiguousarray(trace.topk_weights[:, l], dtype=np.float64),
          np.ascontiguousarray(trace.ranking[:, l]), np.ascontiguousarray(trace.valid[:, l])) for l in range(trace.L)]
 stacked = [np.ascontiguousarray(np.stack(a)) for a in zip(*args)]  # [L, T, ...]: step_layers' inputs
@@ -187,6 +199,13 @@ def main() -> None:
         later = sorted(x["cpu_s"] for x in w[1:])
         med = f"{later[len(later) // 2]:.2f} s" if later else "-"
         lines.append(f"| {side} | {w[0]['cpu_s']:.1f} s CPU / {w[0]['wall_s']:.1f} s wall | {med} |")
+    lines += ["", "run_layer's optimized LLVM per specialization, from each side's cold-compile process (lines, "
+              "reference-count increments / decrements in its code):", "", "| side | lean | full |", "|---|---|---|"]
+    for side in trees:
+        llvm = warmups[side][0].get("llvm") or {}
+        cells = [f"{v['llvm_lines']} lines, {v['refcount_increments']} / {v['refcount_decrements']}"
+                 if (v := llvm.get(b)) else "-" for b in ("lean", "full")]
+        lines.append(f"| {side} | {cells[0]} | {cells[1]} |")
     lines += ["", "Load average (1 min) at each process start: "
               + ", ".join(f"{x['side']} {x['load']}" for x in loads) + "."]
     body = "\n".join(lines)
