@@ -1,38 +1,16 @@
 """The compiled policy kernel: `run_layer`, one layer's cache over a chunk of tokens, built from stages.
 
-The stages, per token, in the order of docs/policies.md ("Per token, per layer, in this order" and
-"Additions"); every load into a slot goes through `claim`:
-
-    step  stage              what
-    0     prefetch_cut       a bounded copy pool cuts the token's predicted list (the free copy buffers)
-    0     admit_due          the admissions due now, batch by batch, each through claim
-    0b    prefetch_list      the predicted list's loads, through claim
-    0c    route              cache-aware routing (route.py's selections and weights)
-    1     hits               hits pinned, misses listed in rank order
-    2-3   miss_rule          each miss's rule (primitives._fetches), fetches through claim; host / lowbit / drop
-    4     substitutes        the substitute fallback (the ranking's walk, or router scores)
-    5     rekey              the eviction kind's touch (its rules on scalars: evict.py)
-    -     count_events       the token's cost-model events (runtime/core/events.py)
-    6     queue_admissions   the admission queue, then start_copies: copies started while buffers are free
-
-Before the chunk `key_slots` keys the slots; after it `store` writes the ring, the stamp, the masses and the
-counters back. The names of run_layer's locals are the state's (LayerState, Tokens, Outputs fields) and the
-per-token work arrays' (their shapes in comments: k the selection width, P the predicted-list width).
-
-Inlining is required for speed: the stages are closures of run_layer, which numba inlines with the arrays
-as they are. A closure reads an outer array afresh at each use (a temporary whose reference counts numba's
-pruning removes); a module-level stage, even `inline="always"`, binds each array argument once per call,
-and those atomic reference counts stay in the loop: run_layer's stages as module-level inlined functions
-gave the same decisions but ran the presets 10-15x slower (141 reference-count increments in the lean
-build's code against 48; the attempt is in this file's history), module-level stages as called functions
-17-30% slower (docs/simulator.md). So the eviction kinds' rules that run per token live in evict.py as
-functions on scalars, and the loops that apply them to the arrays stay here.
-
-`lean` is passed as a constant by `run_layers`, so run_layer compiles as two `Literal[bool]` specializations
-of one module-level dispatcher (distinct symbols: no two cached objects share one, docs/performance.md
-"Compile once"). docs/architecture.md ("kernel") and docs/performance.md ("Where the time goes") hold the
-rest; the input contract: a ranking row starts with the token's selection and holds distinct ids, or router
-scores stand for it (ties lower id).
+Per token, in the order of docs/policies.md ("Per token, per layer, in this order", "Additions"): 0
+`prefetch_cut` (a bounded copy pool cuts the predicted list), `admit_due`; 0b `prefetch_list`; 0c `route`
+(route.py); 1 `hits`; 2-3 `miss_rule` (fetches; host / lowbit / drop); 4 `substitutes`; 5 `rekey` (the kind's
+touch: its rules on scalars in evict.py); `count_events`; 6 `queue_admissions`, `start_copies`. Every load
+into a slot goes through `claim`; `key_slots` runs before the chunk, `store` after it. Inlining is required
+for speed: the stages are closures, which numba inlines reading the outer arrays afresh at each use;
+module-level stages, even inline="always", bind their array arguments per call and ran the presets 15x
+slower (docs/simulator.md, reports/kernel_ab_module_stages.md). `lean` is passed as a constant by
+`run_layers`, so run_layer compiles as two `Literal[bool]` specializations of one module-level dispatcher
+(distinct symbols: no two cached objects share one, docs/performance.md "Compile once"). The input contract:
+a ranking row starts with the token's selection and holds distinct ids, or router scores stand for it.
 """
 from __future__ import annotations
 
@@ -132,9 +110,7 @@ def run_layer(tokens, t0, pol, state, outputs, lean):
                                                              state.skey, state.acc, state.queued, state.pin)
     qstate, q_exp, q_due = state.qstate, state.q_exp, state.q_due
     T, k = ids.shape
-    M = rank.shape[1]
-    E = expert_slot.shape[0]
-    ring_capacity = q_exp.shape[0]
+    M, E, ring_capacity = rank.shape[1], expert_slot.shape[0], q_exp.shape[0]
     score_mode = False if lean else score.shape[0] == T  # router scores stand for the full ranking
     output_rows = 1 if out_kind.shape[0] == T else 0  # per-slot outputs per token, or one scratch row (no decisions)
     pred_width = 0 if lean else (pred.shape[1] if pred.shape[0] == T else 0)  # predicted-list width (0: no prefetch)
@@ -143,8 +119,7 @@ def run_layer(tokens, t0, pol, state, outputs, lean):
     slot_bits = 0  # slot bits of a slot key (evict.slot_key): 2**slot_bits >= cap
     while (1 << slot_bits) < capacity:
         slot_bits += 1
-    # admission candidates: misses, evicted, displaced (route)
-    candidates = np.empty(k + ring_capacity + pred_width + 2 * k, np.int64)  # [k + E + 1 + P + 2k]
+    candidates = np.empty(k + ring_capacity + pred_width + 2 * k, np.int64)  # admission candidates [k+E+1+P+2k]
     route_family = RT_OFF if lean else pol.route  # cache-aware routing (never in the lean build)
     route_keep, route_window, route_lambda = pol.route_keep, min(pol.route_window, E), pol.route_lambda
     route_alpha, route_norm = pol.route_alpha, pol.route_norm
