@@ -72,9 +72,16 @@ try:  # the optimized code's shape per run_layer specialization, where this proc
     shape = {}
     for sig in rl_mod.run_layer.signatures:
         body = max(re.split(r"\ndefine ", rl_mod.run_layer.inspect_llvm(sig)), key=len)  # run_layer's own function
-        shape["lean" if "True" in str(sig[-1]) else "full"] = {
-            "llvm_lines": body.count("\n"), "refcount_increments": body.count("@NRT_incref("),
-            "refcount_decrements": body.count("@NRT_decref(")}
+        build = "lean" if "True" in str(sig[-1]) else "full"
+        shape[build] = {"llvm_lines": body.count("\n"), "refcount_increments": body.count("@NRT_incref("),
+                        "refcount_decrements": body.count("@NRT_decref(")}
+        # the instructions without names (values, labels, metadata, symbols), sorted: equal multisets = the same
+        # code up to order and naming
+        norm = re.sub(r'%"[^"]*"|%[\w.\-]+', "%v", body)
+        norm = re.sub(r"![\w.]+", "!m", re.sub(r"@[\w.$]+", "@f", norm))
+        lines_ = sorted(ln.strip() for ln in norm.splitlines() if ln.strip() and not ln.strip().endswith(":")
+                        and not re.match(r"^[\w.\-]+:", ln.strip()))
+        open(os.path.join(os.environ["NUMBA_CACHE_DIR"], f"llvm-{build}.txt"), "w").write("\n".join(lines_))
     warmup["llvm"] = shape or None
 except Exception:  # loaded from the cache: no IR in this process
     warmup["llvm"] = None
@@ -201,11 +208,19 @@ def main() -> None:
         lines.append(f"| {side} | {w[0]['cpu_s']:.1f} s CPU / {w[0]['wall_s']:.1f} s wall | {med} |")
     lines += ["", "run_layer's optimized LLVM per specialization, from each side's cold-compile process (lines, "
               "reference-count increments / decrements in its code):", "", "| side | lean | full |", "|---|---|---|"]
+    same_code = {}
+    for build in ("lean", "full"):
+        texts = [(tmp / f"nbc-{side}" / f"llvm-{build}.txt") for side in trees]
+        if all(t.exists() for t in texts):
+            a_, b_ = (t.read_text().splitlines() for t in texts)
+            same_code[build] = a_ == b_
     for side in trees:
         llvm = warmups[side][0].get("llvm") or {}
         cells = [f"{v['llvm_lines']} lines, {v['refcount_increments']} / {v['refcount_decrements']}"
                  if (v := llvm.get(b)) else "-" for b in ("lean", "full")]
         lines.append(f"| {side} | {cells[0]} | {cells[1]} |")
+    lines += ["", "The same instructions on both sides (run_layer's LLVM, names dropped, as a sorted multiset of lines): "
+              + (", ".join(f"{b} {'yes' if v else 'no'}" for b, v in same_code.items()) or "not compared") + "."]
     lines += ["", "Load average (1 min) at each process start: "
               + ", ".join(f"{x['side']} {x['load']}" for x in loads) + "."]
     body = "\n".join(lines)
@@ -213,7 +228,8 @@ def main() -> None:
     if not a.no_report:
         data = {"before": revs["before"], "after": revs["after"], "shape": a.shape, "rounds": a.rounds,
                 "repeats": a.repeats, "token_layers": tl, "tolerance": a.tolerance, "gate_passed": passed,
-                "worst_preset_ratio": worst, "policies": rows, "warmup": warmups, "loads": loads}
+                "worst_preset_ratio": worst, "policies": rows, "warmup": warmups, "loads": loads,
+                "same_instructions": same_code}
         print(write_report(a.name, "Policy kernel A/B: replay speed, counters and cold compile", data, body))
 
 
