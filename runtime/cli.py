@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str, int | None, str | None, str]] = {
                 "exact perplexity of a checkpoint under policies, or decoded by the engine "
                 "(python -m runtime.emulate)"),
     "record": ("runtime.tools.record", "main", logging.WARNING, None,
-               "record a checkpoint's router trace over a text (python -m runtime.record)"),
+               "record a checkpoint's router trace over a text, or a .gguf's by llama.cpp (python -m runtime.record)"),
     "findings": ("runtime.tools.findings", "main", logging.INFO, "%(name)s: %(message)s",
                  "the paper's findings on a checkpoint, with intervals (python -m runtime.findings)"),
     "model": ("runtime.tools.tinymodel", "main", None, None,
@@ -124,6 +124,12 @@ def emulate_main(argv: list[str] | None = None) -> None:
     if a.backend not in EMULATE_BACKENDS:
         raise InputError(f"--backend = {a.backend!r} is unknown (choose from {', '.join(EMULATE_BACKENDS)})")
     backend = get_backend(a.backend, flag="--backend")
+    if a.policy == ["all"] or a.policy == "all":  # every preset this backend runs; the others named in one line
+        refused = [name for name, spec in specs.items() if not backend.runs(spec)]
+        if refused:
+            print(f"expertsweep: --policy all on --backend {a.backend}: left out {', '.join(refused)} "
+                  f"(the backend refuses them)", file=sys.stderr)
+        specs = {name: spec for name, spec in specs.items() if name not in refused}
     results = dict(zip(specs, backend.evaluate_many(list(specs.values()), progress=sys.stderr.isatty()), strict=True))
     if a.json:
         out = {n: r.to_dict() for n, r in results.items()}

@@ -4,7 +4,7 @@
                                    [--calls 20000] [--repeats 5] [--out FILE.json]
 
 The demo model's shape by default (4 MoE layers, E = 64, k = 8), fetch-every-miss with E - 1 of E experts resident
-(issue 41's bench case): per call a packed routing row (a fixed random sequence: ids, softmax top-k weights, the
+(the engine's bench case): per call a packed routing row (a fixed random sequence: ids, softmax top-k weights, the
 E scores, the finite flag) is written into the layer's host row and `decide_layer` is called as the engine's
 `OneCall.decide` calls it; perf_counter around each call, `--calls` calls per repeat, layers in turn. Reports
 the minimum and the median per call (us) over all repeats, and `noop_us`: a compiled function taking the same

@@ -54,7 +54,7 @@ log = logging.getLogger("bench_engine")
 
 AGREEMENT_POLICIES = ("fetch-every-miss", "rule-0.15", "quality-first")
 EXTRA_POLICIES = ("speed-first", "host-compute")
-# issue 11's families (--families): a prefetching and two fallback policies beside the paper's presets
+# the prefetch and fallback families (--families): a prefetching and two fallback policies beside the paper's presets
 FAMILY_POLICIES = {
     "fetch-all+lookahead": PolicyConfig(rule="fetch_all", prefetch="lookahead"),
     "rule-0.15+host": PolicyConfig(rule="threshold", tau=0.15, fallback="host"),
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clock", default="wall", choices=["wall", "thread"],
                    help="thread: the main thread's CPU time (CPU device mode; leaves out other processes' turns)")
     p.add_argument("--families", action="store_true",
-                   help="also lookahead prefetch, host and 4-bit low-bit fallbacks (issue 11), reported beside")
+                   help="also lookahead prefetch, host and 4-bit low-bit fallbacks, reported beside")
     p.add_argument("--out", default=None, help="write the JSON results here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

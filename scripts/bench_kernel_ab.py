@@ -15,7 +15,7 @@ load it. Each process times the replay loop as `runtime.backends.simulate.replay
 --repeats per policy by process CPU time, and returns the counters, checked against the other side's.
 Separate processes avoid the bias of importing a second kernel module into one process
 (`bench_simulator.py --against HEAD` measured the same kernel 1.6-2.3x slower as the second module at
-load 8: docs/performance.md); alternating them spreads the shared machine's load over both sides.
+load 8: reports/kernel_ab_revisions.md); alternating them spreads the shared machine's load over both sides.
 
 The gate: the presets (the simulator's policy replay) must keep after / before >= 1 - --tolerance (0.05)
 on the best of the rounds; the other default policies (every eviction kind's path, the fallbacks, a

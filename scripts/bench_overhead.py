@@ -20,7 +20,7 @@ Counted: the aten ops dispatched (a TorchDispatchMode counting every call) and t
 intra-op thread all of both decodes runs on it, and it leaves out the turns other processes take on a
 shared host; `--clock wall`: perf_counter), each as the difference between a `--long`-token and a `--short`-token run divided by
 the token difference (so loading, the first token and set-up cancel), then per decoder layer (divided by
-`--layers`; embedding and LM head are shared out). Targets (issue 32): engine ops per token per layer at most
+`--layers`; embedding and LM head are shared out). Targets: engine ops per token per layer at most
 1.2x the plain decode's, and the same at every k (no per-expert work); time per token at most the plain
 decode's. Prints one line per (k, mode) and writes the JSON to `--out`.
 The time is a host measurement beside whatever else runs on the machine: compare ratios from one run.

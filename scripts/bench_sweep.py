@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--trace", help="a trace file instead of the demo model's")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_sweep"),
                     help="output folder (default results/bench_sweep; its recorded traces are reused)")
-    ap.add_argument("--markdown", action="store_true", help="print the docs/performance.md rows")
+    ap.add_argument("--markdown", action="store_true", help="print the rows as Markdown (reports/sweep_overhead.md)")
     a = ap.parse_args()
 
     from sweep.pareto import run

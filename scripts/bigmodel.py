@@ -12,7 +12,7 @@ layout, a byte-level BPE tokenizer trained on the evaluation text, and `calib.tx
 [--policies rule-0.15,quality-first,fetch-every-miss] [--out results.json]` runs, each in its own
 process under `/usr/bin/time -f %M`: the trace recording, then the emulation of the policies;
 it reports wall time, peak RSS, bytes read from the shards per token, per stage.
-It is a benchmark, not a test (docs/performance.md "Your model").
+It is a benchmark, not a test (reports/peak_memory.md).
 """
 
 from __future__ import annotations

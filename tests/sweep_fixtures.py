@@ -224,18 +224,19 @@ def ray_cluster_fixture():
 
 
 @pytest.fixture(scope="session", name="micro_model")
-def micro_model_fixture(tmp_path_factory) -> Path:
-    """A two-layer micro Qwen3-MoE (64 experts, top-8) built in seconds into a private cache."""
+def micro_model_fixture() -> Path:
+    """A two-layer micro Qwen3-MoE (64 experts, top-8) built in seconds, once for every worker of the run and
+    kept for the next run (tests/fixture_cache.py: keyed by its spec, corpus and the builder's sources)."""
     import dataclasses
+
+    from tests.fixture_cache import cached_model
 
     tinymodel = pytest.importorskip("runtime.tools.tinymodel")
     spec = dataclasses.replace(tinymodel.SPECS["test"], name="sweepmicro", num_layers=2, hidden_size=32,
                                intermediate_size=64, moe_intermediate_size=16, head_dim=8, vocab_size=320,
                                seq_len=64, batch_size=4, steps=20, warmup_steps=5, train_bytes=60_000,
                                heldout_bytes=8_000)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EXPERTSWEEP_CACHE", str(tmp_path_factory.mktemp("models")))
-        return tinymodel.ensure_model(spec, progress=False)
+    return cached_model(spec)
 
 
 @pytest.fixture(scope="session", name="mlflow_server")

@@ -1,4 +1,4 @@
-"""The engine's CUDA-only code paths, exercised on the CPU (issue 29): the calls, budget arithmetic and
+"""The engine's CUDA-only code paths, exercised on the CPU: the calls, budget arithmetic and
 fallbacks that only a CUDA run takes, driven here with a CPU engine whose CUDA attributes are set by hand,
 fake CUDA runtime functions (monkeypatched) or a device that holds no data ('meta').
 

@@ -19,6 +19,7 @@ from runtime.core.kernel import (
     PolicyCache,
     warm_residency,
 )
+from runtime.core.llamacpp_cache import cache_for
 from runtime.core.policy import PRESETS, PolicyConfig
 from runtime.formats.trace import load_trace
 from tests.tiny_hf import FAMILIES, build_tiny
@@ -60,8 +61,8 @@ def test_all_resident_every_policy_is_exact(ckpts, family):
     exact = logits_under(m, ids, None)
     caps = np.full(m.num_layers, m.E)
     init = [np.arange(m.E)] * m.num_layers
-    for name, pol in PRESETS.items():
-        cache = PolicyCache(pol, m.E, m.k, caps, init, allow_full=True)
+    for name, pol in PRESETS.items():  # (llama.cpp's pool and layer split: their own caches, runtime/core/llamacpp_cache.py)
+        cache = cache_for(pol, m.E, m.k, caps, init, allow_full=True)
         got = logits_under(m, ids, cache)
         assert (got - exact).abs().max().item() <= 1e-5, name
         assert cache.counter_totals()["hits"] == cache.counter_totals()["calls"], name

@@ -344,20 +344,21 @@ def test_topic_stream_switches(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def test_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def test_model() -> Path:
     """The `test` reference model's shape, corpus and tokenizer (2 layers, 64 experts, top-8), trained 400 steps at a
-    peak learning rate of 5e-3 (~45 s on one core), into a private cache: its heavy-expert effect is large
+    peak learning rate of 5e-3 (~45 s on one core), built once into the shared test-model cache (tests/fixture_cache.py:
+    keyed by its spec, corpus and the builder's sources; a later run reuses it): its heavy-expert effect is large
     (docs/testing.md)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from runtime.tools import tinymodel
+    from tests.fixture_cache import cached_model
 
     spec = dataclasses.replace(tinymodel.SPECS["test"], name="findingstest", steps=400, warmup_steps=30, lr=5e-3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EXPERTSWEEP_CACHE", str(tmp_path_factory.mktemp("models")))
-        return tinymodel.ensure_model(spec, progress=False)
+    return cached_model(spec)
 
 
+@pytest.mark.slow
 def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     out_md, out_json = tmp_path / "f.md", tmp_path / "f.json"
@@ -417,6 +418,7 @@ def test_cli_on_test_model(test_model: Path, tmp_path: Path) -> None:
     assert md.count("\n| ") >= len(res["rows"]) + 1
 
 
+@pytest.mark.slow
 def test_shared_runs_are_the_runs_they_stand_for(test_model: Path, tmp_path: Path) -> None:
     """A mass policy served by its preset's run (the same PolicyConfig, mass recorded) and a copy left out (the same
     decisions on the exact routing) have the figures their own emulations would have; --power-only keeps row 1."""
@@ -440,6 +442,7 @@ def test_shared_runs_are_the_runs_they_stand_for(test_model: Path, tmp_path: Pat
     assert res["power"][0]["ci95"] == res["rows"][0]["data"]["substitute-all"]["ci95"]
 
 
+@pytest.mark.slow
 def test_topic_finding_on_two_domains(test_model: Path, tmp_path: Path) -> None:
     from runtime.backends import hfmodel
     from runtime.tools.findings.topic import finding_topic
@@ -485,13 +488,13 @@ def test_script_page_is_whole_and_checks_flags_first() -> None:
     spec.loader.exec_module(script)
     md = script.page(_result(), "python scripts/findings.py")
     assert md.startswith(script.INTRO) and md.count("## Reading the table") == 1
-    before = (REPO / "docs" / "findings.md").stat().st_mtime_ns
+    before = (REPO / "reports" / "findings" / "findings.md").stat().st_mtime_ns
     proc = subprocess.run([sys.executable, "scripts/findings.py", "--capacity-fraction", "2"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "expertsweep: error: --capacity-fraction = '2' must be a number in (0, 1) or 'paper'"]
-    assert (REPO / "docs" / "findings.md").stat().st_mtime_ns == before
+    assert (REPO / "reports" / "findings" / "findings.md").stat().st_mtime_ns == before
 
 
 def test_stability_marks_rows_whose_verdict_differs_between_builds() -> None:
@@ -517,7 +520,8 @@ def test_stability_marks_rows_whose_verdict_differs_between_builds() -> None:
 
 
 def test_an_older_result_says_so() -> None:
-    """A result of the findings before issue 35 (no `format`) renders with a line saying its rules are older."""
+    """A result of the findings before one interval per statistic (no `format`) renders with a line saying its
+    rules are older."""
     res = _result()
     assert "older version of the findings" not in render.to_markdown(res)
     del res["format"]
@@ -538,14 +542,14 @@ def test_script_skips_real_traces_without_shared(tmp_path: Path) -> None:
 
 
 def test_the_committed_page_is_its_json_rendered() -> None:
-    """docs/findings.md is docs/findings.json rendered by scripts/findings.py's page(), byte for byte (nothing
-    hand-edited), generated at a clean commit (commit.dirty false)."""
+    """reports/findings/findings.md is its findings.json rendered by scripts/findings.py's page(), byte for byte
+    (nothing hand-edited), generated at a clean commit (commit.dirty false)."""
     import importlib.util
 
-    res = json.loads((REPO / "docs" / "findings.json").read_text())
+    res = json.loads((REPO / "reports" / "findings" / "findings.json").read_text())
     assert res["commit"]["dirty"] is False and len(res["commit"]["commit"]) == 40
     spec = importlib.util.spec_from_file_location("findings_script", REPO / "scripts" / "findings.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.page(res, res["command"]) == (REPO / "docs" / "findings.md").read_text()
+    assert script.page(res, res["command"]) == (REPO / "reports" / "findings" / "findings.md").read_text()
     assert "lowered perplexity" in next(r["paper"] for r in res["rows"] if r["id"] == "4a")

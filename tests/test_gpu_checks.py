@@ -64,7 +64,7 @@ def test_the_cuda_plan_adds_up_most_valuable_unverified_first():
 
 
 def test_cuda_sizes_are_the_cut_ones():
-    """The sizes the limits were set for (docs/performance.md "GPU check plan"): one bench round, 1 window, 2 calibration
+    """The sizes the limits were set for (reports/gpu_check_plan_rehearsal.md): one bench round, 1 window, 2 calibration
     repeats; fetch-exact 128 tokens; stream 512; generate 24 tokens. A larger size needs a new rehearsal."""
     text = SCRIPT.read_text()
     cuda = text[text.index("  BUDGET=${GPU_CHECKS_BUDGET:-420}"):text.index("\nfi\n", text.index("  BUDGET=${GPU_CHECKS_BUDGET:-420}"))]

@@ -168,7 +168,8 @@ def test_dependency_bounds_admit_the_tested_versions_and_no_untested_minor():
         if "==" in line and not line.startswith("#"):
             name, v = line.split("==")
             tested[name.strip().lower().replace("_", "-")] = Version(v.strip())
-    reqs = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    extras = project["optional-dependencies"]
+    reqs = [Requirement(r) for r in project["dependencies"] + extras["test"] + extras.get("llamacpp", [])]
     for req in reqs:
         v = tested[req.name.lower()]
         nxt = Version(f"{v.major}.{v.minor + 1}")

@@ -1,4 +1,4 @@
-"""scripts/peer_replay.py: our simulator beside bigrig's replay (issue 17.4).
+"""scripts/peer_replay.py (`make peer-replay`): our simulator beside bigrig's replay.
 
 The script's flat re-encoding run through our kernel must equal bigrig's `pool.simulate` / `belady`
 hit for hit (LRU, plain LFU, the Belady bound); a hand-worked case shows the one semantic difference

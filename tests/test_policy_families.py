@@ -1,4 +1,4 @@
-"""scripts/policy_families.py (issue 17.3): its rows are the simulator backend's results at equal memory,
+"""scripts/policy_families.py (`make families`): its rows are the simulator backend's results at equal memory,
 an infeasible pinned set is a row (not a crash), and the LRU-vs-LFU verdict counts what the rows say."""
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_job_submit_smoke_to_mlflow_server(ray_cluster, mlflow_server, micro_mod
     for f in ("pareto_rtx3090.csv", "pareto_rtx4090.csv", "speed_ratios.csv", "pareto.png", "summary.md"):
         assert (out / f).is_file(), f
     rows = ledger(out)
-    sim = [r for r in rows if r["fidelity"] == "simulator" and bound_of(r["baseline"]) is None]  # (bounds: issue 40)
+    sim = [r for r in rows if r["fidelity"] == "simulator" and bound_of(r["baseline"]) is None]  # (bounds: the bounded copy pool)
     assert len(sim) == 2 * (7 + 6) and all(r["status"] == "ok" for r in sim)
     # every trial ran on a node of its host
     assert {r["node"] for r in sim if r["host"] == "rtx4090"} <= _node_of(ray_cluster, "host:rtx4090")
@@ -160,7 +160,7 @@ def test_driver_killed_mid_sweep_is_resumed(ray_cluster, tmp_path):
         assert sum(r["host"] == host and r["baseline"] is None for r in rows) == 14
         assert sum(r["host"] == host and r["baseline"] is not None and bound_of(r["baseline"]) is None
                    for r in rows) == 2
-    # (a computed bound's run may be infeasible at the budget: one of its pool sizes does not fit, issue 40)
+    # (a computed bound's run may be infeasible at the budget: one of its pool sizes does not fit)
     assert all(r["status"] == "ok" for r in rows if bound_of(r["baseline"]) is None)
     assert json.loads((out / "stats.json").read_text())["trials_evaluated_twice"] == 0
     assert json.loads((out / "state.json").read_text())["parent_run_id"] == parent
@@ -198,7 +198,7 @@ def test_worker_node_lost_mid_sweep_costs_only_its_running_trials(ray_cluster, t
     finally:
         stop_group(proc)
     rows = ledger(out)
-    keys = [r["key"] for r in rows if bound_of(r["baseline"]) is None]  # the computed bounds aside (issue 40)
+    keys = [r["key"] for r in rows if bound_of(r["baseline"]) is None]  # the computed bounds aside
     assert len(keys) == len(set(keys)) == 1 + 24
     assert set(done_on_lost) <= set(keys)
     failed = [r for r in rows if r["status"] != "ok"]

@@ -81,7 +81,12 @@ def test_checkpoint_digest_names_sizes_and_mtimes(tmp_path):
 def test_traces_are_recorded_once_per_checkpoint_and_parameters(tmp_path, micro_model, monkeypatch):
     """A second sweep on the same checkpoint records nothing (same bytes); new recording parameters or a
     touched shard record again. The cache is $EXPERTSWEEP_CACHE/traces on the model's node (here: this one)."""
+    import shutil
+
     import runtime.tools.record
+
+    # a copy of its own: the shard's time is touched below, and the micro model is shared with other workers' sweeps
+    micro_model = shutil.copytree(micro_model, tmp_path / "micro_model")
 
     monkeypatch.setenv("EXPERTSWEEP_CACHE", str(tmp_path / "cache"))
     calls = []

@@ -185,7 +185,7 @@ def _resume_a_copy(cfg: Path, out: Path, db: Path, tmp_path: Path, parent_id: st
 
 @pytest.mark.slow
 def test_calibrated_host_is_measured_and_remeasured_by_the_engine(tmp_path, micro_model):
-    """`profile: calibrate`: issue 4's calibration runs as a Ray task on the host (CPU device mode
+    """`profile: calibrate`: the engine's calibration runs as a Ray task on the host (CPU device mode
     here), the sweep simulates with that profile, and the front is re-measured by the engine."""
     pytest.importorskip("runtime.tools.calibrate")
     cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=512, trials=3,
@@ -207,28 +207,46 @@ def test_calibrated_host_is_measured_and_remeasured_by_the_engine(tmp_path, micr
     assert "engine ms/token" in (out / "summary.md").read_text()
 
 
-@pytest.mark.slow
-def test_ladder_fronts_in_perplexity_and_the_answer(tmp_path, micro_model):
-    """Screening -> a short rung -> the full budget on a micro model: the fronts are in perplexity space
-    (every row measured at the full budget, nothing dominated in time and perplexity), and the answer
-    exists per host and budget."""
-    budgets = [0.5, 1.0, 2.0, 50.0]
-    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=768, trials=10,
-                       emulation={"rungs": [256], "eta": 2, "max_full": 4}, ppl_budgets_pct=budgets,
+BUDGETS = [0.5, 1.0, 2.0, 50.0]
+MAX_FULL = 3
+
+
+@pytest.fixture(scope="module")
+def equal_memory_sweep(tmp_path_factory, micro_model):
+    """One sweep on the micro model, checked by the ladder test and the equal-memory test (each assertion of theirs
+    holds for any such sweep; one embedded Ray and one ladder instead of two): screening -> a 256-token rung -> the
+    full budget, at `vram_budget_GiB: auto` (one device-memory budget for every policy), perplexity budgets
+    0.5-50%. Returns (the driver's completed process, --out)."""
+    tmp_path = tmp_path_factory.mktemp("equal_memory")
+    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=768, trials=12,
+                       emulation={"rungs": [256], "eta": 2, "max_full": MAX_FULL}, ppl_budgets_pct=BUDGETS,
+                       baselines={"policies": ["fetch-every-miss", "rule-0.15", "substitute-all", "quality-first"]},
                        space={"rule": {"choices": ["threshold", "first_choice", "substitute_all"]},
-                              "tau": {"low": 0.05, "high": 0.5, "log": True},
-                              "evict": {"choices": ["lfu", "lru"]}, "capacity_fraction": 0.25})
+                              "tau": {"low": 0.05, "high": 0.5, "log": True}, "evict": {"choices": ["lfu", "lru"]},
+                              "fallback": {"choices": ["substitute", "lowbit"]}, "lowbit_bits": {"choices": [4, 2]},
+                              "beta": {"choices": ["off", 0.5]}, "admission_delay": {"low": 1, "high": 4},
+                              "prefetch": {"choices": ["off", "oracle"]}, "vram_budget_GiB": "auto"})
     out = tmp_path / "out"
     proc = run_driver(cfg, out, "--ray-address", "local", "--num-cpus", "2", "--mlflow-uri",
                       f"sqlite:///{tmp_path / 'm.db'}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, out
+
+
+@pytest.mark.slow
+def test_ladder_fronts_in_perplexity_and_the_answer(equal_memory_sweep):
+    """Screening -> a short rung -> the full budget on a micro model: the fronts are in perplexity space
+    (every row measured at the full budget, nothing dominated in time and perplexity), and the answer
+    exists per host and budget."""
+    proc, out = equal_memory_sweep
+    budgets = BUDGETS
     rows = ledger(out)
     full = {r["key"]: r for r in rows if r["fidelity"] == "emulation" and r["budget"] == "full"}
     short = [r for r in rows if r["fidelity"] == "emulation" and r["budget"] == "256"]
     assert short and all(r["status"] == "ok" for r in list(full.values()) + short)
     # emulation.cpus auto: every CPU of the model's node (the embedded one: 2), as torch threads (Ray alone: 1)
     assert {r["torch_threads"] for r in list(full.values()) + short} == {2}
-    assert len(full) <= 4 + 7  # max_full survivors + the named baselines
+    assert len(full) <= MAX_FULL + 7  # max_full survivors + the named baselines
     stats = json.loads((out / "stats.json").read_text())
     rungs = stats["ladder"]["rungs"]
     assert [r["rung"] for r in rungs] == [0, "full"] and rungs[0]["candidates"] == len(short)
@@ -264,26 +282,14 @@ def test_ladder_fronts_in_perplexity_and_the_answer(tmp_path, micro_model):
 
 
 @pytest.mark.slow
-def test_equal_memory_answer(tmp_path, micro_model):
+def test_equal_memory_answer(equal_memory_sweep):
     """`vram_budget_GiB: auto` end to end on a micro model: one device-memory budget for every policy.
     The low-bit fallback, whose copies of every expert leave fewer than k slots in that budget, is left
     out of the search (named in the summary), the admission delay's range ends at 1; admission beside an
     oracle prefetch, whose staging does not fit, is an `infeasible` trial, not a failure; every answer row
     uses at most the budget, gives its device memory, is no offline bound, and its speed ratio is over
     fetch-every-miss at the same budget."""
-    budgets = [0.5, 1.0, 2.0, 50.0]
-    cfg = write_config(tmp_path, trace=None, calib_trace=None, model=str(micro_model), max_tokens=768, trials=12,
-                       emulation={"rungs": [256], "eta": 2, "max_full": 3}, ppl_budgets_pct=budgets,
-                       baselines={"policies": ["fetch-every-miss", "rule-0.15", "substitute-all", "quality-first"]},
-                       space={"rule": {"choices": ["threshold", "first_choice", "substitute_all"]},
-                              "tau": {"low": 0.05, "high": 0.5, "log": True},
-                              "fallback": {"choices": ["substitute", "lowbit"]}, "lowbit_bits": {"choices": [4, 2]},
-                              "beta": {"choices": ["off", 0.5]}, "admission_delay": {"low": 1, "high": 4},
-                              "prefetch": {"choices": ["off", "oracle"]}, "vram_budget_GiB": "auto"})
-    out = tmp_path / "out"
-    proc = run_driver(cfg, out, "--ray-address", "local", "--num-cpus", "2", "--mlflow-uri",
-                      f"sqlite:///{tmp_path / 'm.db'}", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc, out = equal_memory_sweep
     rows = ledger(out)
     sim = [r for r in rows if r["fidelity"] == "simulator"]
     gib = {r["params"]["vram_budget_GiB"] for r in sim}

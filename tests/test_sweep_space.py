@@ -607,7 +607,7 @@ def test_the_main_job_compares_policies_at_equal_memory():
         sweep_config.load_config(root / "demo.yaml"), _demo_shape()), _demo_shape())
     assert demo.space["vram_budget_GiB"].value == pytest.approx(2.4713)
     assert "lowbit" not in demo.space["fallback"].values()  # its copies of every expert do not fit 2.47 GiB
-    # issue 40: a bounded copy pool (copy_buffers B per layer, charged L x B) fits every admission delay and
+    # a bounded copy pool (copy_buffers B per layer, charged L x B) fits every admission delay and
     # prefetch width; unbounded (off), admission is charged L x k x delay buffers, prefetch L x n
     assert demo.space["admission_delay"].high == 4 and demo.space["prefetch_n"].high == 16
     assert demo.space["copy_buffers"].off and demo.space["copy_buffers"].low == 1

@@ -81,6 +81,7 @@ def _stopped(proc: subprocess.Popen, sig: int, out: Path, timeout: float = 300) 
     return err
 
 
+@pytest.mark.slow
 def test_sigint_stops_the_sweep_and_a_resume_finishes_it(tmp_path):
     """SIGINT mid-screening: Tune stops (Ray Tune would otherwise swallow it and the driver report a partial
     answer, exit 0), trials in flight are left for the resume, every recorded row is whole; the MLflow parent

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from runtime.backends import simulate
 from runtime.core.errors import InputError
 from runtime.core.kernel import COUNTER_NAMES  # noqa: F401 - re-exported: the counters every Result reports
+from runtime.core.llamacpp_cache import ENGINE_REFUSES
 from runtime.core.spec import FLAGS, GROUP_FIELDS, Result, RunSpec, backend_options, honoured_by
 
 
@@ -47,6 +48,14 @@ class Backend:
         for (fld, value), why in self.refuses.items():
             if getattr(spec.policy, fld) == value:
                 raise InputError(f"backend {self.name}: policy {fld} = {value!r} is not supported ({why})")
+
+    def runs(self, spec: RunSpec) -> bool:
+        """Whether `check` accepts the spec."""
+        try:
+            self.check(spec)
+        except InputError:
+            return False
+        return True
 
     def evaluate(self, spec: RunSpec, progress: bool = False) -> Result:
         return self.evaluate_many([spec], progress)[0]
@@ -105,7 +114,8 @@ class Emulation(Backend):
 class EngineBackend(Backend):
     name = "engine"
     honours = honoured_by(name)
-    refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
+    refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only",
+               **ENGINE_REFUSES}  # llama.cpp's pool and layer split (Engine.bind checks them too)
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
         from runtime.backends import (  # torch-side: imported when first used

@@ -55,7 +55,7 @@ from runtime.backends.resolve import (
     save_residency,
 )
 from runtime.core.errors import InputError, atomic_write
-from runtime.core.kernel import PolicyCache
+from runtime.core.llamacpp_cache import LayerSplitCache, cache_for
 from runtime.core.policy import PolicyConfig
 from runtime.core.spec import GROUP_FIELDS, Result, RunSpec
 from runtime.formats import costmodel
@@ -190,8 +190,9 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
     lanes, runs = [], []
     for spec in specs:
         run = resolve(spec, ex.source)  # slots per layer (after capacity_alloc), the warm start, its source
-        cache = PolicyCache(spec.policy, m.E, m.k, run.capacities, run.initial_residency,
-                            weight_norm=weight_norm_of(m.model.config))
+        # (llama.cpp's shared pool and layer split: runtime/core/llamacpp_cache.py, exact decisions only)
+        cache = cache_for(spec.policy, m.E, m.k, run.capacities, run.initial_residency,
+                          weight_norm=weight_norm_of(m.model.config))
         lane = Lane(cache=cache, substitute_weight=spec.substitute_weight, desc=spec.label,
                     decisions=[[] for _ in range(m.num_layers)] if spec.record_decisions else None)
         if spec.trace_out is not None:  # with the lookahead column (P = max(k, prefetch width))
@@ -232,6 +233,8 @@ def evaluate_group(m: Loaded, specs: list[RunSpec], runner=None, backend: str = 
                                   r.lookahead_array(), r.scores_array()), spec.trace_out)
         decisions = decision_arrays(lane.decisions) if spec.record_decisions else None
         point, lo, hi = bootstrap_change(nll_exact, nll)
+        if isinstance(cache, LayerSplitCache):
+            extra["ncmoe"] = cache.ncmoe
         extra.update({"seconds": lane.seconds, "exact_seconds": ex.seconds, "streamed": m.streamed, "substitute_weight":
                       spec.substitute_weight, "windows": int(windows.shape[0]), "window": int(windows.shape[1]),
                       "scored_tokens": int(nll.size)})

@@ -33,10 +33,12 @@ from runtime.core.kernel import (
     next_use,
     predicted_layers,
 )
+from runtime.core.llamacpp_cache import LayerSplitCache, SharedPoolCache, cache_for
 from runtime.core.policy import (
     PRESETS,
     PolicyConfig,
     add_policy_flags,
+    gate_weight_readers,
     policies_from_flags,
 )
 from runtime.core.spec import (
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Replay:
-    cache: PolicyCache
+    cache: PolicyCache | SharedPoolCache | LayerSplitCache
     events: np.ndarray  # int32 [T, L, N_EV]
     seconds: float  # the kernel loop alone
     decisions: dict[str, np.ndarray] | None = None  # kind / served / slot [T, L, k] when asked for
@@ -68,10 +70,25 @@ def layer_major(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
                   (trace.valid, np.bool_)))
 
 
+def check_gate_weights(policy: PolicyConfig, trace: Trace) -> None:
+    """A trace without gate weights (imported routing ids, TraceMeta.gate_weights False) replays only the policies
+    that read none (runtime/core/policy.py GATE_WEIGHT_READERS): any other is a one-line InputError naming the
+    policy, the field that reads them and the missing column."""
+    readers = [] if trace.meta.gate_weights else gate_weight_readers(policy)
+    if readers:
+        field, why = readers[0]
+        raise InputError(f"policy {policy.label()!r} needs the trace column topk_weights (gate weights), which this "
+                         f"trace ({trace.meta.source or 'imported routing'}) lacks: {field} = {getattr(policy, field)!r}"
+                         f" ({why}); without gate weights: fetch_all, or first_choice / substitute_all / a fetch "
+                         f"cap with fallback host; any eviction, prefetch oracle; no beta, no route")
+
+
 def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_residency,
            decisions: bool = False) -> Replay:
-    """Run the kernel over every layer of a trace (layers are independent caches)."""
+    """Run the kernel over every layer of a trace (per-layer caches; llama.cpp's shared pool token-major, its layer
+    split per layer: runtime/core/llamacpp_cache.py)."""
     T, L = trace.T, trace.L
+    check_gate_weights(policy, trace)
     first_use, nxt = None, None
     if policy.evict == "belady":
         first_use, nxt = [], np.zeros((L, T, trace.k))
@@ -90,8 +107,8 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
                              f"{trace.meta.weight_norm!r}")
         scores = np.ascontiguousarray(np.asarray(trace.router_scores, np.float64).swapaxes(0, 1))
         norm = trace.meta.weight_norm
-    cache = PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use,
-                        weight_norm=norm)
+    cache = cache_for(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use,
+                      weight_norm=norm)
     # written here, so its pages are faulted in before the timed loop (np.zeros maps them lazily: the first
     # write to each page inside the kernel cost ~15% of a replay's time)
     events = np.full((L, T, N_EV), 0, np.int32)
@@ -101,8 +118,8 @@ def replay(trace: Trace, policy: PolicyConfig, capacities: np.ndarray, initial_r
     # compile (or load from numba's cache) the one kernel build this replay takes, on a one-token copy of its
     # inputs, before timing: not every build (warmup()), which a fresh process, e.g. a sweep worker, pays in full
     first = [np.ascontiguousarray(a[:, :1]) for a in (ids, ws, ranks, valids)]
-    PolicyCache(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use,
-                weight_norm=norm).step_layers(
+    cache_for(policy, trace.E, trace.k, capacities, initial_residency, belady_first_use=first_use,
+              weight_norm=norm).step_layers(
         *first, np.zeros((L, min(T, 1), N_EV), np.int32), nxt=None if nxt is None else np.ascontiguousarray(nxt[:, :1]),
         predicted=None if pred is None else np.ascontiguousarray(pred[:, :1]), decisions=decisions,
         scores=None if scores is None else np.ascontiguousarray(scores[:, :1]))
@@ -218,8 +235,11 @@ def simulate_run(trace: Trace, run: Run, *, max_tokens: int | None = None, basel
              "stall_fetch_s": timing["stall_fetch_s"], "stall_admission_s": timing["stall_admission_s"],
              "replay_seconds": rep.seconds,
              "token_layers_per_second": int(trace.valid.sum()) / max(rep.seconds, 1e-12),
-             "device_memory_GiB": costmodel.budget_for_capacities(shape, caps, policy),
-             "expert_slots_GiB": float(caps.sum()) * costmodel.expert_bytes(shape) / 2**30}
+             # the experts the device holds: the slots, or under -ncmoe the (L - N) * E resident experts
+             "device_memory_GiB": costmodel.budget_for_capacities(shape, rep.cache.caps, policy),
+             "expert_slots_GiB": float(rep.cache.caps.sum()) * costmodel.expert_bytes(shape) / 2**30}
+    if isinstance(rep.cache, LayerSplitCache):
+        extra["ncmoe"] = rep.cache.ncmoe
     extra["all_resident_time_per_token_s"] = costmodel.all_resident_time(trace.valid.sum(axis=1), params, trace.k)
     t = timing["time_per_token_s"]
     ratio = None

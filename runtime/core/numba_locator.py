@@ -7,8 +7,10 @@ temporary folder (each paid a cold compile of the policy kernel, about 85 s of C
 a unit's functions in `compiled.unit_dir(unit)` (NUMBA_CACHE_DIR, else $EXPERTSWEEP_CACHE/numba, else
 ~/.cache/expertsweep/numba; then `<slug>-<first 16 hex of the sources' hash>`) with the file's content as
 numba's source stamp, so identical sources load one compile wherever they are. Functions of any other file are
-left to numba's own locators (listed after this one in NUMBA_CACHE_LOCATOR_CLASSES by `compiled.use_unit_cache`).
-What is loaded is still checked against the unit's golden table once per process (`compiled.ensure`).
+left to numba's own locators (listed after this one by `compiled.use_unit_cache`). A unit's function always gets
+this locator, even where its folder is not writable: numba's fallback folders (the package's __pycache__, its
+user-wide folder) are never used for a unit, and `compiled.ensure` compiles a unit whose folder is not writable in
+memory. What is loaded is still checked against the unit's golden table once per process (`compiled.ensure`).
 """
 
 from __future__ import annotations
@@ -46,5 +48,5 @@ class UnitCacheLocator(InTreeCacheLocator):
         try:
             self.ensure_cache_path()
         except OSError:
-            return None  # not writable: numba's next locator (the package's __pycache__, or memory)
+            pass  # not writable: compiled.ensure compiles the unit in memory (numba's own fallbacks go unguarded)
         return self

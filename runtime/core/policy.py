@@ -31,6 +31,10 @@ CAPACITY_ALLOCS = ("uniform", "calibrated")
 FALLBACKS = ("substitute", "drop", "host", "lowbit")
 PREFETCHES = ("off", "lookahead", "oracle")
 ROUTES = ("off", "cache-prior", "cache-route")  # cache-aware routing (docs/policies.md, Additions (4)); codes are positions
+# llama.cpp's two ways of holding experts (docs/policies.md, Additions (5)): its expert cache (one pool and one LRU
+# shared by every MoE layer) and its static layer split -ncmoe N
+POOLS = ("per_layer", "shared")
+LAYER_SPLITS = ("none", "ncmoe")
 RULE_CODE = {r: i for i, r in enumerate(RULES)}
 EVICT_CODE = {e: i for i, e in enumerate(EVICTS)}
 FALLBACK_CODE = {f: i for i, f in enumerate(FALLBACKS)}
@@ -129,6 +133,10 @@ _ACTIVE = {
     "route != off": lambda p: p.route != "off",
     "route = cache-route": lambda p: p.route == "cache-route",
     "beta set or prefetch != off": lambda p: p.beta is not None or p.prefetch != "off",
+    # llama.cpp's expert cache and layer split (docs/policies.md, Additions (5)): only with the fields they fix
+    "llama.cpp's cache: fetch_all + lru, layer_split none, nothing else": lambda p: (
+        p.evict == "lru" and p.layer_split == "none" and _llamacpp_conflict(p) is None),
+    "llama.cpp's split: fetch_all, nothing else": lambda p: _llamacpp_conflict(p) is None,
     # a drop needs a non-fetched miss (the rule, or a fetch cap) whose fallback is substitute or drop
     "drops possible": lambda p: p.fallback in ("substitute", "drop") and not (p.rule == "fetch_all"
                                                                               and p.fetch_cap is None),
@@ -137,6 +145,15 @@ _ACTIVE = {
 
 def _p(default, flag: str, help: str, **kw) -> Any:
     return field(default=default, metadata={"param": dict(flag=flag, help=help, **kw)})
+
+
+def _llamacpp_conflict(p: PolicyConfig) -> tuple[str, Any, Any] | None:
+    """The first field that llama.cpp's expert cache and layer split fix, set otherwise: (flag, value, needed)."""
+    for name, needed in (("rule", "fetch_all"), ("beta", None), ("prefetch", "off"), ("fetch_cap", None),
+                         ("pin_fraction", 0.0), ("capacity_alloc", "uniform"), ("route", "off")):
+        if getattr(p, name) != needed:
+            return PARAM_BY_NAME[name].flag, getattr(p, name), needed
+    return None
 
 
 @dataclass(frozen=True)
@@ -212,6 +229,16 @@ class PolicyConfig:
                             low=0.0, low_open=True, active="route = cache-route",
                             kernel=("route_alpha", lambda p: p.route_alpha))
 
+    # llama.cpp's two ways of holding experts (docs/policies.md, Additions (5)): capacity structures, not miss rules
+    pool: str = _p("per_layer", "--pool", "shared: llama.cpp's expert cache (--moe-cache-mib), one pool of sum C_l "
+                   "slots and one LRU over (layer, expert) for every MoE layer, every miss fetched; needs rule "
+                   "fetch_all and evict lru", choices=POOLS,
+                   active="llama.cpp's cache: fetch_all + lru, layer_split none, nothing else")
+    layer_split: str = _p("none", "--layer-split", "ncmoe: llama.cpp's -ncmoe N, the first N MoE layers compute "
+                          "every expert on the host, the others hold all E; N the smallest that fits the memory of "
+                          "the run's slots; needs rule fetch_all", choices=LAYER_SPLITS,
+                          active="llama.cpp's split: fetch_all, nothing else")
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -247,6 +274,17 @@ class PolicyConfig:
             if self.evict == "belady":
                 raise InputError(f"{where}--evict = 'belady' with route = {self.route!r} is not supported (its next "
                                  "uses are the model's selections, not the routed ones)")
+        for flag, value, name in (("--pool", self.pool, "shared"), ("--layer-split", self.layer_split, "ncmoe")):
+            if value != name:
+                continue
+            bad = _llamacpp_conflict(self)
+            if bad is None and name == "shared" and self.evict != "lru":
+                bad = ("--evict", self.evict, "lru")
+            if bad is None and name == "shared" and self.layer_split != "none":
+                bad = ("--layer-split", self.layer_split, "none")
+            if bad is not None:
+                raise InputError(f"{where}{flag} = {value!r} (llama.cpp's {'expert cache' if name == 'shared' else 'layer split'}) "
+                                 f"needs {bad[0]} = {'unset' if bad[2] is None else repr(bad[2])}, not {bad[1]!r}")
         return self
 
     @property
@@ -303,6 +341,10 @@ class PolicyConfig:
             parts.append(f"alloc={self.capacity_alloc}")
         if self.drop_renorm:
             parts.append("drop-renorm")
+        if self.pool != "per_layer":
+            parts.append(f"pool={self.pool}")
+        if self.layer_split != "none":
+            parts = [parts[0], self.layer_split]  # the eviction key is unused: every expert is resident or on the host
         if self.route == "cache-prior":
             parts.append(f"cache-prior(lambda={self.route_lambda:g},J={self.route_keep})")
         elif self.route == "cache-route":
@@ -353,6 +395,29 @@ def kernel_record(policy: PolicyConfig) -> np.ndarray:
 PARAM_BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 
 
+# What reads a trace's gate weights (`topk_weights`) or its ranking below the top-k, by the policy field that turns
+# it on: (field, when, what reads them). run_layer.py reads a weight only in the miss rule's comparison with tau,
+# in a non-fetched miss's fallback (its mass; a substitute also walks the ranking past k), in the admission
+# accumulators and in cache-aware routing; fetch-every-miss, every eviction kind, the fetch cap with fallback host,
+# pinning, capacity allocation and prefetch (oracle, or lookahead from its own column) read ids only. A trace
+# without gate weights (TraceMeta.gate_weights False: routing imported from an engine's dump,
+# runtime/formats/trace/imports.py) replays exactly the policies for which none applies (docs/traces.md).
+GATE_WEIGHT_READERS: tuple[tuple[str, Callable[[PolicyConfig], bool], str], ...] = (
+    ("rule", lambda p: p.rule in ("threshold", "band"), "the rule compares each miss's gate weight with tau"),
+    ("fallback", lambda p: p.fallback in ("substitute", "drop", "lowbit") and not (p.rule == "fetch_all"
+                                                                                  and p.fetch_cap is None),
+     "a miss that is not fetched is substituted (from the ranking past k), dropped or computed low-bit, its gate "
+     "weight counted as lost mass (fallback host reads none)"),
+    ("beta", lambda p: p.beta is not None, "admission accumulates the gate weights of the misses not fetched"),
+    ("route", lambda p: p.route != "off", "cache-aware routing recomputes and moves gate weights"),
+)
+
+
+def gate_weight_readers(policy: PolicyConfig) -> list[tuple[str, str]]:
+    """(field, what reads the weights) for every part of `policy` that reads gate weights; [] when none does."""
+    return [(name, why) for name, applies, why in GATE_WEIGHT_READERS if applies(policy)]
+
+
 PRESETS: dict[str, PolicyConfig] = {
     "fetch-every-miss": PolicyConfig(rule="fetch_all"),
     "rule-0.15": PolicyConfig(rule="threshold", tau=0.15),
@@ -365,6 +430,9 @@ PRESETS: dict[str, PolicyConfig] = {
     # lambda = 0.5 (our choice inside the paper's range), colibri's CACHE_ROUTE with J = 1, M = 16, no alpha scaling
     "cache-prior": PolicyConfig(rule="fetch_all", route="cache-prior", route_lambda=0.5, route_keep=1),
     "cache-route": PolicyConfig(rule="fetch_all", route="cache-route", route_keep=1, route_window=16),
+    # llama.cpp's expert cache (--moe-cache-mib) and its layer split (-ncmoe) (docs/policies.md, Additions (5))
+    "llamacpp-lru": PolicyConfig(rule="fetch_all", evict="lru", pool="shared"),
+    "llamacpp-ncmoe": PolicyConfig(rule="fetch_all", layer_split="ncmoe"),
 }
 
 

@@ -6,10 +6,10 @@ subcommand and its `python -m` form, the tiny-model build's `main`, the sweep dr
 `OPENBLAS_NUM_THREADS`: the CPUs this process may run on, or `EXPERTSWEEP_THREADS`) unless the
 environment already sets them. OpenMP reads its wait policy once, when its runtime is loaded (libgomp:
 when torch is imported), so it must run before torch is imported in the process; imported later it
-changes nothing (measured: docs/performance.md "Threads beside another job"), and `configure` says so
+changes nothing (measured: reports/threads_beside_another_job.md), and `configure` says so
 in a debug log line. Why: with OpenMP's default (active) policy each idle thread spins before it sleeps, so
 beside another job on a 2-core machine a training step waited on threads that were burning the other
-job's core (13 s per step against ~1 s with PASSIVE; issue 34).
+job's core (13 s per step against ~1 s with PASSIVE).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The compiled units (runtime/core/compiled.py) by name, defined without importing numba or their modules.
+"""The compiled units (runtime/core/compiled.py) by name, defined without importing their modules.
 
 numba asks `UnitCacheLocator` (runtime/core/numba_locator.py) where to cache each function as the function is
 defined, before the unit's own modules have finished importing; so the units live here, and importing this
-module points numba at that locator (`compiled.use_unit_cache`). Each package with a unit imports this module
-first: runtime/core/kernel/__init__.py and runtime/formats/costmodel/__init__.py.
+module points numba at that locator in this process (`compiled.use_unit_cache`: it imports numba). Each package
+with a unit imports this module first: runtime/core/kernel/__init__.py and runtime/formats/costmodel/__init__.py.
+A unit's sources are the files whose code numba compiles into it (runtime/core/compiled.py is not one: the
+post-load check it runs covers whatever it loads, so a change to it compiles nothing again).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ KERNEL = Unit(
     slug="kernel",
     package_dir=_KERNEL,
     modules=tuple(f"runtime.core.kernel.{m}" for m in ("search", "evict", "primitives", "route", "run_layer", "cache",
-                                                     "decide")),
-    sources=(*sorted(_KERNEL.glob("*.py")), _CORE / "policy.py", _CORE / "events.py", _CORE / "compiled.py"),
+                                                     "decide", "shared_pool")),
+    sources=(*sorted(_KERNEL.glob("*.py")), _CORE / "policy.py", _CORE / "events.py"),
     exercise="runtime.core.kernel.selfcheck:exercise",
     golden=_KERNEL / "selfcheck.json",
 )
@@ -36,7 +38,7 @@ COSTMODEL = Unit(
     slug="costmodel",
     package_dir=_COSTMODEL,
     modules=("runtime.formats.costmodel.timing",),
-    sources=(_COSTMODEL / "timing.py", _COSTMODEL / "selfcheck.py", _CORE / "events.py", _CORE / "compiled.py"),
+    sources=(_COSTMODEL / "timing.py", _COSTMODEL / "selfcheck.py", _CORE / "events.py"),
     exercise="runtime.formats.costmodel.selfcheck:exercise",
     golden=_COSTMODEL / "selfcheck.json",
 )

@@ -40,6 +40,7 @@ from runtime.backends.engine.slots import SlotPool
 from runtime.backends.engine.store import build_host_store, page_aligned_empty
 from runtime.core.errors import InputError, cli_main
 from runtime.core.kernel import PolicyCache, decide, warmup
+from runtime.core.llamacpp_cache import refuse_on_engine
 from runtime.core.policy import PolicyConfig
 from runtime.formats import costmodel
 
@@ -219,6 +220,7 @@ class Engine:
     @torch.inference_mode()
     def bind(self, cache: PolicyCache) -> None:
         """Start a run under `cache`: slot pools sized by its capacities and loaded with its residency."""
+        refuse_on_engine(cache.policy)
         self.drain()
         warmup()  # the kernel is compiled (or loaded from numba's cache) before anything is timed
         decide.compiled()  # and the engine's one-call host decision (runtime/core/kernel/decide.py)

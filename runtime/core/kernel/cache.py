@@ -35,9 +35,13 @@ __all__ = ["COUNTER_NAMES", "PolicyCache", "kernel_signatures", "next_use", "pre
 
 def next_use(ids: np.ndarray, valid: np.ndarray, E: int, t0: int) -> tuple[np.ndarray, np.ndarray]:
     """Belady helper for one layer. ids [T, k], valid [T]. Returns nxt [T, k] (next valid token index
-    > t selecting ids[t, j], inf if none) and first [E] (first valid token selecting e, inf if none)."""
+    > t selecting ids[t, j], inf if none) and first [E] (first valid token selecting e, inf if none).
+
+    The arguments are converted to the one signature the post-load check runs (int32 [T, k] and bool [T],
+    C-contiguous; the simulator passes strided views of its trace): no other is ever compiled."""
     ensure(UNIT)
-    return _next_use(ids, valid, E, t0)
+    return _next_use(np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(valid, dtype=np.bool_),
+                     int(E), int(t0))
 
 
 @njit(cache=True)

@@ -25,8 +25,9 @@ binding (`address_table`) from which it rebuilds every array as a view (`carray`
 (a record scalar alone costs ~4 us to unbox) and the call's constants included, and calls `decide_row`.
 The table points into arrays its maker keeps alive.
 
-Module-level `@njit(cache=True)` functions only, each name unique in the project (issue 39's cache rules);
-`exercise()` runs the call on a fixed tiny case for a post-load check.
+Module-level `@njit(cache=True)` functions only, each name unique in the project (the compile cache's rules);
+`exercise()` runs the call on fixed cases for the post-load check: a tiny one, and selfcheck.py's trace under
+every policy the engine sends through this call (DECIDE_CASES).
 """
 
 from __future__ import annotations
@@ -285,23 +286,51 @@ def grow_events(b: DecideBuffers, more: int) -> DecideBuffers:
 
 @functools.cache
 def compiled() -> bool:
-    """`decide_row` compiled (or loaded from numba's cache) in this process, once: `exercise()` runs it."""
-    exercise()
+    """`decide_row` compiled (or loaded from numba's cache) in this process, once: `exercise_tiny()` runs it."""
+    exercise_tiny()
     return True
 
 
-# exercise()'s packed rows: ids (model order), weights, the E = 4 scores, the finite flag; one miss per token
+# exercise_tiny()'s packed rows: ids (model order), weights, the E = 4 scores, the finite flag; one miss per token
 # (tests/golden.py reads the slots off the reference's residency), a tie of scores, a weight bfloat16 rounds
 EXERCISE_ROWS = ((1, 2, 0.25, 0.75, 0.1, 0.2, 0.9, 0.3, 1.0),
                  (3, 2, 0.6, 0.4, 0.5, 0.1, 0.2, 0.7, 1.0),
                  (2, 1, 0.1, 0.30000001, 0.0, 0.4, 0.4, 0.0, 1.0))
 
+# exercise()'s policies: every policy the engine sends through `decide_layer` (prefetch off, routing off:
+# runtime/backends/engine/graphs.py OneCall.ready) that takes a branch of its own: each miss rule, fallback (drop
+# with and without drop_renorm: the plan row is slow with it only), eviction kind but belady (simulator only),
+# admission with delays 1-2 and a copy buffer, the fetch cap, aging, the pinned hot set. A lean-eligible policy
+# (lfu, substitute, no cap) is among them: the call takes the full build for every policy, and the others give
+# other results on the lean one.
+DECIDE_CASES: dict[str, dict] = {
+    "fetch_all-lfu": {"rule": "fetch_all"},
+    "threshold-beta0.1": {"rule": "threshold", "tau": 0.15, "beta": 0.1},
+    "first_choice-lru-beta1-d2": {"rule": "first_choice", "evict": "lru", "beta": 1.0, "admission_delay": 2},
+    "band-crf": {"rule": "band", "tau": 0.1, "tau_high": 0.4, "evict": "crf", "half_life": 4.0},
+    "threshold-drop-renorm-lfuda": {"rule": "threshold", "tau": 0.15, "fallback": "drop", "drop_renorm": True,
+                                    "evict": "lfuda"},
+    "threshold-drop-lfu": {"rule": "threshold", "tau": 0.15, "fallback": "drop"},
+    "host-s3fifo": {"rule": "substitute_all", "fallback": "host", "evict": "s3fifo", "s3_small": 0.3},
+    "lowbit-gamma0.5": {"rule": "threshold", "tau": 0.15, "fallback": "lowbit", "gamma": 0.5},
+    "fetch_all-cap1-pinned-lru": {"rule": "fetch_all", "fetch_cap": 1, "evict": "lru", "pin_fraction": 0.25},
+    "threshold-beta0.1-buffers1-d2": {"rule": "threshold", "tau": 0.15, "beta": 0.1, "admission_delay": 2,
+                                      "copy_buffers": 1},
+}
+BAD_AT = (7, 1)  # (token, layer): a call with a non-finite router score before the real one (BAD_SCORES, no change)
 
-def exercise() -> dict:
+
+def model_order(t: int, layer: int, k: int) -> list[int]:
+    """The positions (in rank order) of the selection as the model lists it at (t, layer): a rotation, so the call
+    sorts it back."""
+    r = (t + 2 * layer) % k
+    return list(range(r, k)) + list(range(r))
+
+
+def exercise_tiny() -> dict:
     """`decide_row` on a fixed tiny case (E = 4, k = 2, C = 2, fetch-every-miss, experts 0 and 1 resident, three
-    tokens) through the engine's entry `decide_layer` -> its outputs as plain ints and floats: a post-load check
-    compares them with the values of a fresh compile (issue 39). Also compiles the call (`Engine.bind` and the
-    GPU checks' kernel step run it)."""
+    tokens, a tie of scores) through the engine's entry `decide_layer` -> its outputs as plain ints and floats.
+    Also compiles the call (`Engine.bind` and the GPU checks' kernel step run it)."""
     from runtime.core.kernel.cache import PolicyCache
     from runtime.core.policy import PRESETS
 
@@ -323,3 +352,59 @@ def exercise() -> dict:
     res["events"] = [int(v) for v in b.ev_tab[0, :3].ravel()]
     res["counters"] = {n: (int(v) if isinstance(v, int) else float(v)) for n, v in pc.counter_totals().items()}
     return res
+
+
+def exercise_case(fields: dict, c: dict) -> dict:
+    """One policy of DECIDE_CASES through `decide_layer` as the engine calls it, over selfcheck.py's fixed trace
+    (every cell decided; the selection in `model_order`, the router logits as scores, bfloat16 rounding), with
+    one non-finite row at BAD_AT -> per call (token-major, layers in order): the return, the kinds, the served
+    experts, the plan row's weight and on-device columns, and the expert its slot column names (-1 off device);
+    the counters per layer and the final residency."""
+    from runtime.core.kernel import selfcheck as sc
+    from runtime.core.kernel.cache import PolicyCache
+    from runtime.core.policy import PolicyConfig
+
+    pol = PolicyConfig(**fields)
+    T, L, E, k = sc.T, sc.L, sc.E, sc.K
+    pc = PolicyCache(pol, E, k, np.array(sc.CAPS), [np.array(r, np.int32) for r in sc.INIT])
+    b = decide_buffers(L, k, E, "bfloat16", cap=T + 1)
+    outs = [b.out] + [decide_buffers(1, k, E, "bfloat16", cap=1).out for _ in range(L - 1)]
+    packed = [np.zeros((1, 2 * k + E + 1), np.float32) for _ in range(L)]  # [1, 2k + E + 1] per layer
+    plans = [np.zeros((3, k), np.float32) for _ in range(L)]  # [3, k] per layer
+    tab = address_table(pc._state, pc.next_t, b.tok, b.ev_tab, b.ev_n, b.fetches,
+                        list(zip(packed, plans, outs, strict=True)), pc.params_array,
+                        decide_consts(k, E, b.rnd, pol.drop_renorm))
+    res: dict = {"returns": [], "kinds": [], "served": [], "weights": [], "on_device": [], "slot_holds": []}
+    for t in range(T):
+        for l_ in range(L):
+            sel = model_order(t, l_, k)
+            row = packed[l_][0]
+            row[:k] = [c["ids"][t][l_][j] for j in sel]
+            row[k: 2 * k] = [c["weights"][t][l_][j] for j in sel]
+            row[2 * k: 2 * k + E] = c["logits"][t][l_]
+            if (t, l_) == BAD_AT:
+                row[2 * k + E] = 0.0
+                res["bad_scores"] = int(decide_layer(tab, l_))
+            row[2 * k + E] = 1.0
+            n = decide_layer(tab, l_)
+            out, plan = outs[l_], plans[l_]
+            on = plan[2] != 0.0  # [k]
+            res["returns"].append(int(n))
+            res["kinds"].append([int(v) for v in out.kind[0, 0]])
+            res["served"].append([int(v) for v in out.served[0, 0]])
+            res["weights"].append([float(v) for v in plan[1]])
+            res["on_device"].append([int(v) for v in on])
+            res["slot_holds"].append([int(pc.slot_expert[l_, int(plan[0, j])]) if on[j] else -1 for j in range(k)])
+    res["counters"] = [{key: row[key] for key in sc.COUNTER_KEYS} for row in pc.per_layer()]
+    res["resident"] = [pc.resident(l_).tolist() for l_ in range(L)]
+    return res
+
+
+def exercise() -> dict:
+    """The engine's call on its fixed cases, as plain ints and floats: {"tiny": `exercise_tiny()`, and per policy
+    of DECIDE_CASES `exercise_case`}; the post-load check (selfcheck.py) compares them with tests/golden.py's
+    reading of the reference's decisions."""
+    from runtime.core.kernel import selfcheck as sc
+
+    c = sc.case()
+    return {"tiny": exercise_tiny(), **{name: exercise_case(fields, c) for name, fields in DECIDE_CASES.items()}}

@@ -1,17 +1,17 @@
 """The compiled policy kernel: `run_layer`, one layer's cache over a chunk of tokens, built from stages.
 
-Per token, in the order of docs/policies.md ("Per token, per layer, in this order", "Additions"): 0
-`prefetch_cut` (a bounded copy pool cuts the predicted list), `admit_due`; 0b `prefetch_list`; 0c `route`
-(route.py); 1 `hits`; 2-3 `miss_rule` (fetches; host / lowbit / drop); 4 `substitutes`; 5 `rekey` (the kind's
-touch: its rules on scalars in evict.py); `count_events`; 6 `queue_admissions`, `start_copies`. Every load
-into a slot goes through `claim`; `key_slots` runs before the chunk, `store` after it. Inlining is required
-for speed: the stages are closures, which numba inlines reading the outer arrays afresh at each use;
-module-level stages, even inline="always", bind their array arguments per call and ran the presets 15x
-slower (docs/simulator.md, reports/kernel_ab_module_stages.md). `lean` is passed as a constant by
-`run_layers`, so run_layer compiles as two `Literal[bool]` specializations of one module-level dispatcher
-(distinct symbols: no two cached objects share one, docs/performance.md "Compile once"). The input contract:
-a ranking row starts with the token's selection and holds distinct ids, or router scores stand for it.
+Per token, in the order of docs/policies.md ("Per token, per layer, in this order", "Additions"): 0 `prefetch_cut`
+(a bounded copy pool cuts the predicted list), `admit_due`; 0b `prefetch_list`; 0c `route` (route.py); 1 `hits`; 2-3
+`miss_rule` (fetches; host / lowbit / drop); 4 `substitutes`; 5 `rekey` (the kind's touch: its rules on scalars in
+evict.py); `count_events`; 6 `queue_admissions`, `start_copies`. Every load into a slot goes through `claim`;
+`key_slots` runs before the chunk, `store` after it. Inlining is required for speed: the stages are closures, which
+numba inlines reading the outer arrays afresh at each use; module-level stages, even inline="always", bind their
+array arguments per call and ran the presets 15x slower (docs/simulator.md, reports/kernel_ab_module_stages.md).
+`lean` is passed as a constant by `run_layers`, so run_layer compiles as two `Literal[bool]` specializations of one
+module-level dispatcher (distinct symbols: no two cached objects share one, reports/compile_once.md). The input
+contract: a ranking row starts with the token's selection and holds distinct ids, or router scores stand for it.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,13 +4,19 @@
 numpy) under one policy per miss rule, fallback, eviction kind, admission, prefetch kind, fetch cap, pinned
 hot set and per-layer capacity, through every way a caller enters the compiled code: `PolicyCache.step` on
 the lean and the full specialization of `run_layer`, with a ranking and with router scores, in two chunks;
-`step_layers` (the simulator's call) on both specializations; `next_use` (Belady). It returns every counter
+`step_layers` (the simulator's call) on both specializations; `next_use` (Belady: inside the belady case, and
+its own output on strided views of another dtype, as the simulator passes them); llama.cpp's shared pool
+(shared_pool.py, through `SharedPoolCache` as the emulation and the simulator enter it). It returns every counter
 per layer, every decision and the final residency. `selfcheck.json` (package data) holds what the
 independent pure-Python reference (tests/reference.py) gives for the same runs, written by `python -m
 tests.golden` and checked by tests/test_compile_once.py. runtime/core/compiled.py runs the comparison once
 per process before the kernel decides anything (the unit is `runtime.core.kernel.cache.UNIT`). Also the
-engine's one compiled call per layer (decide.py `decide_layer`) on its own fixed case (`decide.exercise`),
-against tests/golden.py's reading of the reference's decisions as a plan row.
+engine's one compiled call per layer (decide.py `decide_layer`, whose cached object carries its own copy of
+run_layers) on its own fixed cases (`decide.exercise`: a tiny one, and this trace under every policy the engine
+sends through that call: each miss rule, fallback, eviction kind, admission, copy buffer, fetch cap, pinning,
+the SLOW and BAD_SCORES returns and the HOST / LOWBIT / DROP plan rows), against tests/golden.py's reading of
+the reference's decisions as plan rows. Every entry point converts its arguments to the signature run here
+(tests/test_compile_once.py checks that production compiles no other).
 """
 
 from __future__ import annotations
@@ -191,4 +197,54 @@ def exercise() -> dict:
     c = case()
     out = {name: _run(name, fields, mode, c) for name, (fields, mode) in CASES.items()}
     out["decide"] = decide.exercise()
+    out["next_use"] = _next_uses(c)
+    out["shared_pool"] = {mode: _pool(mode, c) for mode in ("step", "layers")}
+    return out
+
+
+def _pool(mode: str, c: dict) -> dict:
+    """llama.cpp's shared pool (runtime/core/llamacpp_cache.py `SharedPoolCache`, whose compiled code is
+    shared_pool.py's `run_pool` and `place`) under its preset on the case, warm (INIT), entered as the emulation does
+    ("step": each layer's chunk in turn, decided token-major as they arrive) or as the simulator does ("layers":
+    `step_layers`): kind and slot [T * L * K] (-1 at invalid cells), calls / hits / fetches per layer, the final
+    residency."""
+    from runtime.core.kernel.plan import N_EV
+    from runtime.core.llamacpp_cache import SharedPoolCache
+    from runtime.core.policy import PRESETS
+
+    ids = np.array(c["ids"], np.int32)  # [T, L, K]
+    valid = np.array(c["valid"], np.bool_)  # [T, L]
+    pool = SharedPoolCache(PRESETS["llamacpp-lru"], E, K, np.array(CAPS), [np.array(r, np.int32) for r in INIT])
+    kind = np.full((T, L, K), -1, np.int64)
+    slot = np.full((T, L, K), -1, np.int64)
+    if mode == "layers":
+        lay = [np.ascontiguousarray(a.swapaxes(0, 1)) for a in (ids, valid)]
+        k_, _, s_ = pool.step_layers(lay[0], None, lay[0], lay[1], np.zeros((L, T, N_EV), np.int32), decisions=True)
+        kind[:], slot[:] = k_.swapaxes(0, 1), s_.swapaxes(0, 1)
+    else:
+        results = []
+        for a, b in ((0, CHUNK), (CHUNK, T)):
+            for l_ in range(L):
+                results.append((a, b, l_, pool.step(l_, ids[a:b, l_], valid=valid[a:b, l_])))
+        for a, b, l_, r in results:  # filled in as the pool decided them
+            kind[a:b, l_], slot[a:b, l_] = r.kind, r.slot
+    kind[~valid] = -1
+    slot[~valid] = -1
+    return {"kind": kind.reshape(-1).tolist(), "slot": slot.reshape(-1).tolist(),
+            "counters": [{key: row[key] for key in ("calls", "hits", "fetches")} for row in pool.per_layer()],
+            "resident": [pool.resident(l_).tolist() for l_ in range(L)]}
+
+
+def _next_uses(c: dict) -> list[dict]:
+    """`next_use` per layer on the case's ids and valid flags as the simulator passes them (strided views of the
+    [T, L, ..] arrays, t0 = 3): {"nxt": [T][K], "first": [E]} (inf as None)."""
+    from runtime.core.kernel.cache import next_use
+
+    ids = np.array(c["ids"], np.int64)  # [T, L, K]: another dtype than the kernel's, converted by next_use
+    valid = np.array(c["valid"], np.bool_)  # [T, L]
+    out = []
+    for l_ in range(L):
+        nxt, first = next_use(ids[:, l_], valid[:, l_], E, 3)
+        out.append({"nxt": [[None if np.isinf(x) else float(x) for x in row] for row in nxt],
+                    "first": [None if np.isinf(x) else float(x) for x in first]})
     return out

@@ -5,6 +5,8 @@
   `save_trace`; `validate_trace`, the checks every loaded trace goes through (one-line `InputError`s
   naming file, field, value and location); `calibration_split`;
 - `checks`: the array checks `validate_trace` runs (ids, weights, rankings, lookahead);
+- `imports`: `import_routing`, the routing dumps of vLLM, SGLang and llama.cpp as traces without gate
+  weights, and the record command's `--routing` flags (`add_routing_flags`, `import_main`);
 - `synthetic`: `synthetic_trace`, a generator with realistic MoE routing statistics, and its
   calibration twin (`calibration_twin`, `synthetic_pair`).
 
@@ -26,12 +28,19 @@ from runtime.formats.trace.formats import (
     save_trace,
     validate_trace,
 )
+from runtime.formats.trace.imports import (
+    ROUTING_FORMATS,
+    add_routing_flags,
+    import_main,
+    import_routing,
+)
 from runtime.formats.trace.synthetic import (
     _top_m_stable as _top_m_stable,  # private: tests/test_trace.py checks it
 )
 from runtime.formats.trace.synthetic import calibration_twin, synthetic_pair, synthetic_trace
 
 __all__ = [
-    "FORMAT_VERSION", "META_KEY", "SUFFIXES", "WEIGHT_NORMS", "Trace", "TraceMeta", "calibration_split",
-    "calibration_twin", "load_trace", "save_trace", "synthetic_pair", "synthetic_trace", "validate_trace",
+    "FORMAT_VERSION", "META_KEY", "ROUTING_FORMATS", "SUFFIXES", "WEIGHT_NORMS", "Trace", "TraceMeta",
+    "add_routing_flags", "calibration_split", "calibration_twin", "import_main", "import_routing", "load_trace",
+    "save_trace", "synthetic_pair", "synthetic_trace", "validate_trace",
 ]

@@ -43,9 +43,10 @@ def _check_ids(where: str, name: str, ids: np.ndarray, valid: np.ndarray, E: int
                          f"(at {', '.join(str(int(j)) for j in slots)})")
 
 
-def _validate_arrays(where: str, topk_ids: np.ndarray, topk_weights: np.ndarray, ranking: np.ndarray,
+def _validate_arrays(where: str, topk_ids: np.ndarray, topk_weights: np.ndarray | None, ranking: np.ndarray,
                      valid: np.ndarray, seq_id: np.ndarray, position: np.ndarray, E: int) -> None:
-    """Checks on the arrays alone (any numeric dtypes), vectorised. Raises InputError."""
+    """Checks on the arrays alone (any numeric dtypes), vectorised. Raises InputError. `topk_weights` None: a
+    trace without gate weights (its NaN array is checked by the caller)."""
     if topk_ids.ndim != 3:
         raise InputError(f"{where}: topk_ids has shape {tuple(topk_ids.shape)}, expected [T, L, k]")
     T, L, k = topk_ids.shape
@@ -53,7 +54,7 @@ def _validate_arrays(where: str, topk_ids: np.ndarray, topk_weights: np.ndarray,
         raise InputError(f"{where}: topk_ids has shape {(T, L, k)}, every dimension must be >= 1")
     for name, a, shape in (("topk_weights", topk_weights, (T, L, k)), ("valid", valid, (T, L)),
                            ("seq_id", seq_id, (T,)), ("position", position, (T,))):
-        if tuple(a.shape) != shape:
+        if a is not None and tuple(a.shape) != shape:
             raise InputError(f"{where}: {name} has shape {tuple(a.shape)}, expected {shape} "
                              f"to match topk_ids {(T, L, k)}")
     if ranking.ndim != 3 or tuple(ranking.shape[:2]) != (T, L):
@@ -68,18 +69,19 @@ def _validate_arrays(where: str, topk_ids: np.ndarray, topk_weights: np.ndarray,
     for name, a, kinds in (("topk_ids", topk_ids, "iu"), ("ranking", ranking, "iu"),
                            ("topk_weights", topk_weights, "f"), ("valid", valid, "b"),
                            ("seq_id", seq_id, "iu"), ("position", position, "iu")):
-        if a.dtype.kind not in kinds:
+        if a is not None and a.dtype.kind not in kinds:
             want = {"iu": "integers", "f": "floats", "b": "bool"}[kinds]
             raise InputError(f"{where}: {name} has dtype {a.dtype}, expected {want}")
 
     _check_ids(where, "topk_ids", topk_ids, valid, E)
     w = topk_weights
-    i = _first(~np.isfinite(w) & valid[..., None])
-    if i is not None:
-        raise InputError(f"{where}: topk_weights[{_loc(i)}] = {_fmt(w[tuple(i)])} is not finite")
-    i = _first((w < 0) & valid[..., None])
-    if i is not None:
-        raise InputError(f"{where}: topk_weights[{_loc(i)}] = {_fmt(w[tuple(i)])} is negative")
+    if w is not None:
+        i = _first(~np.isfinite(w) & valid[..., None])
+        if i is not None:
+            raise InputError(f"{where}: topk_weights[{_loc(i)}] = {_fmt(w[tuple(i)])} is not finite")
+        i = _first((w < 0) & valid[..., None])
+        if i is not None:
+            raise InputError(f"{where}: topk_weights[{_loc(i)}] = {_fmt(w[tuple(i)])} is negative")
     i = _first((ranking[..., :k] != topk_ids) & valid[..., None])
     if i is not None:
         raise InputError(f"{where}: ranking[{_loc(i)}] = {_fmt(ranking[tuple(i)])} but "

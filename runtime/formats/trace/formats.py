@@ -1,7 +1,8 @@
 """Router traces on disk: the in-memory `Trace`, its file formats and the validation of every loaded trace.
 
 A trace records, for every token of a stream and every traced MoE layer, the router's top-k
-selection (in router order), the gate weights the model applied, and the first M entries of the
+selection (in router order), the gate weights the model applied (or none: `TraceMeta.gate_weights` False, routing
+ids imported from an engine's dump by imports.py), and the first M entries of the
 candidate ranking (M >= k; M = E keeps it exact); optionally a lookahead list per token and layer
 (the first P ids of layer l + 1's router applied to layer l's router input, for prefetch), and
 optionally the router scores of every expert (`router_scores`, float32 [T, L, E]: the logits of a softmax
@@ -50,12 +51,16 @@ class TraceMeta:
     text_sha256: str = ""  # digest of the text the trace was recorded on
     source: str = ""  # where the trace came from (file, recorder, generator settings)
     lookahead_depth: int = 0  # P: width of the optional lookahead column (0: none)
+    # False: the trace holds no gate weights (routing ids imported from a serving engine's dump,
+    # runtime/formats/trace/imports.py): topk_weights is NaN throughout, the file has no topk_weights column,
+    # and only the policies that read no weight replay it (runtime/core/policy.py `gate_weight_readers`)
+    gate_weights: bool = True
 
 
 @dataclass
 class Trace:
     topk_ids: np.ndarray  # int32 [T, L, k], router order (descending score)
-    topk_weights: np.ndarray  # float32 [T, L, k], gate weights as the model applied them
+    topk_weights: np.ndarray  # float32 [T, L, k], gate weights as the model applied them (NaN: meta.gate_weights False)
     ranking: np.ndarray  # int32 [T, L, M], candidate ranking, ranking[..., :k] == topk_ids
     valid: np.ndarray  # bool [T, L]; invalid cells are skipped by every backend
     seq_id: np.ndarray  # int32 [T]
@@ -112,6 +117,8 @@ def _validate_meta(where: str, meta: TraceMeta, L: int, k: int, M: int) -> None:
                          f"{list(meta.layer_ids)} but the trace has L = {L} layers")
     if not (isinstance(meta.lookahead_depth, int) and meta.lookahead_depth >= 0):
         raise InputError(f"{where}: meta lookahead_depth = {meta.lookahead_depth!r} must be an integer >= 0")
+    if not isinstance(meta.gate_weights, bool):
+        raise InputError(f"{where}: meta gate_weights = {meta.gate_weights!r} must be true or false")
     if meta.weight_norm not in WEIGHT_NORMS:
         raise InputError(f"{where}: meta weight_norm = {meta.weight_norm!r}, expected one of "
                          f"{', '.join(WEIGHT_NORMS)}")
@@ -138,8 +145,11 @@ def validate_trace(trace: Trace, path: str | os.PathLike[str] = "<trace>") -> No
 
     Cells with valid == False are not checked (they may hold -1 / NaN)."""
     where = str(path)
-    _validate_arrays(where, trace.topk_ids, trace.topk_weights, trace.ranking, trace.valid,
+    weighted = getattr(trace.meta, "gate_weights", True)
+    _validate_arrays(where, trace.topk_ids, trace.topk_weights if weighted else None, trace.ranking, trace.valid,
                      trace.seq_id, trace.position, trace.meta.num_experts)
+    if not weighted:
+        _validate_no_weights(where, trace.topk_weights, trace.topk_ids.shape)
     _validate_lookahead(where, trace.lookahead, trace.valid, trace.meta.num_experts,
                         getattr(trace.meta, "lookahead_depth", 0))
     if trace.lookahead is not None and trace.lookahead.dtype != np.int32:
@@ -154,13 +164,24 @@ def validate_trace(trace: Trace, path: str | os.PathLike[str] = "<trace>") -> No
     _validate_meta(where, trace.meta, trace.L, trace.k, trace.M)
 
 
+def _validate_no_weights(where: str, w: np.ndarray, shape: tuple[int, ...]) -> None:
+    """A trace without gate weights (meta.gate_weights False) holds NaN in topk_weights [T, L, k], nothing else."""
+    if tuple(w.shape) != tuple(shape) or w.dtype.kind != "f":
+        raise InputError(f"{where}: topk_weights has dtype {w.dtype} and shape {tuple(w.shape)}, expected floats "
+                         f"{tuple(shape)} (NaN: the trace has no gate weights)")
+    i = _first(~np.isnan(w))
+    if i is not None:
+        raise InputError(f"{where}: topk_weights[{_loc(i)}] = {_fmt(w[tuple(i)])} but meta gate_weights = False "
+                         f"(a trace without gate weights holds NaN there)")
+
+
 def _normalise_invalid(trace: Trace) -> None:
     """Invalid cells get ids 0..k-1 / ranking 0..M-1 in order and weight 0 (in place)."""
     bad = ~trace.valid  # [T, L]
     if bad.any():
         trace.topk_ids[bad] = np.arange(trace.k, dtype=np.int32)
         trace.ranking[bad] = np.arange(trace.M, dtype=np.int32)
-        trace.topk_weights[bad] = 0.0
+        trace.topk_weights[bad] = 0.0 if trace.meta.gate_weights else np.nan
         if trace.lookahead is not None:
             trace.lookahead[bad] = -1
         if trace.router_scores is not None:
@@ -168,6 +189,8 @@ def _normalise_invalid(trace: Trace) -> None:
 
 
 def _warn_order(where: str, trace: Trace) -> None:
+    if not trace.meta.gate_weights:
+        return
     w = trace.topk_weights
     n = int(((w[..., 1:] > w[..., :-1] + 1e-6) & trace.valid[..., None]).any(-1).sum())
     if n:
@@ -190,6 +213,8 @@ def _schema(meta: TraceMeta, k: int, M: int, P: int = 0, scores: bool = False) -
         pa.field("topk_weights", pa.list_(pa.float32(), k), nullable=False),
         pa.field("ranking", pa.list_(pa.int32(), M), nullable=False),
     ]
+    if not meta.gate_weights:  # no gate weights: no column (a reader that predates the flag refuses the file)
+        fields.pop(6)
     if P:
         fields.append(pa.field("lookahead", pa.list_(pa.int32(), P), nullable=False))
     if scores:
@@ -218,6 +243,8 @@ def _to_table(trace: Trace) -> pa.Table:
         fsl(trace.topk_weights, k),
         fsl(trace.ranking, M),
     ]
+    if not trace.meta.gate_weights:
+        cols.pop(6)
     P = 0
     if trace.lookahead is not None:
         P = trace.lookahead.shape[2]
@@ -276,6 +303,8 @@ def _meta_from_json(where: str, raw: bytes | None) -> TraceMeta:
         v = d[f.name]
         if f.name in ("num_experts", "top_k", "ranking_depth", "lookahead_depth"):
             ok = isinstance(v, int) and not isinstance(v, bool)
+        elif f.name == "gate_weights":
+            ok = isinstance(v, bool)
         elif f.name == "layer_ids":
             ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
             v = tuple(v) if ok else v
@@ -338,9 +367,11 @@ def _from_table(where: str, table: pa.Table, num_experts: int | None) -> Trace:
     if num_experts is not None:
         meta = dataclasses.replace(meta, num_experts=int(num_experts))
     names = set(table.column_names)
-    for name in ("token", "layer", "topk_ids", "topk_weights"):
+    for name in ("token", "layer", "topk_ids") + (("topk_weights",) if meta.gate_weights else ()):
         if name not in names:
             raise InputError(f"{where}: required column '{name}' is missing")
+    if not meta.gate_weights and "topk_weights" in names:
+        raise InputError(f"{where}: metadata gate_weights = false but the file has a 'topk_weights' column")
     L, k, M = len(meta.layer_ids), meta.top_k, meta.ranking_depth
     n = table.num_rows
     if L < 1 or k < 1:
@@ -368,7 +399,8 @@ def _from_table(where: str, table: pa.Table, num_experts: int | None) -> Trace:
         return a if order is None else a[order]
 
     ids = rows(_list_values(where, table, "topk_ids", k)).reshape(T, L, k)
-    w = rows(_list_values(where, table, "topk_weights", k)).reshape(T, L, k)
+    w = (rows(_list_values(where, table, "topk_weights", k)).reshape(T, L, k) if meta.gate_weights
+         else np.full((T, L, k), np.nan, np.float32))  # no gate weights: NaN
     if "ranking" in names:
         ranking = rows(_list_values(where, table, "ranking", M)).reshape(T, L, M)
     elif M == k:
@@ -410,7 +442,7 @@ def _build(where: str, ids: np.ndarray, w: np.ndarray, ranking: np.ndarray, vali
     dtypes = (np.int32, np.float32, np.int32, np.bool_, np.int32, np.int32)
     if any(a.dtype != dt for a, dt in zip(arrays, dtypes, strict=True)):
         # check before casting so that e.g. int64 ids beyond the int32 range are reported as they are
-        _validate_arrays(where, *arrays, meta.num_experts)
+        _validate_arrays(where, ids, w if meta.gate_weights else None, *arrays[2:], meta.num_experts)
         if np.iinfo(np.int32).max < max(meta.num_experts, int(seq_id.max()), int(position.max())):
             raise InputError(f"{where}: num_experts = {meta.num_experts}, seq_id or position "
                              f"exceeds the int32 range")

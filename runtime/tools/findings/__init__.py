@@ -1,7 +1,7 @@
 """The paper's findings, reproduced on any MoE checkpoint: one row per finding and cache regime, with a verdict.
 
 `python -m runtime.findings --model DIR ...` (`cli`; `make findings` runs it on the `ref` reference model and
-writes docs/findings.md and .json). The package, by job:
+writes reports/findings/findings.md and .json). The package, by job:
 
 - `rules`: each row's verdict rule as data (`RULES`: the paper's claim quoted with its source, the statistics
   tested, their directions, no-effect values and paper figures) and the one function turning intervals into a

@@ -9,7 +9,7 @@ with a warm start from calibration ids (the recorded model's calibration routing
 `effects` reads the pairs' differences off a curve; `starts_helping` the smallest C/k from which admission lowers
 the mass at every larger C/k tried; `plot` draws the curves and the model's perplexity effects (PNG).
 
-`python scripts/findings.py --admission-only` runs it on the real traces alone (docs/admission.md); a findings
+`python scripts/findings.py --admission-only` runs it on the real traces alone (reports/findings/admission.md); a findings
 run adds the reference model's routing and perplexity to its page. `python -m runtime.tools.findings.admission
 --model demo` (a tiny model's name or a checkpoint folder with eval.txt and calib.txt) prints the same table for
 that model's exact routing of its eval text (e.g. the demo model, where admission costs perplexity at C/k = 2).
@@ -245,7 +245,7 @@ def admission_lines(res: dict[str, Any]) -> list[str]:
            "each routing at each C/k (slots per top-k), with its warm start; churn: admissions per token and layer "
            "as a share of the slots; regret: the share of admissions whose evicted expert the following tokens route "
            "to before the admitted one; unused: the share whose admitted expert is evicted again before any token "
-           f"routes to it (`admission.regret`). The plot: {adm.get('plot', 'docs/img/admission_ck.png')}.", ""]
+           f"routes to it (`admission.regret`). The plot: {adm.get('plot', 'reports/findings/admission_ck.png')}.", ""]
     sources = [x for x in (adm.get("model"), *adm.get("traces", [])) if x]
     for src in sources:
         pts = src["points"]

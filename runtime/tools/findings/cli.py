@@ -49,7 +49,7 @@ from runtime.tools.findings.topic import finding_topic
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # the result's format: 2 = one interval per statistic, the paper's claims as made (issue 35)
+FORMAT = 2  # the result's format: 2 = one interval per statistic, the paper's claims as made
 
 
 def git_commit(repo: Path | None = None) -> dict[str, Any]:

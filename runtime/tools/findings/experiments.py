@@ -521,7 +521,7 @@ def finding_admission(s: Setup, runs: dict[str, PolicyRun]) -> tuple[Row, Row, R
                        {**d, a.name: a.change, b.name: b.change}))
     fc = runs["first-choice"]
     sf_fc = R.paired([stats.to_blocks(x, s.starts) for x in (sf.dnll, fc.dnll, cnt)], (stats.diff_stat,), s.seed)[0]
-    out[0].data["speed_first_minus_first_choice"] = sf_fc  # admission's other pair (reported: docs/findings.md)
+    out[0].data["speed_first_minus_first_choice"] = sf_fc  # admission's other pair (reported: reports/findings/findings.md)
     out[0].data["first-choice"] = fc.change
     return out[0], out[1], out[2]
 

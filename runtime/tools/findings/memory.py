@@ -9,7 +9,7 @@ charges the prefill's double buffer plus L x `copy_buffers` (docs/policies.md "A
 (RunSpec.vram_budget_GiB, the loaded model's shape); row 5-mem charges the same budget rule on the cost model's
 shape (Qwen3-Next's expert size on the trace's L, E, k), whose slots it reports.
 
-COPY_BUFFERS = 1: the pool of the main job's answer (docs/sweep.md: the rtx4090 answer and both named admission
+COPY_BUFFERS = 1: the pool of the main job's answer (reports/pareto_equal_memory_copy_pool.md: the rtx4090 answer and both named admission
 presets measured there carry `buffers=1`), the smallest pool, and the one that costs the fewest slots (one per
 layer); a larger pool waits less but costs a slot per layer per buffer.
 """

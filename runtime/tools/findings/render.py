@@ -119,7 +119,7 @@ def reading(res: dict[str, Any]) -> list[str]:
     cols, sw = res["columns"], res["sweep"]
     pts = sw["points"]
     lines = ["## Reading the table", "",
-             "(Generated with the table from the same run: every figure below is in docs/findings.json.)", ""]
+             "(Generated with the table from the same run: every figure below is in findings.json, beside this page.)", ""]
     found = next((c for c in cols if c["paper_regime"]), None)
     lines.append(f"- **Regime.** Sweeping substitute-all over {pts[0]['slots']}-{pts[-1]['slots']} slots on the "
                  f"recorded routing, its substituted share runs from {pts[0]['substitute_all_share']:.1%} to "
@@ -188,7 +188,7 @@ def to_markdown(res: dict[str, Any], command: str | None = None) -> str:
                 f"{st['exact_perplexity']:.3f}; warm start: {st['initial_residency']}. Intervals: "
                 f"{st['bootstrap_resamples']} bootstrap resamples, seed {st['seed']}.")
     if res.get("format", 1) < 2:
-        head += ["", "**This result was computed by an older version of the findings (before issue 35): its rows "
+        head += ["", "**This result was computed by an older version of the findings (before one interval per statistic): its rows "
                  "follow that version's rules (2a's interval a union of two, row 1 and 2b as tested then), not the "
                  "rules listed in runtime/tools/findings/rules.py now.**"]
     head += ["", f"{PAPER_HEDGE[0].upper()}{PAPER_HEDGE[1:]}. The rows below test what it claimed"

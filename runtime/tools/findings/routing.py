@@ -1,5 +1,5 @@
 """Row 7, the page's own finding: routing toward residents against the 0.15 rule's substitution, at equal device
-memory and equal miss rate (issue 43).
+memory and equal miss rate.
 
 Neither routing family copies in the background, so at the column's device memory each holds the rule's C slots
 (checked with `capacities_for_budget`: `memory.column_budget`). The target is the 0.15 rule's fetched-miss rate

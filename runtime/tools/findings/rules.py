@@ -166,20 +166,20 @@ RULES: dict[str, Rule] = {r.id: r for r in (
                 "the same decisions on the exact model's routing counted once)", 1, point=PAPER_R),)),
     Rule("2b", "Mass hypothesis per input (window)",
          "the mass hypothesis fails per input: \"mass does not predict which inputs lose\" (no figure)",
-         "issue 27 and issue 12 (quoting the paper)",
+         "the paper, as quoted in the project's brief",
          (Claim("Pearson r of mass per token and perplexity change across the windows", -1, null=R_SMALL),),
          per="distinct policy"),
     Rule("3", "Experiment B: few heavy vs many light substitutions at equal mass",
          "\"at equal substituted mass a few heavy substitutions hurt more than many light ones\"",
-         "issue 18 (quoting the paper)",
+         "the paper, as quoted in the project's brief",
          (Claim("heavy band's perplexity change minus the light band's (points)", 1),),
          note="the paper's own decision rule gave no verdict on Experiment B: it reports the direction, not a "
               "test that settles it"),
     Rule("4a", "Admission overall: Quality-First vs the 0.15 rule",
-         "\"background admission lowered perplexity by 0.3-1.5%\"", "issue 27 (quoting the paper)",
+         "\"background admission lowered perplexity by 0.3-1.5%\"", "the paper, as quoted in the project's brief",
          (Claim("Quality-First's perplexity change minus the 0.15 rule's (points)", -1),)),
     Rule("4b", "Admission around topic changes",
-         "\"admission helps most right after topic changes\" (no figure)", "issue 12 (quoting the paper)",
+         "\"admission helps most right after topic changes\" (no figure)", "the paper, as quoted in the project's brief",
          (Claim("Quality-First's perplexity change minus the rule's in the first tokens after a switch (points)", -1),
           Claim("that early gap minus the same gap later in the segment (points)", -1))),
     Rule("5", "Quality-First / Speed-First speed over fetch-every-miss",
@@ -188,15 +188,15 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          (Claim("time per token of fetch-every-miss over the policy's", 1, null=1.0, inside=PAPER_SPEED, unit="x"),),
          per="host preset and policy (Quality-First, Speed-First)"),
     Rule("5q", "F5's perplexity: Quality-First against the 0.15 rule",
-         "Quality-First's perplexity is 0.5-0.8% below the 0.15 rule's", "issue 35 (quoting the paper's F5)",
+         "Quality-First's perplexity is 0.5-0.8% below the 0.15 rule's", "the paper's F5, as quoted in the project's brief",
          (Claim("Quality-First's perplexity change minus the 0.15 rule's (points; the statistic of 4a, against "
                 "F5's range)", -1, inside=PAPER_QF_VS_RULE),)),
     Rule("5s", "F5's perplexity: Speed-First against Quality-First",
          "Speed-First's perplexity shows no significant increase (over Quality-First)",
-         "issue 35 (quoting the paper's F5)",
+         "the paper's F5, as quoted in the project's brief",
          (Claim("Speed-First's perplexity change minus Quality-First's (points)", -1),)),
     Rule("6", "Greedy generation agreement with the exact model",
-         "an agreement test on prompts from each domain (no paper figure)", "issue 12", ()),
+         "an agreement test on prompts from each domain (no paper figure)", "the project's brief", ()),
     Rule("2c", "The page's own check: admission pairs, does the loss follow the mass?",
          "no claim of the paper's: 2a's mass hypothesis applied to each with/without-admission pair (less "
          "substituted mass, less loss)", "this page (from 2a)",
@@ -231,7 +231,7 @@ _rows["7"] = Rule(
     "no claim of the paper's: at the same device memory and the same rate of fetched misses, does re-routing the "
     "selection toward resident experts (Cache-Prior, Skliar et al. arXiv 2412.00099; CACHE_ROUTE, colibri "
     "docs/CACHE_ROUTE.md; docs/policies.md 'Additions (4)') cost less perplexity than the 0.15 rule's substitution?",
-    "this page (issue 43)",
+    "this page",
     (Claim("Cache-Prior's perplexity change minus the 0.15 rule's (points), lambda calibrated to the rule's "
            "fetched-miss rate", -1),
      Claim("CACHE_ROUTE's perplexity change minus the 0.15 rule's (points), its window M calibrated to the rule's "
