@@ -26,7 +26,7 @@ KERNEL = Unit(
     package_dir=_KERNEL,
     modules=tuple(f"runtime.core.kernel.{m}" for m in ("search", "evict", "primitives", "route", "run_layer", "cache",
                                                      "decide", "shared_pool")),
-    sources=(*sorted(_KERNEL.glob("*.py")), _CORE / "policy.py"),
+    sources=(*sorted(_KERNEL.glob("*.py")), _CORE / "policy.py", _CORE / "events.py"),
     exercise="runtime.core.kernel.selfcheck:exercise",
     golden=_KERNEL / "selfcheck.json",
 )
@@ -38,7 +38,7 @@ COSTMODEL = Unit(
     slug="costmodel",
     package_dir=_COSTMODEL,
     modules=("runtime.formats.costmodel.timing",),
-    sources=(_COSTMODEL / "timing.py", _COSTMODEL / "selfcheck.py"),
+    sources=(_COSTMODEL / "timing.py", _COSTMODEL / "selfcheck.py", _CORE / "events.py"),
     exercise="runtime.formats.costmodel.selfcheck:exercise",
     golden=_COSTMODEL / "selfcheck.json",
 )

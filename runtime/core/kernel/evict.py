@@ -124,6 +124,30 @@ def lfu_decay(f, gamma):
 
 
 @njit(cache=True, inline="always")
+def lfu_touch(f):
+    """lfu, a selected expert after the decay: f[e] + 1 (gamma 1: run_layer's hits step adds it at once)."""
+    return f + 1.0
+
+
+@njit(cache=True, inline="always")
+def lru_touch(t):
+    """lru, an expert computed at full precision at token t: its last use, t."""
+    return t
+
+
+@njit(cache=True, inline="always")
+def crf_touch(c):
+    """crf, an expert computed at full precision, after the decay: c[e] + 1."""
+    return c + 1.0
+
+
+@njit(cache=True, inline="always")
+def belady_touch(next_use):
+    """belady, a selected expert: minus its next use."""
+    return -next_use
+
+
+@njit(cache=True, inline="always")
 def crf_decay(c, decay):
     """crf, every expert at the end of a token: 2**(-1/h) * c[e] (then + 1 if computed)."""
     return decay * c

@@ -1,7 +1,7 @@
 """What the policy kernel decides, and the shapes of what it reads and writes: defined once here.
 
 The decision kinds of a top-k slot, the counter list every backend reports, the per token-layer event
-columns the cost model reads (runtime/formats/costmodel/timing.py), the kernel's input (`Tokens`) and
+columns the cost model reads (defined in runtime/core/events.py, re-exported), the kernel's input (`Tokens`) and
 output (`Outputs`) records, and `StepResult`, the plan of one layer over a chunk of tokens that the
 engine applies and the cost model charges.
 """
@@ -12,6 +12,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+from runtime.core.events import (  # noqa: F401 - the event columns, re-exported: defined in runtime/core/events.py
+    EV_ADM_POPPED,
+    EV_ADM_QUEUED,
+    EV_DEV,
+    EV_FETCH,
+    EV_HOST,
+    EV_LOWBIT,
+    EV_PREFETCH,
+    N_EV,
+)
 
 # decision kinds, per token, layer and top-k slot j
 HIT, FETCH, SUB, DROP, HOST, LOWBIT = 0, 1, 2, 3, 4, 5
@@ -28,12 +39,6 @@ COUNTER_NAMES = INT_COUNTERS + FLOAT_COUNTERS
  C_PREF_USED, C_REROUTES, C_ADM_WAITED, C_PREF_UNBUF) = range(len(INT_COUNTERS))
 N_INT = len(INT_COUNTERS)
 M_SUB, M_LOWBIT, M_REROUTE = range(len(FLOAT_COUNTERS))
-# per token-layer event columns (cost model input): full-precision device computes (hits, fetches,
-# substitutes), sync fetches, host computes, admission copies started after / popped before the token
-# (with a bounded copy pool an admission's copy may start tokens after it was queued),
-# low-precision computes, prefetch loads issued for this token-layer
-EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
-N_EV = 7
 
 
 class Tokens(NamedTuple):

@@ -5,10 +5,8 @@ The replay is a numba loop over tokens in stream order and layers in order with 
 host->device link; it returns a `TimeBreakdown` (the formulas are fixed in docs/cost_model.md; keep the two
 in step).
 
-Event columns (shared with runtime/core/kernel/plan.py): EV_DEV=0 device expert computations,
-EV_FETCH=1 synchronous fetches, EV_HOST=2 host computes, EV_ADM_QUEUED=3 admissions queued
-at the end of the token-layer, EV_ADM_POPPED=4 queue entries taken off the layer's admission
-queue right before the token-layer is processed.
+Event columns: runtime/core/events.py, the one definition the kernel writes by (EV_*, N_EV columns; an
+array of N_EV_BASE columns, from before the low-bit and prefetch columns, is read with those as zero).
 """
 
 from __future__ import annotations
@@ -21,6 +19,18 @@ import numpy as np
 from numba import njit
 
 from runtime.core.compiled import ensure
+from runtime.core.events import (  # noqa: F401 - the kernel's event columns, one definition (N_EV_BASE: the oldest arrays)
+    EV_ADM_POPPED,
+    EV_ADM_QUEUED,
+    EV_DEV,
+    EV_FETCH,
+    EV_HOST,
+    EV_LOWBIT,
+    EV_PREFETCH,
+    N_EV,
+    N_EV_BASE,
+    N_EV_FULL,
+)
 from runtime.core.units import COSTMODEL as UNIT
 from runtime.formats.costmodel.hosts import HostProfile
 from runtime.formats.costmodel.shapes import (
@@ -34,9 +44,6 @@ from runtime.formats.costmodel.shapes import (
 log = logging.getLogger(__name__)
 
 
-EV_DEV, EV_FETCH, EV_HOST, EV_ADM_QUEUED, EV_ADM_POPPED, EV_LOWBIT, EV_PREFETCH = range(7)
-N_EV = 5  # columns every event array has; EV_LOWBIT and EV_PREFETCH are read when present (kernel: 7)
-N_EV_FULL = 7
 
 # Device kernel-launch-sized calls charged per layer for the dense part when it is not
 # calibrated (attention/mixer projections + attention, output projection, shared expert,
@@ -257,13 +264,13 @@ def replay_time(events: np.ndarray, valid: np.ndarray, params: CostParams) -> Ti
     ensure(UNIT)  # the compiled replay checked once per process (runtime/core/compiled.py)
     ev = np.asarray(events)
     va = np.asarray(valid)
-    if ev.ndim != 3 or ev.shape[2] not in (N_EV, N_EV_FULL) or not np.issubdtype(ev.dtype, np.integer):
-        raise ValueError(f"events: expected an integer array [T, L, {N_EV} or {N_EV_FULL}], got "
+    if ev.ndim != 3 or ev.shape[2] not in (N_EV_BASE, N_EV) or not np.issubdtype(ev.dtype, np.integer):
+        raise ValueError(f"events: expected an integer array [T, L, {N_EV_BASE} or {N_EV}], got "
                          f"{ev.dtype} {ev.shape}")
     if va.shape != ev.shape[:2]:
         raise ValueError(f"valid: shape {va.shape} does not match events {ev.shape[:2]}")
-    if ev.shape[2] == N_EV:
-        ev = np.concatenate([ev, np.zeros(ev.shape[:2] + (N_EV_FULL - N_EV,), ev.dtype)], axis=2)
+    if ev.shape[2] == N_EV_BASE:
+        ev = np.concatenate([ev, np.zeros(ev.shape[:2] + (N_EV - N_EV_BASE,), ev.dtype)], axis=2)
     ev = np.ascontiguousarray(ev, dtype=np.int32)
     va = np.ascontiguousarray(va, dtype=np.bool_)
     if (ev < 0).any():
