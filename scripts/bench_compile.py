@@ -18,7 +18,6 @@ Writes reports/compile_cost.md and .json (runtime.tools.reports.write_report) un
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -56,7 +55,7 @@ from runtime.core import compiled
 from runtime.core.units import KERNEL
 compiled._checked.add(KERNEL.slug)
 from runtime.core.kernel import PolicyCache, next_use
-from runtime.core.kernel import decide
+from runtime.core.kernel import selfcheck
 from runtime.core.policy import PolicyConfig
 out = {}
 t = time.perf_counter()
@@ -67,7 +66,7 @@ pc = PolicyCache(PolicyConfig(rule="threshold", tau=0.1, beta=0.5), 4, 1, np.arr
 pc.step(0, np.array([[1], [2]]), np.array([[0.9], [0.1]]))
 out["run_layers (both builds)"] = time.perf_counter() - t
 t = time.perf_counter()
-decide.exercise()
+selfcheck.decide_exercise()
 out["decide_layer"] = time.perf_counter() - t
 print(json.dumps(out))
 """
@@ -118,7 +117,10 @@ def body(results: dict[str, dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sys.path.insert(0, str(ROOT))
+    from runtime.core.errors import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkout", action="append", default=[], metavar="NAME=PATH",
                     help="a checkout to measure (repeatable); default: this one, as 'this'")
     ap.add_argument("--loads", type=int, default=3)
@@ -131,7 +133,6 @@ def main() -> None:
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
     if not a.no_report:
-        sys.path.insert(0, str(ROOT))
         from runtime.tools.reports import write_report
 
         print(write_report("compile_cost", "The compiled kernel's cost per process: cold compile, load and check",

@@ -328,7 +328,7 @@ print(f'kernel imported in {time.perf_counter() - t:.1f} s', flush=True)
 warmup()
 print(f'kernel: {kernel_signatures()} after {time.perf_counter() - t:.1f} s', flush=True)
 from runtime.core.kernel import decide
-decide.exercise()
+decide.exercise_tiny()
 print(f'the engine\'s one-call decision (decide.py) compiled or loaded after {time.perf_counter() - t:.1f} s', flush=True)
 from runtime.formats import costmodel as cm
 cm.replay_time(np.zeros((2, 2, 5), np.int32), np.ones((2, 2), bool), cm.CostParams(1.0, 1.0, 1.0, 1.0))

@@ -7,7 +7,7 @@ cached object is code this process did not compile, so before a unit decides any
 0. (at import) numba caches the unit in one folder per content of its sources, wherever they are
    (`unit_dir`, runtime/core/numba_locator.py): checkouts, an installed wheel and the folders Ray unpacks a
    job's working directory into on each node load one compile instead of compiling again;
-   numba is pointed at that locator inside this process only (`use_unit_cache`: nothing in os.environ, so
+   numba is pointed at that locator inside this process only (numba_locator.py `use_unit_cache`: nothing in os.environ, so
    child processes inherit nothing); a user's NUMBA_CACHE_LOCATOR_CLASSES is honoured with one WARNING;
    every folder numba can load a unit's function from is the one its dispatcher's cache names
    (`cache_dirs`), so the guard and the lock below cover exactly those; where one is not writable the unit
@@ -44,11 +44,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.core.errors import CompiledCheckError
+
 log = logging.getLogger(__name__)
-
-
-class CompiledCheckError(RuntimeError):
-    """A freshly compiled unit disagrees with its golden table: the compiler or the sources are wrong."""
 
 
 @dataclass(frozen=True)
@@ -69,35 +67,10 @@ _checked: set[str] = set()  # units checked in this process
 _active: set[str] = set()  # units whose check is running (the fixed case enters the unit's own entry points)
 
 
-LOCATOR_ENV = "NUMBA_CACHE_LOCATOR_CLASSES"  # numba's variable: a user's value replaces numba's list of locators
 LOCK_TIMEOUT_ENV = "EXPERTSWEEP_COMPILE_LOCK_TIMEOUT"  # seconds a process waits for another's compile (>= 0)
 LOCK_TIMEOUT_S = 300.0  # its default: several cold compiles of the kernel (~65-90 s of CPU each) on a busy machine
 LOCK_REPORT_S = 30.0  # while waiting, a WARNING this often
 GOLDEN_COMMAND = "python -m tests.golden"  # writes every unit's golden table from its independent reference
-_warned_locator: list[str] = []  # the user's NUMBA_CACHE_LOCATOR_CLASSES value warned about (once per process)
-
-
-def use_unit_cache() -> None:
-    """Put runtime/core/numba_locator.py's `UnitCacheLocator` first in numba's own list of cache locators, in this
-    process only (numba's `CacheImpl._locator_classes`, the list numba uses when NUMBA_CACHE_LOCATOR_CLASSES is
-    unset; os.environ is left alone, so a child process inherits nothing: one that imports `runtime` does this
-    itself). A user's NUMBA_CACHE_LOCATOR_CLASSES replaces that list in numba: it is honoured, with one WARNING
-    when it leaves our locator out (the content key is then off). Called by runtime/core/units.py before any
-    unit's function is defined."""
-    from numba.core import caching, config
-
-    from runtime.core.numba_locator import UnitCacheLocator
-
-    if UnitCacheLocator not in caching.CacheImpl._locator_classes:
-        caching.CacheImpl._locator_classes = [UnitCacheLocator, *caching.CacheImpl._locator_classes]
-    config.reload_config()  # the variable as it is now (numba read it when it was imported)
-    user = str(config.CACHE_LOCATOR_CLASSES or "")
-    if user and "UnitCacheLocator" not in user and user not in _warned_locator:
-        _warned_locator.append(user)
-        log.warning("%s=%s is set: numba caches the compiled units where those locators say, not in one folder per "
-                    "content of their sources (runtime/core/numba_locator.py), so a copy of the sources at another "
-                    "path compiles again (~85 s of CPU for the policy kernel); unset it to share one compile",
-                    LOCATOR_ENV, user)
 
 
 def cache_root() -> Path:

@@ -25,11 +25,14 @@ class InputError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
+class CompiledCheckError(RuntimeError):
+    """A freshly compiled unit disagrees with its golden table: the compiler or the sources are wrong
+    (raised by runtime/core/compiled.py)."""
+
+
 def cli_main(fn: Callable[[], Any]) -> None:
     """Run `fn()`; on InputError print `expertsweep: error: <msg>` to stderr and exit with status 2; when a
     compiled unit fails its check after a fresh compile (runtime/core/compiled.py) print that line and exit 3."""
-    from runtime.core.compiled import CompiledCheckError
-
     try:
         fn()
     except InputError as e:

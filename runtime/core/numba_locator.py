@@ -7,7 +7,7 @@ temporary folder (each paid a cold compile of the policy kernel, about 85 s of C
 a unit's functions in `compiled.unit_dir(unit)` (NUMBA_CACHE_DIR, else $EXPERTSWEEP_CACHE/numba, else
 ~/.cache/expertsweep/numba; then `<slug>-<first 16 hex of the sources' hash>`) with the file's content as
 numba's source stamp, so identical sources load one compile wherever they are. Functions of any other file are
-left to numba's own locators (listed after this one by `compiled.use_unit_cache`). A unit's function always gets
+left to numba's own locators (listed after this one by `use_unit_cache`). A unit's function always gets
 this locator, even where its folder is not writable: numba's fallback folders (the package's __pycache__, its
 user-wide folder) are never used for a unit, and `compiled.ensure` compiles a unit whose folder is not writable in
 memory. What is loaded is still checked against the unit's golden table once per process (`compiled.ensure`).
@@ -16,9 +16,16 @@ memory. What is loaded is still checked against the unit's golden table once per
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 from numba.core.caching import InTreeCacheLocator
+
+log = logging.getLogger(__name__)
+
+LOCATOR_ENV = "NUMBA_CACHE_LOCATOR_CLASSES"  # numba's variable: a user's value replaces numba's list of locators
+_warned_locator: list[str] = []  # the user's NUMBA_CACHE_LOCATOR_CLASSES value warned about (once per process)
+_units: tuple = ()  # the compiled units (runtime/core/units.py UNITS), given by use_unit_cache
 
 
 class UnitCacheLocator(InTreeCacheLocator):
@@ -39,9 +46,8 @@ class UnitCacheLocator(InTreeCacheLocator):
     @classmethod
     def from_function(cls, py_func, py_file):
         from runtime.core import compiled
-        from runtime.core.units import UNITS
 
-        unit = compiled.unit_of_file(UNITS, py_file)
+        unit = compiled.unit_of_file(_units, py_file)
         if unit is None:
             return None  # not a unit's file: numba's next locator
         self = cls(py_func, py_file, compiled.unit_dir(unit))
@@ -50,3 +56,26 @@ class UnitCacheLocator(InTreeCacheLocator):
         except OSError:
             pass  # not writable: compiled.ensure compiles the unit in memory (numba's own fallbacks go unguarded)
         return self
+
+
+def use_unit_cache(units: tuple) -> None:
+    """Put `UnitCacheLocator` first in numba's own list of cache locators, in this
+    process only (numba's `CacheImpl._locator_classes`, the list numba uses when NUMBA_CACHE_LOCATOR_CLASSES is
+    unset; os.environ is left alone, so a child process inherits nothing: one that imports `runtime` does this
+    itself). A user's NUMBA_CACHE_LOCATOR_CLASSES replaces that list in numba: it is honoured, with one WARNING
+    when it leaves our locator out (the content key is then off). Called by runtime/core/units.py before any
+    unit's function is defined, with the units (`UNITS`) whose files it caches."""
+    global _units
+    from numba.core import caching, config
+
+    _units = tuple(units)
+    if UnitCacheLocator not in caching.CacheImpl._locator_classes:
+        caching.CacheImpl._locator_classes = [UnitCacheLocator, *caching.CacheImpl._locator_classes]
+    config.reload_config()  # the variable as it is now (numba read it when it was imported)
+    user = str(config.CACHE_LOCATOR_CLASSES or "")
+    if user and "UnitCacheLocator" not in user and user not in _warned_locator:
+        _warned_locator.append(user)
+        log.warning("%s=%s is set: numba caches the compiled units where those locators say, not in one folder per "
+                    "content of their sources (runtime/core/numba_locator.py), so a copy of the sources at another "
+                    "path compiles again (~85 s of CPU for the policy kernel); unset it to share one compile",
+                    LOCATOR_ENV, user)

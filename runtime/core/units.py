@@ -2,7 +2,7 @@
 
 numba asks `UnitCacheLocator` (runtime/core/numba_locator.py) where to cache each function as the function is
 defined, before the unit's own modules have finished importing; so the units live here, and importing this
-module points numba at that locator in this process (`compiled.use_unit_cache`: it imports numba). Each package
+module points numba at that locator in this process (`numba_locator.use_unit_cache`: it imports numba). Each package
 with a unit imports this module first: runtime/core/kernel/__init__.py and runtime/formats/costmodel/__init__.py.
 A unit's sources are the files whose code numba compiles into it (runtime/core/compiled.py is not one: the
 post-load check it runs covers whatever it loads, so a change to it compiles nothing again).
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.core.compiled import Unit, use_unit_cache
+from runtime.core.compiled import Unit
+from runtime.core.numba_locator import use_unit_cache
 
 _CORE = Path(__file__).resolve().parent
 _KERNEL = _CORE / "kernel"
@@ -45,4 +46,4 @@ COSTMODEL = Unit(
 
 UNITS = (KERNEL, COSTMODEL)
 
-use_unit_cache()
+use_unit_cache(UNITS)

@@ -354,19 +354,19 @@ def exercise_tiny() -> dict:
     return res
 
 
-def exercise_case(fields: dict, c: dict) -> dict:
+def exercise_case(fields: dict, c: dict, capacities: tuple, initial: tuple, counter_keys: tuple) -> dict:
     """One policy of DECIDE_CASES through `decide_layer` as the engine calls it, over selfcheck.py's fixed trace
     (every cell decided; the selection in `model_order`, the router logits as scores, bfloat16 rounding), with
     one non-finite row at BAD_AT -> per call (token-major, layers in order): the return, the kinds, the served
     experts, the plan row's weight and on-device columns, and the expert its slot column names (-1 off device);
-    the counters per layer and the final residency."""
-    from runtime.core.kernel import selfcheck as sc
+    the counters per layer and the final residency. `capacities`, `initial` (per-layer residency) and
+    `counter_keys` are selfcheck.py's (which calls this: decide.py does not import it)."""
     from runtime.core.kernel.cache import PolicyCache
     from runtime.core.policy import PolicyConfig
 
     pol = PolicyConfig(**fields)
-    T, L, E, k = sc.T, sc.L, sc.E, sc.K
-    pc = PolicyCache(pol, E, k, np.array(sc.CAPS), [np.array(r, np.int32) for r in sc.INIT])
+    T, L, k, E = len(c["ids"]), len(c["ids"][0]), len(c["ids"][0][0]), len(c["logits"][0][0])
+    pc = PolicyCache(pol, E, k, np.array(capacities), [np.array(r, np.int32) for r in initial])
     b = decide_buffers(L, k, E, "bfloat16", cap=T + 1)
     outs = [b.out] + [decide_buffers(1, k, E, "bfloat16", cap=1).out for _ in range(L - 1)]
     packed = [np.zeros((1, 2 * k + E + 1), np.float32) for _ in range(L)]  # [1, 2k + E + 1] per layer
@@ -395,16 +395,7 @@ def exercise_case(fields: dict, c: dict) -> dict:
             res["weights"].append([float(v) for v in plan[1]])
             res["on_device"].append([int(v) for v in on])
             res["slot_holds"].append([int(pc.slot_expert[l_, int(plan[0, j])]) if on[j] else -1 for j in range(k)])
-    res["counters"] = [{key: row[key] for key in sc.COUNTER_KEYS} for row in pc.per_layer()]
+    res["counters"] = [{key: row[key] for key in counter_keys} for row in pc.per_layer()]
     res["resident"] = [pc.resident(l_).tolist() for l_ in range(L)]
     return res
 
-
-def exercise() -> dict:
-    """The engine's call on its fixed cases, as plain ints and floats: {"tiny": `exercise_tiny()`, and per policy
-    of DECIDE_CASES `exercise_case`}; the post-load check (selfcheck.py) compares them with tests/golden.py's
-    reading of the reference's decisions."""
-    from runtime.core.kernel import selfcheck as sc
-
-    c = sc.case()
-    return {"tiny": exercise_tiny(), **{name: exercise_case(fields, c) for name, fields in DECIDE_CASES.items()}}

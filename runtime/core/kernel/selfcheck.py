@@ -192,14 +192,24 @@ COUNTER_KEYS = ("calls", "hits", "fetches", "substitutions", "drops", "host_comp
 def exercise() -> dict:
     """Every case of CASES through the compiled kernel: {name: {"counters", "resident", "kind" and "served" but
     for step_layers' cases}} as plain ints and floats."""
-    from runtime.core.kernel import decide
-
     c = case()
     out = {name: _run(name, fields, mode, c) for name, (fields, mode) in CASES.items()}
-    out["decide"] = decide.exercise()
+    out["decide"] = decide_exercise(c)
     out["next_use"] = _next_uses(c)
     out["shared_pool"] = {mode: _pool(mode, c) for mode in ("step", "layers")}
     return out
+
+
+def decide_exercise(c: dict | None = None) -> dict:
+    """The engine's call (decide.py `decide_layer`) on its fixed cases, as plain ints and floats: {"tiny":
+    `decide.exercise_tiny()`, and per policy of decide.DECIDE_CASES `decide.exercise_case` over this module's
+    trace}; compared with tests/golden.py's reading of the reference's decisions."""
+    from runtime.core.kernel import decide
+
+    c = case() if c is None else c
+    return {"tiny": decide.exercise_tiny(),
+            **{name: decide.exercise_case(fields, c, CAPS, INIT, COUNTER_KEYS)
+               for name, fields in decide.DECIDE_CASES.items()}}
 
 
 def _pool(mode: str, c: dict) -> dict:
