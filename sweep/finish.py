@@ -13,6 +13,7 @@ from typing import Any
 
 from runtime.core.errors import atomic_write
 from sweep import hosts, report, tracking
+from sweep.answer import answer_text
 
 
 def write_answer(cfg, inputs, out: Path, uri: str, parent: str, gpus: dict[str, str], notes: list[str],  # noqa: ANN001
@@ -135,7 +136,7 @@ def model_shape(cfg, inputs):  # noqa: ANN001, ANN201 - SweepConfig, data.Inputs
     return costmodel.shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
 
 
-def llamacpp_metrics(llama) -> dict[str, float]:  # noqa: ANN001 - report.llamacpp_baselines' DataFrame
+def llamacpp_metrics(llama) -> dict[str, float]:  # noqa: ANN001 - answer.llamacpp_baselines' DataFrame
     """MLflow parent metrics of llama.cpp's two baselines: per host and baseline, ms/token, the speed ratio over
     fetch-every-miss and the device memory (none for a baseline the sweep did not run)."""
     out = {}
@@ -188,6 +189,6 @@ def print_results(rep: dict[str, Any], host_names: list[str], gpus: dict[str, st
     print(f"outputs: {out}\n")
     if not rep["answer"].empty:
         print("The answer: per host and perplexity budget, the fastest policy within it (upper 95% bound)\n")
-        print(report.answer_text(rep["answer"], flags_below=True))
+        print(answer_text(rep["answer"], flags_below=True))
     else:
         print("No perplexity was measured (emulation off or no model): no answer, screening fronts only.")

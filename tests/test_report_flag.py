@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from sweep.report import BETTER_THAN_EXACT, answer, answer_text, better_than_exact
+from sweep.answer import BETTER_THAN_EXACT, answer, answer_text, better_than_exact
 
 
 def _row(key: str, ms: float, change: float, lo: float, hi: float, baseline: str | None = None) -> dict:

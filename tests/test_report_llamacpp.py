@@ -1,4 +1,4 @@
-"""The answer against llama.cpp (sweep.report): `x llama.cpp` is the answer policy's speed ratio over the faster of
+"""The answer against llama.cpp (sweep.answer): `x llama.cpp` is the answer policy's speed ratio over the faster of
 llama.cpp's two baselines (its LRU expert cache, its -ncmoe split) at the same device memory on that host, `-` where
 either is missing; `llama.cpp flags` is the policy in llama.cpp's flags, or what llama.cpp lacks to run it; the
 summary names the baselines ("llama.cpp LRU cache", "llama.cpp -ncmoe N") and the MLflow metrics carry them."""
@@ -12,15 +12,9 @@ import pytest
 
 from runtime.core.policy import PRESETS
 from runtime.formats import costmodel
+from sweep.answer import answer, answer_text, llamacpp_baselines, llamacpp_text
 from sweep.finish import answer_metrics, llamacpp_metrics, log_llamacpp_metrics
-from sweep.report import (
-    answer,
-    answer_text,
-    llamacpp_baselines,
-    llamacpp_text,
-    policy_key,
-    write_report,
-)
+from sweep.report import policy_key, write_report
 from sweep.space import PARAMETERS, complete
 
 GIB = 2.0
