@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.tiny_hf import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~35 s: make test runs it; make check keeps the in-process engine == emulation (test_contract)
 def test_engine_equals_emulation_in_separate_processes(tmp_path, text):
     model = build_tiny("qwen3_moe", tmp_path / "m")
     out = tmp_path / "exact.json"
