@@ -418,7 +418,8 @@ def fit_to_trace(cfg: SweepConfig) -> SweepConfig:
     """A sweep of a trace file: the space without what the trace cannot replay, said in one logged line.
     Without gate weights (imported routing ids, docs/traces.md): the values and parameters with which every
     policy reads gate weights (`sweep.space.without_gate_weights`) and the named baselines that read them.
-    Without a lookahead column (an import, or a recording without `--lookahead`): `prefetch: lookahead`.
+    Without a lookahead column (an import, or a recording without `--lookahead`): `prefetch: lookahead`; without
+    a router_scores column (a recording without `--router-scores`): `route: cache-prior` and its baselines.
     Unchanged for a complete trace, a synthetic one or a model's (recorded with what the space needs)."""
     if not isinstance(cfg.trace, str):
         return cfg
@@ -435,6 +436,20 @@ def fit_to_trace(cfg: SweepConfig) -> SweepConfig:
         if not baselines:
             raise InputError(f"{cfg.source}: baselines {list(cfg.baseline_policies)}: every one reads gate weights, "
                              f"which the trace {cfg.trace} lacks (name fetch-every-miss or host-compute)")
+    if trace.router_scores is None:  # Cache-Prior replays every expert's router score
+        route = spec.get("route")
+        replays_scores = [n for n in baselines if PRESETS[n].route == "cache-prior"]
+        searches_it = isinstance(route, dict) and "cache-prior" in route.get("choices", ())
+        if searches_it:
+            kept = [v for v in route["choices"] if v != "cache-prior"]
+            if not kept:
+                raise InputError(f"{where}): route = {route!r}: the trace has no router_scores column (record it "
+                                 f"with --router-scores, or choose another route)")
+            spec = {**spec, "route": {**route, "choices": kept}}
+            notes = [*notes, "route cache-prior (no router_scores column)"]
+        if replays_scores or searches_it:
+            baselines = tuple(n for n in baselines if n not in replays_scores)
+            lacks.append("no router_scores column")
     prefetch = spec.get("prefetch")
     if trace.lookahead is None and isinstance(prefetch, dict) and "lookahead" in prefetch.get("choices", ()):
         kept = [v for v in prefetch["choices"] if v != "lookahead"]

@@ -513,18 +513,31 @@ def test_a_sweep_on_a_weightless_trace_leaves_the_weight_reading_dimensions_out(
     by_fraction = {k: v for k, v in space.items() if k != "vram_budget_GiB"} | {"capacity_fraction": 0.25}
     frac = sweep_config.from_dict({**base, "space": by_fraction, "trace": str(tmp_path / "ids.parquet")}, "demo.yaml")
     assert "tau" not in sweep_config.fit_to_budget(frac, None).space.names and "tau" in frac.space.names
+    # a synthetic trace has no router_scores column: the space without Cache-Prior routing for the weighted cases
+    no_route = {**base, "space": {k: v for k, v in space.items() if not k.startswith("route")}}
     save_trace(synthetic_trace(20, 2, E, K, seed=0, lookahead_depth=K), tmp_path / "w.parquet")
-    weighted = sweep_config.from_dict({**base, "trace": str(tmp_path / "w.parquet")}, "demo.yaml")
+    weighted = sweep_config.from_dict({**no_route, "trace": str(tmp_path / "w.parquet")}, "demo.yaml")
     assert sweep_config.fit_to_trace(weighted) is weighted
     # a weighted trace recorded without --lookahead: only prefetch lookahead is left out, said in one line
     save_trace(synthetic_trace(20, 2, E, K, seed=0), tmp_path / "nolook.parquet")
-    no_look = sweep_config.from_dict({**base, "trace": str(tmp_path / "nolook.parquet")}, "demo.yaml")
+    no_look = sweep_config.from_dict({**no_route, "trace": str(tmp_path / "nolook.parquet")}, "demo.yaml")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sweep.config"):
         fit = sweep_config.fit_to_trace(no_look)
     lines = [r.getMessage() for r in caplog.records if r.name == "sweep.config"]
     assert len(lines) == 1 and lines[0].endswith("left out of the search: prefetch lookahead (no lookahead column)")
     assert fit.space["prefetch"].values() == ("off", "oracle") and fit.space["tau"] == no_look.space["tau"]
+    # and without --router-scores: route cache-prior and the baselines that replay it go too, in the same line
+    scores = sweep_config.from_dict({**base, "trace": str(tmp_path / "nolook.parquet"),
+                                     "baselines": {"policies": ["fetch-every-miss", "cache-prior"]}}, "demo.yaml")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sweep.config"):
+        fit = sweep_config.fit_to_trace(scores)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sweep.config"]
+    assert len(lines) == 1 and "has no router_scores column and no lookahead column)" in lines[0], lines
+    assert lines[0].endswith("route cache-prior (no router_scores column), prefetch lookahead (no lookahead column)"
+                             "; baselines cache-prior"), lines[0]
+    assert "cache-prior" not in fit.space["route"].values() and fit.baseline_policies == ("fetch-every-miss",)
     none = sweep_config.from_dict(base, "demo.yaml")
     assert sweep_config.fit_to_trace(none) is none
 
