@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.core.errors import InputError, check_output_path
+from runtime.core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -429,12 +429,9 @@ def record_gguf(model_path: str | os.PathLike, text_path: str | os.PathLike, out
                 settings: LlamaSettings = LlamaSettings()) -> Path:
     """`record_trace` for a GGUF: llama.cpp's routing over a text into `out_path` (.parquet or .arrow)."""
     from runtime.backends.hfmodel import to_windows
-    from runtime.formats.trace import Trace, TraceMeta, save_trace
+    from runtime.formats.trace import Trace, TraceMeta, save_trace, trace_output_path
 
-    out = Path(out_path)
-    if out.suffix not in (".parquet", ".arrow"):
-        raise InputError(f"--out {out}: use a .parquet or .arrow file name")
-    check_output_path(out, "--out")
+    out = trace_output_path(out_path)
     bindings()
     info = read_info(model_path)
     M = info.num_experts if depth is None else depth

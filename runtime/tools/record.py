@@ -27,9 +27,9 @@ from runtime.backends.hfmodel import (
     record_routing,
     tokenize_file,
 )
-from runtime.core.errors import ArgumentParser, InputError, check_output_path
+from runtime.core.errors import ArgumentParser, InputError
 from runtime.core.spec import add_run_flags
-from runtime.formats.trace import add_routing_flags, import_main, save_trace
+from runtime.formats.trace import add_routing_flags, import_main, save_trace, trace_output_path
 from runtime.tools import llamacpp
 
 
@@ -46,10 +46,7 @@ def record_trace(model_dir: str | os.PathLike, text_path: str | os.PathLike, out
                                "--batch-windows": (batch_windows, 8)})
         return llamacpp.record_gguf(model_dir, text_path, out_path, max_tokens, depth, window, progress,
                                     router_scores)
-    out = Path(out_path)
-    if out.suffix not in (".parquet", ".arrow"):
-        raise InputError(f"--out {out}: use a .parquet or .arrow file name")
-    check_output_path(out, "--out")
+    out = trace_output_path(out_path)
     m = load(model_dir, dtype, max_memory, device=device)  # above max_memory: streamed, each layer read once
     M = m.E if depth is None else depth
     if not (m.k <= M <= m.E):

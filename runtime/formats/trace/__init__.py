@@ -26,6 +26,7 @@ from runtime.formats.trace.formats import (
     calibration_split,
     load_trace,
     save_trace,
+    trace_output_path,
     validate_trace,
 )
 from runtime.formats.trace.imports import (
@@ -42,5 +43,5 @@ from runtime.formats.trace.synthetic import calibration_twin, synthetic_pair, sy
 __all__ = [
     "FORMAT_VERSION", "META_KEY", "ROUTING_FORMATS", "SUFFIXES", "WEIGHT_NORMS", "Trace", "TraceMeta",
     "add_routing_flags", "calibration_split", "calibration_twin", "import_main", "import_routing", "load_trace",
-    "save_trace", "synthetic_pair", "synthetic_trace", "validate_trace",
+    "save_trace", "synthetic_pair", "synthetic_trace", "trace_output_path", "validate_trace",
 ]

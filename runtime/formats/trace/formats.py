@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runtime.core.errors import InputError, atomic_write
+from runtime.core.errors import InputError, atomic_write, check_output_path
 from runtime.formats.trace.checks import _first, _fmt, _loc, _validate_arrays, _validate_lookahead
 
 logger = logging.getLogger(__name__)
@@ -252,6 +252,16 @@ def _to_table(trace: Trace) -> pa.Table:
     if trace.router_scores is not None:
         cols.append(fsl(trace.router_scores, trace.E))
     return pa.Table.from_arrays(cols, schema=_schema(trace.meta, k, M, P, trace.router_scores is not None))
+
+
+def trace_output_path(path: str | os.PathLike[str], flag: str = "--out") -> Path:
+    """A command's trace output, checked before any work: a .parquet or .arrow name (what `save_trace` writes) that
+    `check_output_path` accepts; else a one-line InputError naming `flag`."""
+    out = Path(path)
+    if out.suffix not in (".parquet", ".arrow"):
+        raise InputError(f"{flag} {out}: use a .parquet or .arrow file name")
+    check_output_path(out, flag)
+    return out
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:

@@ -32,9 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.core.errors import InputError, check_output_path
+from runtime.core.errors import InputError
 from runtime.formats.trace.checks import _check_ids, _first
-from runtime.formats.trace.formats import Trace, TraceMeta, _build, _positions, save_trace
+from runtime.formats.trace.formats import (
+    Trace,
+    TraceMeta,
+    _build,
+    _positions,
+    save_trace,
+    trace_output_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -447,10 +454,7 @@ def import_main(a: argparse.Namespace, recording_flags: dict[str, object]) -> bo
     for flag, v in (("--routing-format", a.routing_format), ("--experts", a.experts)):
         if v is None:
             raise InputError(f"--routing {a.routing}: {flag} is required")
-    out = Path(a.out)
-    if out.suffix not in (".parquet", ".arrow"):
-        raise InputError(f"--out {out}: use a .parquet or .arrow file name")
-    check_output_path(out, "--out")
+    out = trace_output_path(a.out)
     save_trace(import_routing(a.routing, a.routing_format, a.experts, a.top_k), out)
     print(out)
     return True
