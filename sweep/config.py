@@ -414,19 +414,20 @@ def resolve_vram_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
                    baseline_capacity_fraction=None)
 
 
-def fit_to_trace(cfg: SweepConfig) -> SweepConfig:
+def fit_to_trace(cfg: SweepConfig, trace: Any = None) -> SweepConfig:
     """A sweep of a trace file: the space without what the trace cannot replay, said in one logged line.
     Without gate weights (imported routing ids, docs/traces.md): the values and parameters with which every
     policy reads gate weights (`sweep.space.without_gate_weights`) and the named baselines that read them.
     Without a lookahead column (an import, or a recording without `--lookahead`): `prefetch: lookahead`; without
     a router_scores column (a recording without `--router-scores`): `route: cache-prior` and its baselines.
-    Unchanged for a complete trace, a synthetic one or a model's (recorded with what the space needs)."""
+    Unchanged for a complete trace, a synthetic one or a model's (recorded with what the space needs). `trace`:
+    the config's trace already loaded (the driver has it), else it is read here."""
     if not isinstance(cfg.trace, str):
         return cfg
     from runtime.core.policy import gate_weight_readers
     from runtime.formats.trace import load_trace
 
-    trace = load_trace(cfg.trace)
+    trace = load_trace(cfg.trace) if trace is None else trace
     spec, notes, baselines, lacks = cfg.space_spec, [], cfg.baseline_policies, []
     where = f"{cfg.source}: space (trace {Path(cfg.trace).name}"
     if not trace.meta.gate_weights:
@@ -468,16 +469,16 @@ def fit_to_trace(cfg: SweepConfig) -> SweepConfig:
     return replace(cfg, space=parse_space(spec, where), space_spec=spec, baseline_policies=baselines)
 
 
-def fit_to_budget(cfg: SweepConfig, shape: Any) -> SweepConfig:
+def fit_to_budget(cfg: SweepConfig, shape: Any, trace: Any = None) -> SweepConfig:
     """A space at one fixed `vram_budget_GiB` (given, or `auto` once resolved): the categorical values
     with which no policy fits the budget on `shape` (fewer than k slots whatever the other parameters,
     e.g. the low-bit copies of every expert) are removed from the space (`sweep.space.feasible_spec`),
     each named in `budget_notes`; unchanged for any other capacity. A trial that still does not fit
-    (a range's upper end) is recorded `infeasible`. First `fit_to_trace`: a trace without gate weights leaves
-    out what reads them."""
+    (a range's upper end) is recorded `infeasible`. First `fit_to_trace` (given `trace`, the config's trace
+    loaded): what a trace file cannot replay is left out."""
     from runtime.formats import costmodel
 
-    cfg = fit_to_trace(cfg)
+    cfg = fit_to_trace(cfg, trace)
     p = cfg.space[cfg.space.capacity_field]
     if p.name != "vram_budget_GiB" or p.kind != "fixed" or cfg.vram_budget_auto:
         return cfg

@@ -432,13 +432,16 @@ def _check_inputs(cfg: sweep_config.SweepConfig, inputs: data.Inputs) -> sweep_c
     if cfg.model_shape is None and inputs.model_dir and not all(hosts.simulated(h) for h in cfg.hosts):
         # a calibrated profile is measured at the model's own shape: simulate every host with it
         cfg = dataclasses.replace(cfg, model_shape=inputs.model_config)
-    shape = costmodel.shape_for_trace(load_trace(inputs.trace), cfg.model_shape)
+    trace = load_trace(inputs.trace)
+    shape = costmodel.shape_for_trace(trace, cfg.model_shape)
     if cfg.vram_budget_auto:  # equal device memory: fetch-every-miss's at 25% residency, for every policy
         cfg = sweep_config.resolve_vram_budget(cfg, shape)
         log.info("equal device memory: vram_budget_GiB = %g for every policy", cfg.space_spec["vram_budget_GiB"])
     else:
         data.check_capacity(cfg, inputs.dims, costmodel.expert_bytes(shape))
-    return sweep_config.fit_to_budget(cfg, shape)  # at one budget: values no policy with which fits, left out
+    # the config's own trace file, read once: what it cannot replay, then at one budget
+    given = trace if isinstance(cfg.trace, str) and Path(cfg.trace).resolve() == Path(inputs.trace).resolve() else None
+    return sweep_config.fit_to_budget(cfg, shape, given)  # at one budget: values no policy with which fits, left out
 
 
 def _record_where_the_model_is(placement: dict[str, Any]):  # noqa: ANN202 - data.prepare's `record`
