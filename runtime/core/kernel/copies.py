@@ -1,9 +1,8 @@
 """The policy kernel's background copies: admissions (steps 0 and 6 of docs/policies.md) and the prefetch of
 the predicted list (step 0b, "Additions (3)"), each a stage of run_layer (run_layer.py's map).
 
-Every stage is `inline="always"` (numba inlines it into run_layer as its own code: a called stage taking the
-state arrays paid atomic reference counts, the presets 17-30% slower, docs/simulator.md) and takes the arrays
-it uses by name, or slots.py's `SlotTable` where it claims (slots.py's docstring says why no larger record);
+Every stage is `inline="always"` (numba inlines it into run_layer as its own code) and takes the arrays it
+uses by name (run_layer's borrowed views: no reference counts), or slots.py's `SlotTable` where it claims;
 `setup` is run_layer.py's `Setup`. The arrays are LayerState's, Tokens' and Outputs' fields and run_layer's
 work arrays (run_layer.py `Scratch`) of the same names. The admission ring (q_exp / q_due, ring_capacity entries) holds, from q_head,
 `n_started` entries whose copies started (due at q_due) then the waiting ones (q_due: the token they were
@@ -51,7 +50,7 @@ def prefetch_cut(setup, pred, expert_slot, counters, i, free_buffers):
 
 
 @njit(cache=True, inline="always")
-def admit_due(setup, table, q_exp, q_due, queued, ev, adm_log, n_logs, candidates, counters, batch_slots,
+def admit_due(setup, table, q_exp, q_due, queued, event_counts, adm_log, n_logs, candidates, counters, batch_slots,
               token_slots, i, t, q_head, q_len, n_started, stamp, n_cand):
     """Step 0: the admissions due before token t, batch by batch (a batch = same due token: copies started at
     one token, pinned against each other), taken from the ring's started entries. Returns (q_head, q_len,
@@ -70,7 +69,7 @@ def admit_due(setup, table, q_exp, q_due, queued, ev, adm_log, n_logs, candidate
             q_len -= 1
             n_started -= 1
             queued[e] = False
-            ev[i, EV_ADM_POPPED] += 1
+            event_counts[i, EV_ADM_POPPED] += 1
             if expert_slot[e] >= 0:
                 counters[C_ADM_SKIPPED] += 1
                 continue
@@ -98,7 +97,7 @@ def admit_due(setup, table, q_exp, q_due, queued, ev, adm_log, n_logs, candidate
 
 
 @njit(cache=True, inline="always")
-def prefetch_list(setup, table, pred, ids, ev, pf_log, n_logs, token_slots, candidates, prefetched, counters, i, t,
+def prefetch_list(setup, table, pred, ids, event_counts, pf_log, n_logs, token_slots, candidates, prefetched, counters, i, t,
                   stamp, n_cand, n_token_slots, limit):
     """Step 0b: load token i's predicted list (pred [T, P]), its first `limit` members (no f, a or lru change),
     protecting the slots admitted at this token and the members of the list. Returns (stamp, n_cand)."""
@@ -141,7 +140,7 @@ def prefetch_list(setup, table, pred, ids, ev, pf_log, n_logs, token_slots, cand
             if expert_slot[e] >= 0:
                 rekey_slot(setup, slot_expert, skey, key, expert_slot[e])
     counters[C_PREF] += n_loaded
-    ev[i, EV_PREFETCH] += n_loaded
+    event_counts[i, EV_PREFETCH] += n_loaded
     for p in range(n_loaded):
         for j in range(setup.top_k):
             if ids[i, j] == prefetched[p]:
@@ -177,7 +176,7 @@ def queue_admissions(setup, acc, queued, expert_slot, q_exp, q_due, candidates, 
 
 
 @njit(cache=True, inline="always")
-def start_copies(setup, q_exp, q_due, expert_slot, queued, counters, ev, q_log, n_logs, i, t, q_head, q_len,
+def start_copies(setup, q_exp, q_due, expert_slot, queued, counters, event_counts, q_log, n_logs, i, t, q_head, q_len,
                  n_started):
     """Step 6, after the queueing: the ring's waiting entries start their copies in queue order while the layer
     has a free copy buffer (unbounded: all), each due `delay` tokens later; a waiting expert that became
@@ -205,5 +204,5 @@ def start_copies(setup, q_exp, q_due, expert_slot, queued, counters, ev, q_log, 
         n_started += 1
         n_new += 1
         _log(q_log, n_logs, 1, t, e, -1)
-    ev[i, EV_ADM_QUEUED] += n_new
+    event_counts[i, EV_ADM_QUEUED] += n_new
     return q_head, q_len, n_started

@@ -2,12 +2,11 @@
 (run_layer.py's map): `route_token` (0c, cache-aware routing), `hits` (1), `miss_rule` (2-3 and the fallbacks
 other than substitute), `substitutes` (4), `touch_token` (5: the eviction kind's touch, evict.py).
 
-Every stage is `inline="always"` (numba inlines it into run_layer as its own code: a called stage taking the
-state arrays paid atomic reference counts, the presets 17-30% slower, docs/simulator.md) and takes the arrays
-it uses by name, or slots.py's `SlotTable` where it claims (slots.py's docstring says why no larger record);
+Every stage is `inline="always"` (numba inlines it into run_layer as its own code) and takes the arrays it
+uses by name (run_layer's borrowed views: no reference counts), or slots.py's `SlotTable` where it claims;
 `setup` is run_layer.py's `Setup`. The arrays are LayerState's, Tokens' and Outputs' fields and run_layer's
 work arrays (run_layer.py `Scratch`) of the same names; i the token's input row, oi its output row (i, or the
-one scratch row). Shapes: ids, w, nxt [T, k]; rank [T, M]; score [T, E] (or [0, 0]); kind, served, slot
+one scratch row). Shapes: ids, weights, next_use [T, k]; rank [T, M]; score [T, E] (or [0, 0]); kind, served, slot
 [T or 1, k]; the per-token work arrays [k].
 """
 
@@ -50,12 +49,12 @@ from runtime.core.kernel.slots import claim
 
 
 @njit(cache=True, inline="always")
-def route_token(setup, ids, w, score, rank, expert_slot, acc, route_d, mass, routed, routed_weights, candidates,
+def route_token(setup, ids, weights, score, rank, expert_slot, acc, route_d, mass, routed, routed_weights, candidates,
                 counters, i, n_cand):
     """Step 0c (docs/policies.md, Additions (4)): cache-aware routing on the residency left by steps 0-0b.
     Cache-Prior updates D (the running mean of the valid tokens' logit ranges, this one included) and selects
     by the biased logits; CACHE_ROUTE by the true ranking's window. A routed set that is the model's keeps the
-    model's order and weights; otherwise ids[i] and w[i] are rewritten (the caller's copies), the replacements
+    model's order and weights; otherwise ids[i] and weights[i] are rewritten (the caller's copies), the replacements
     counted as reroutes (resident by construction: never a hit) and the displaced experts' weights as the
     rerouted mass, each joining its accumulator as an admission candidate. Returns (n_cand, n_rerouted)."""
     k = setup.top_k
@@ -74,28 +73,28 @@ def route_token(setup, ids, w, score, rank, expert_slot, acc, route_d, mass, rou
         _prior_select(z, selection, k, setup.route_keep, setup.route_lambda * (route_d[0] / route_d[1]), expert_slot,
                       routed)
     else:
-        z = score[i] if setup.score_mode else w[i]  # (unused by cache-route's weights)
+        z = score[i] if setup.score_mode else weights[i]  # (unused by cache-route's weights)
         rank_row = rank[i]  # [M]
         _window_select(rank_row, k, setup.route_keep, setup.route_window, expert_slot, routed)
     if _same_set(selection, routed, k):
         return n_cand, 0
-    weights = w[i]  # [k]
-    _routed_weights(setup.route_family, z, setup.route_norm, selection, weights, routed, k, setup.route_alpha,
+    token_weights = weights[i]  # [k]
+    _routed_weights(setup.route_family, z, setup.route_norm, selection, token_weights, routed, k, setup.route_alpha,
                     routed_weights)
     n_rerouted = 0
     moved = 0.0
     for j in range(k):  # the displaced experts, in rank order
         if _index(routed, k, selection[j]) < 0:
             n_rerouted += 1
-            moved += w[i, j]
-            acc[selection[j]] += w[i, j]  # (as `candidate` does for a miss not fetched)
+            moved += weights[i, j]
+            acc[selection[j]] += weights[i, j]  # (as `candidate` does for a miss not fetched)
             candidates[n_cand] = selection[j]
             n_cand += 1
     counters[C_REROUTES] += n_rerouted
     mass[M_REROUTE] += moved
     for q in range(k):
         ids[i, q] = routed[q]
-        w[i, q] = routed_weights[q]
+        weights[i, q] = routed_weights[q]
     return n_cand, n_rerouted
 
 
@@ -163,7 +162,7 @@ def candidate(acc, candidates, e, weight, n_cand):
 
 
 @njit(cache=True, inline="always")
-def miss_rule(setup, table, ids, w, kind, served, slot, misses, pinned_slots, pinned_keys, substituted, candidates,
+def miss_rule(setup, table, ids, weights, kind, served, slot, misses, pinned_slots, pinned_keys, substituted, candidates,
               i, oi, n_miss, n_pinned, n_cand, stamp):
     """Steps 2-3 and the fallbacks other than substitute: each miss's decision, the fetches in rank order
     through claim. Returns (n_fetch, n_host, n_lowbit, n_drop, n_need, dropped_mass, lowbit_mass, n_cand,
@@ -176,7 +175,7 @@ def miss_rule(setup, table, ids, w, kind, served, slot, misses, pinned_slots, pi
     for q in range(n_miss):
         j = misses[q]
         e = ids[i, j]
-        fetch = _fetches(setup.rule, j, w[i, j], setup.tau, setup.tau_high)
+        fetch = _fetches(setup.rule, j, weights[i, j], setup.tau, setup.tau_high)
         if fetch and n_fetch == setup.fetch_cap:  # fetch cap reached: the fallback, as if the rule had not fetched
             fetch = False
         if fetch:
@@ -205,20 +204,20 @@ def miss_rule(setup, table, ids, w, kind, served, slot, misses, pinned_slots, pi
         elif fallback == F_LOWBIT:  # lowbit and drop: the accumulator and an admission candidate
             kind[oi, j] = LOWBIT
             n_lowbit += 1
-            lowbit_mass += w[i, j]
-            n_cand = candidate(acc, candidates, e, w[i, j], n_cand)
+            lowbit_mass += weights[i, j]
+            n_cand = candidate(acc, candidates, e, weights[i, j], n_cand)
         elif fallback == F_DROP:
             drop(kind, served, oi, j)
             n_drop += 1
-            dropped_mass += w[i, j]
-            n_cand = candidate(acc, candidates, e, w[i, j], n_cand)
+            dropped_mass += weights[i, j]
+            n_cand = candidate(acc, candidates, e, weights[i, j], n_cand)
         else:  # unreachable: the import check gives every FALLBACKS entry its branch
             raise ValueError("run_layer: a fallback without its branch in miss_rule")
     return n_fetch, n_host, n_lowbit, n_drop, n_need, dropped_mass, lowbit_mass, n_cand, n_pinned
 
 
 @njit(cache=True, inline="always")
-def substitutes(setup, ids, w, rank, score, slot_expert, expert_slot, acc, kind, served, slot, found, selected_mark,
+def substitutes(setup, ids, weights, rank, score, slot_expert, expert_slot, acc, kind, served, slot, found, selected_mark,
                 substituted, candidates, i, oi, n_need, n_cand):
     """Step 4: substitutes in rank order, after all fetches. ranking[:k] is the selection (each entry a hit, a
     fetch or a non-resident miss) and the ranking holds distinct ids, so "resident and not used by this
@@ -250,30 +249,30 @@ def substitutes(setup, ids, w, rank, score, slot_expert, expert_slot, acc, kind,
         else:
             drop(kind, served, oi, j)
             n_drop += 1
-        mass += w[i, j]
-        n_cand = candidate(acc, candidates, ids[i, j], w[i, j], n_cand)
+        mass += weights[i, j]
+        n_cand = candidate(acc, candidates, ids[i, j], weights[i, j], n_cand)
     return n_sub, n_drop, mass, n_cand
 
 
 @njit(cache=True, inline="always")
-def touch_token(setup, key, skey, slot_expert, age_count, qstate, ids, nxt, kind, served, slot, pinned_slots,
+def touch_token(setup, key, skey, slot_expert, age_count, qstate, ids, next_use, kind, served, slot, pinned_slots,
                 pinned_keys, i, oi, t, n_miss, n_pinned, n_fetch):
     """Step 5: the eviction kind's touch (its TOUCHES rule, evict.py `touch_*`; lru, crf and s3fifo:
     full-precision computes only); the integer-key paths also re-key this token's pinned slots."""
-    E, sb, k = setup.num_experts, setup.slot_bits, setup.top_k
+    E, slot_bits, k = setup.num_experts, setup.slot_bits, setup.top_k
     if setup.lfu_int:  # (every key and the hits' slot keys are up to date from step 1)
-        ek.touch_lfu_int(skey, key, slot_expert, pinned_slots, pinned_keys, n_pinned, k - n_miss, n_fetch, E, sb)
+        ek.touch_lfu_int(skey, key, slot_expert, pinned_slots, pinned_keys, n_pinned, k - n_miss, n_fetch, E, slot_bits)
     elif setup.touch == T_LFU:
         ek.touch_lfu(key, ids, i, k, setup.gamma)
     elif setup.touch == T_LFUDA:
-        ek.touch_lfuda(qstate, age_count, key, skey, slot_expert, ids, i, k, pinned_slots, n_pinned, E, sb)
+        ek.touch_lfuda(qstate, age_count, key, skey, slot_expert, ids, i, k, pinned_slots, n_pinned, E, slot_bits)
     elif setup.touch == T_LRU:
-        ek.touch_lru(key, skey, kind, served, slot, oi, k, t, E, sb)
+        ek.touch_lru(key, skey, kind, served, slot, oi, k, t, E, slot_bits)
     elif setup.touch == T_CRF:
         ek.touch_crf(key, kind, served, oi, k, setup.decay)
     elif setup.touch == T_S3FIFO:
         ek.touch_s3fifo(age_count, kind, served, oi, k)
     elif setup.touch == T_BELADY:
-        ek.touch_belady(key, ids, nxt, i, k)
+        ek.touch_belady(key, ids, next_use, i, k)
     else:  # unreachable: the import check gives every TOUCHES entry its branch
         raise ValueError("run_layer: an eviction touch without its branch in touch_token")

@@ -17,18 +17,20 @@ The stages, per token, in the order of docs/policies.md ("Per token, per layer, 
     6     queue_admissions, start_copies        copies.py     admission queue and its copies
 
 Before the chunk `key_slots` (slots.py) keys the slots; after it `store` writes the ring, the stamp, the
-masses and the counters back. The stages are module-level functions with `inline="always"`: numba inlines
-each into run_layer as its own code, the state arrays as they are (called functions taking the arrays paid
-atomic reference counts: 17-30% slower, docs/simulator.md); scripts/bench_kernel_ab.py measures the split
-against the former closures. Their arguments: `setup` (`Setup`, the layer's fixed parameters for the call),
+masses and the counters back. The stages are module-level functions with `inline="always"` (numba inlines
+each into run_layer as its own code: inlining is required for speed, a called stage per token costs more than
+the token's decisions). Each takes the arrays it uses as arguments, and run_layer hands them `borrowed` views
+(primitives.py: no reference held), so binding an array at each stage call costs nothing; with the arrays
+themselves the atomic reference counts stayed in the token loop and the presets ran 10-15x slower
+(reports/kernel_ab_module_stages.md; the split against the former closures: reports/kernel_stages_ab.md, from
+scripts/bench_kernel_ab.py). Their arguments: `setup` (`Setup`, the layer's fixed parameters for the call),
 `state` (the layer's `LayerState`, mutated), `tokens` / `outputs` (plan.py's records) and `scratch`
 (`Scratch`, the per-call work arrays); the scalars that change per token (the admission ring's head,
 length and started count, the stamp, the candidate count) go in and come back as return values.
 
 `lean` is passed as a constant by `run_layers`, so run_layer compiles as two `Literal[bool]` specializations
-of one module-level dispatcher (distinct symbols: no two cached objects share one, docs/performance.md
-"Compile once"). docs/architecture.md ("kernel") and docs/performance.md ("Where the time goes") hold the
-rest; the input contract: a ranking row starts with the token's selection and holds distinct ids, or router
+of one module-level dispatcher (distinct symbols: no two cached objects share one, reports/compile_once.md).
+docs/architecture.md and docs/simulator.md hold the rest; the input contract: a ranking row starts with the token's selection and holds distinct ids, or router
 scores stand for it (ties lower id).
 """
 
@@ -178,24 +180,24 @@ def _setup(tokens, pol, state, outputs, lean):
 
 
 @njit(cache=True, inline="always")
-def hint(setup, ids, w, rank, ahead, walk):
+def hint(setup, ids, weights, rank, ahead, walk):
     """Hints only: the rows token `ahead` reads and writes, on their way while an earlier token is decided."""
     if ahead < ids.shape[0]:
         _prefetch(ids, ahead, 0)
-        _prefetch(w, ahead, 0)
-        _prefetch(w, ahead, setup.top_k - 1)  # a row of w may span two cache lines
+        _prefetch(weights, ahead, 0)
+        _prefetch(weights, ahead, setup.top_k - 1)  # a row of weights may span two cache lines
         if walk:
             _prefetch(rank, ahead, setup.top_k)  # where the substitute walk starts
 
 
 @njit(cache=True, inline="always")
-def count_events(setup, ev, i, n_fetch, n_host, n_lowbit, n_drop):
-    """The token's cost-model events (runtime/core/events.py; ev [T, N_EV]): device computes, fetches, host and
+def count_events(setup, event_counts, i, n_fetch, n_host, n_lowbit, n_drop):
+    """The token's cost-model events (runtime/core/events.py; event_counts [T, N_EV]): device computes, fetches, host and
     low-bit computes."""
-    ev[i, EV_DEV] += setup.top_k - n_host - n_lowbit - n_drop
-    ev[i, EV_FETCH] += n_fetch
-    ev[i, EV_HOST] += n_host
-    ev[i, EV_LOWBIT] += n_lowbit
+    event_counts[i, EV_DEV] += setup.top_k - n_host - n_lowbit - n_drop
+    event_counts[i, EV_FETCH] += n_fetch
+    event_counts[i, EV_HOST] += n_host
+    event_counts[i, EV_LOWBIT] += n_lowbit
 
 
 @njit(cache=True, inline="always")
@@ -219,25 +221,27 @@ def run_layer(tokens, t0, pol, state, outputs, lean):
     """One layer's cache over tokens t0 .. t0+T-1 (`pol`: kernel_record; `state` mutated). `lean` (a constant):
     the paper's presets' features only (lfu with gamma 1, substitute, no cap, pins, prefetch or scores)."""
     setup, scratch = _setup(tokens, pol, state, outputs, lean)
-    # every record unpacked once, here: a stage takes the arrays it uses (slots.py's docstring: a record argument
-    # binds, and reference-counts, every array it holds at each stage call)
-    b = borrowed
-    ids, w, rank, valid, score, nxt, pred = (b(tokens.ids), b(tokens.w), b(tokens.rank), b(tokens.valid),
-                                             b(tokens.score), b(tokens.nxt), b(tokens.pred))
-    kind, served, slot, ev = b(outputs.kind), b(outputs.served), b(outputs.slot), b(outputs.ev)
-    adm_log, q_log, pf_log, n_logs = b(outputs.adm_log), b(outputs.q_log), b(outputs.pf_log), b(outputs.n_logs)
-    key, skey, slot_expert, expert_slot = b(state.key), b(state.skey), b(state.slot_expert), b(state.expert_slot)
-    acc, queued, pin, qstate = b(state.acc), b(state.queued), b(state.pin), b(state.qstate)
-    q_exp, q_due, age_count, route_d, mass = (b(state.q_exp), b(state.q_due), b(state.age_count), b(state.route_d),
-                                              b(state.mass))
-    candidates, batch_slots, token_slots, prefetched = (b(scratch.candidates), b(scratch.batch_slots),
-                                                        b(scratch.token_slots), b(scratch.prefetched))
-    misses, substituted, pinned_slots, pinned_keys = (b(scratch.misses), b(scratch.substituted),
-                                                      b(scratch.pinned_slots), b(scratch.pinned_keys))
-    found, selected_mark, routed_ids, routed_weights, counters = (b(scratch.substitutes), b(scratch.selected_mark),
-                                                                  b(scratch.routed_ids), b(scratch.routed_weights),
-                                                                  b(scratch.counters))
-    table = SlotTable(slot_expert, expert_slot, pin, qstate, skey, key, b(state.queue), age_count, b(state.ghost), acc)
+    # every array borrowed once, here: the views hold no reference (`tokens`, `outputs`, `state` and `scratch` keep
+    # the arrays alive for the call), so a stage binds them at each call at no cost (primitives.borrowed)
+    ids, weights, rank = borrowed(tokens.ids), borrowed(tokens.w), borrowed(tokens.rank)  # [T, k] [T, k] [T, M]
+    valid, score, next_use = borrowed(tokens.valid), borrowed(tokens.score), borrowed(tokens.nxt)  # [T] [T, E] [T, k]
+    pred = borrowed(tokens.pred)  # [T, P]
+    kind, served, slot = borrowed(outputs.kind), borrowed(outputs.served), borrowed(outputs.slot)  # [T or 1, k]
+    event_counts, n_logs = borrowed(outputs.ev), borrowed(outputs.n_logs)  # [T, N_EV], [3]
+    adm_log, q_log, pf_log = borrowed(outputs.adm_log), borrowed(outputs.q_log), borrowed(outputs.pf_log)
+    key, skey, acc, queued = borrowed(state.key), borrowed(state.skey), borrowed(state.acc), borrowed(state.queued)
+    slot_expert, expert_slot, pin = borrowed(state.slot_expert), borrowed(state.expert_slot), borrowed(state.pin)
+    qstate, q_exp, q_due = borrowed(state.qstate), borrowed(state.q_exp), borrowed(state.q_due)
+    age_count, route_d, mass = borrowed(state.age_count), borrowed(state.route_d), borrowed(state.mass)
+    candidates, batch_slots = borrowed(scratch.candidates), borrowed(scratch.batch_slots)
+    token_slots, prefetched = borrowed(scratch.token_slots), borrowed(scratch.prefetched)
+    misses, substituted = borrowed(scratch.misses), borrowed(scratch.substituted)
+    pinned_slots, pinned_keys = borrowed(scratch.pinned_slots), borrowed(scratch.pinned_keys)
+    found, selected_mark = borrowed(scratch.substitutes), borrowed(scratch.selected_mark)
+    routed_ids, routed_weights = borrowed(scratch.routed_ids), borrowed(scratch.routed_weights)
+    counters = borrowed(scratch.counters)
+    table = SlotTable(slot_expert, expert_slot, pin, qstate, skey, key, borrowed(state.queue), age_count,
+                      borrowed(state.ghost), acc)
     k, pred_width, copy_buffers = setup.top_k, setup.pred_width, setup.copy_buffers
     walk = setup.rule != R_FETCH_ALL and setup.fallback == F_SUBSTITUTE and not setup.score_mode  # reads rank
     n_calls = n_hits = n_fetches = n_subs = n_drops = 0
@@ -245,7 +249,7 @@ def run_layer(tokens, t0, pol, state, outputs, lean):
     sub_mass = lowbit_mass = 0.0
     key_slots(setup, slot_expert, skey, key)
     for i in range(ids.shape[0]):
-        hint(setup, ids, w, rank, i + PF_AHEAD, walk)
+        hint(setup, ids, weights, rank, i + PF_AHEAD, walk)
         oi = i * setup.output_rows  # the outputs' row: the token's, or the one scratch row
         if not valid[i]:
             for j in range(k):
@@ -258,13 +262,13 @@ def run_layer(tokens, t0, pol, state, outputs, lean):
         if pred_width > 0 and copy_buffers >= 0:  # the copies were issued before the admissions due now
             limit = prefetch_cut(setup, pred, expert_slot, counters, i, copy_buffers - n_started)
         q_head, q_len, n_started, stamp, n_cand, n_token_slots = admit_due(
-            setup, table, q_exp, q_due, queued, ev, adm_log, n_logs, candidates, counters, batch_slots, token_slots,
+            setup, table, q_exp, q_due, queued, event_counts, adm_log, n_logs, candidates, counters, batch_slots, token_slots,
             i, t, q_head, q_len, n_started, stamp, 0)
-        stamp, n_cand = prefetch_list(setup, table, pred, ids, ev, pf_log, n_logs, token_slots, candidates,
+        stamp, n_cand = prefetch_list(setup, table, pred, ids, event_counts, pf_log, n_logs, token_slots, candidates,
                                       prefetched, counters, i, t, stamp, n_cand, n_token_slots, limit)
         n_rerouted = 0
         if setup.route_family != RT_OFF:
-            n_cand, n_rerouted = route_token(setup, ids, w, score, rank, expert_slot, acc, route_d, mass, routed_ids,
+            n_cand, n_rerouted = route_token(setup, ids, weights, score, rank, expert_slot, acc, route_d, mass, routed_ids,
                                              routed_weights, candidates, counters, i, n_cand)
         stamp += 1
         n_calls += k
@@ -272,14 +276,14 @@ def run_layer(tokens, t0, pol, state, outputs, lean):
                                 oi, stamp)
         n_hits += n_pinned - n_rerouted  # (a rerouted expert is resident: counted as a reroute, not a hit)
         n_fetch, n_host, n_lowbit, n_drop, n_need, token_mass, token_lowbit, n_cand, n_pinned = miss_rule(
-            setup, table, ids, w, kind, served, slot, misses, pinned_slots, pinned_keys, substituted, candidates, i,
+            setup, table, ids, weights, kind, served, slot, misses, pinned_slots, pinned_keys, substituted, candidates, i,
             oi, n_miss, n_pinned, n_cand, stamp)
         n_fetches += n_fetch
         counters[C_HOST] += n_host
         counters[C_LOWBIT] += n_lowbit
         if n_need > 0:
             n_sub, n_sub_drop, token_sub_mass, n_cand = substitutes(
-                setup, ids, w, rank, score, slot_expert, expert_slot, acc, kind, served, slot, found, selected_mark,
+                setup, ids, weights, rank, score, slot_expert, expert_slot, acc, kind, served, slot, found, selected_mark,
                 substituted, candidates, i, oi, n_need, n_cand)
             n_subs += n_sub
             n_drop += n_sub_drop
@@ -287,17 +291,17 @@ def run_layer(tokens, t0, pol, state, outputs, lean):
         n_drops += n_drop
         sub_mass += token_mass
         lowbit_mass += token_lowbit
-        touch_token(setup, key, skey, slot_expert, age_count, qstate, ids, nxt, kind, served, slot, pinned_slots,
+        touch_token(setup, key, skey, slot_expert, age_count, qstate, ids, next_use, kind, served, slot, pinned_slots,
                     pinned_keys, i, oi, t, n_miss, n_pinned, n_fetch)
-        count_events(setup, ev, i, n_fetch, n_host, n_lowbit, n_drop)
+        count_events(setup, event_counts, i, n_fetch, n_host, n_lowbit, n_drop)
         if setup.use_admission:
             if n_cand > 0:
                 q_len = queue_admissions(setup, acc, queued, expert_slot, q_exp, q_due, candidates, t, n_cand, q_head,
                                          q_len)
             if q_len > n_started:
-                q_head, q_len, n_started = start_copies(setup, q_exp, q_due, expert_slot, queued, counters, ev, q_log,
+                q_head, q_len, n_started = start_copies(setup, q_exp, q_due, expert_slot, queued, counters, event_counts, q_log,
                                                         n_logs, i, t, q_head, q_len, n_started)
-    store(qstate, mass, b(state.counters), counters, (q_head, q_len, n_started, stamp), sub_mass, lowbit_mass,
+    store(qstate, mass, borrowed(state.counters), counters, (q_head, q_len, n_started, stamp), sub_mass, lowbit_mass,
           (n_calls, n_hits, n_fetches, n_subs, n_drops))
 
 

@@ -2,14 +2,10 @@
 prefetch), and the slot-key helpers the stages share. Which victim a claim evicts is the eviction kind's
 (its EVICT_KINDS row: the key storage's victim search, search.py / evict.py); the mechanism is here.
 
-Every function is `inline="always"`: numba inlines it into run_layer as its own code, with the state arrays
-as they are (as a called function taking the arrays, `claim` paid 10-12 atomic reference-count updates per
-call, about 45% of fetch-every-miss's time: docs/simulator.md). Inlined, each array argument is still bound
-once per call (an atomic reference count in and out where a called function sits inside the stage), and a
-record argument binds every array it holds: so a stage takes the arrays it uses, or `SlotTable` (the ten
-arrays claim reads and writes, all used wherever a claim is), never the whole LayerState (passing
-LayerState / the scratch arrays as records made the presets 13-16x slower). `setup`: run_layer.py's `Setup`
-(scalars only: no reference counts).
+Every function is `inline="always"` (numba inlines it into run_layer as its own code) and takes the arrays
+it uses as arguments: run_layer's borrowed views (primitives.borrowed), so binding them per call costs no
+reference count. `SlotTable` groups the ten arrays a claim reads and writes; `setup` is run_layer.py's
+`Setup` (scalars only).
 """
 
 from __future__ import annotations
@@ -39,13 +35,6 @@ class SlotTable(NamedTuple):
     age_count: np.ndarray  # [E] lfuda's c[e], s3fifo's freq[e]
     ghost: np.ndarray  # [E+1] s3fifo's ghost ring
     acc: np.ndarray  # [E] admission accumulators
-
-
-@njit(cache=True, inline="always")
-def slot_table(state):
-    """The SlotTable of a LayerState."""
-    return SlotTable(state.slot_expert, state.expert_slot, state.pin, state.qstate, state.skey, state.key, state.queue,
-                     state.age_count, state.ghost, state.acc)
 
 
 @njit(cache=True, inline="always")
