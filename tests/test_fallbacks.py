@@ -153,6 +153,7 @@ def test_emulation_prefetch_equals_the_simulator_on_the_recorded_trace(ckpts, te
     assert sim["prefetches"] > 0
 
 
+@pytest.mark.slow  # two emulation processes; the fallbacks themselves run in-process in the fast loop
 def test_emulate_cli_takes_the_fallback_flags(ckpts, text, init):
     """`python -m runtime.emulate ... --rule threshold --tau 0.15 --fallback ...` (the issue's check)."""
     import subprocess

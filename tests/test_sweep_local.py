@@ -63,9 +63,11 @@ def test_bad_input_is_one_line_before_any_trial(tmp_path, case):
     assert not ledger(out) and not (out / "tune").exists()
 
 
-def test_embedded_sweep_end_to_end(tmp_path):
-    from mlflow.tracking import MlflowClient
-
+@pytest.fixture(scope="module")
+def embedded_sweep(tmp_path_factory):
+    """One sweep on an embedded Ray (8 trials, five baselines, two hosts), read by the end-to-end test and resumed
+    by the copy test: (config, out folder, MLflow database, the driver's process)."""
+    tmp_path = tmp_path_factory.mktemp("embedded")
     cfg = write_config(tmp_path, trials=8, baselines={"policies": ["fetch-every-miss", "rule-0.15", "substitute-all",
                                                                    "host-compute", "quality-first"]})
     out = tmp_path / "out"
@@ -74,6 +76,14 @@ def test_embedded_sweep_end_to_end(tmp_path):
     # this run (sweep.driver's prepare_ray_auth)
     proc = run_driver(cfg, out, "--ray-address", "local", "--num-cpus", "2", "--mlflow-uri", f"sqlite:///{db}",
                       RAY_AUTH_MODE="")
+    return cfg, out, db, proc
+
+
+def test_embedded_sweep_end_to_end(embedded_sweep):
+    from mlflow.tracking import MlflowClient
+
+    cfg, out, db, proc = embedded_sweep
+    tmp_path = db.parent
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "token authentication" not in proc.stderr  # no warning that it runs without
     for f in ("pareto_rtx3090.csv", "pareto_rtx3090.parquet", "pareto_rtx4090.csv", "pareto_rtx4090.parquet",
@@ -138,7 +148,18 @@ def test_embedded_sweep_end_to_end(tmp_path):
     table = json.loads(Path(client.download_artifacts(parents[0].info.run_id, "tables/trials.json",
                                                       str(tmp_path))).read_text())
     assert sorted(r[table["columns"].index("key")] for r in table["data"]) == sorted(keys)
-    _resume_a_copy(cfg, out, db, tmp_path, parents[0].info.run_id, keys)
+
+
+@pytest.mark.slow
+def test_a_copy_of_a_finished_sweep_resumes_elsewhere(embedded_sweep, tmp_path):
+    """The end-to-end sweep's folder copied elsewhere and resumed there (_resume_a_copy)."""
+    from mlflow.tracking import MlflowClient
+
+    cfg, out, db, proc = embedded_sweep
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    client = MlflowClient(f"sqlite:///{db}")
+    parents = client.search_runs([client.get_experiment_by_name("expertsweep").experiment_id], "tags.fidelity = 'sweep'")
+    _resume_a_copy(cfg, out, db, tmp_path, parents[0].info.run_id, [r["key"] for r in ledger(out)])
 
 
 def _tree(folder: Path) -> dict[str, tuple[str, int]]:
