@@ -27,7 +27,7 @@ from runtime.core.kernel import (
     PolicyCache,
     warm_residency,
 )
-from runtime.core.llamacpp_cache import is_llamacpp
+from runtime.core.llamacpp_cache import cache_for
 from runtime.core.policy import PRESETS, PolicyConfig
 from runtime.core.spec import RunSpec
 from runtime.formats import costmodel
@@ -79,7 +79,7 @@ def compare(pair_, pol: PolicyConfig, cap: int, seed: int = 0, W: int = 20, n: i
     ids, _, _, _ = emulate.record(me, windows, me.k)
     caps = np.full(me.num_layers, cap)
     init = warm_residency(ids, None, me.E, caps)
-    ce, cg = PolicyCache(pol, me.E, me.k, caps, init), PolicyCache(pol, me.E, me.k, caps, init)
+    ce, cg = cache_for(pol, me.E, me.k, caps, init), cache_for(pol, me.E, me.k, caps, init)
     ref = emulation_logits(me, windows, ce)
     nll, rep = eng.teacher_forced(eng.m, windows, cg, keep_logits=True)
     got = torch.stack(eng.logits)
@@ -95,14 +95,16 @@ def compare(pair_, pol: PolicyConfig, cap: int, seed: int = 0, W: int = 20, n: i
     return cg
 
 
-@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not is_llamacpp(p)])  # llama.cpp's: refused
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_engine_logits_and_counters_equal_emulation(pair, name):
     cg = compare(pair["e8"], PRESETS[name], cap=3)
     tot = cg.counter_totals()
     if name in ("fetch-every-miss", "rule-0.15", "first-choice", "quality-first", "speed-first"):
         assert tot["fetches"] > 0
-    if name == "host-compute":
+    if name in ("host-compute", "llamacpp-ncmoe"):
         assert tot["host_computes"] > 0
+    if name == "llamacpp-lru":  # llama.cpp's shared pool: fetches into and hits from the one slot array
+        assert tot["fetches"] > 0 and tot["hits"] > 0
 
 
 ADMISSION_POLICIES = {
