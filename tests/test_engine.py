@@ -308,6 +308,22 @@ def test_generate_cli(ckpts, tmp_path, capsys, monkeypatch):
     assert not out2.exists() and not list(tmp_path.glob(".gen2.json.*"))
 
 
+@pytest.mark.parametrize("name,cap", [("llamacpp-lru", 3), ("llamacpp-ncmoe", 5)])  # ncmoe: 10 slots, N = 1 of 2
+def test_generate_under_llamacpp_presets_is_exact(pair, name, cap):
+    """Generation (exact prefill through the shared pool's slots or the split, then decode steps on the Hugging
+    Face forward path) under llama.cpp's presets gives the exact model's tokens: every decision computes the
+    selected expert at full precision."""
+    eng = pair["e8"][1]
+    res = generate.run_generate(eng, ["hello world", "expert offloading"], name, 8, capacity=cap)
+    tot = res["counters"]
+    assert res["identical_prompts"] == 2 and res["agreement"] == 1.0, res["per_prompt"]
+    if name == "llamacpp-lru":
+        assert tot["fetches"] > 0 and tot["hits"] > 0 and res["engine"]["fetch_copies"] == tot["fetches"]
+        assert res["engine"]["slot_layout"] == "shared"
+    else:
+        assert 0 < tot["host_computes"] == res["engine"]["host_computes"] < tot["calls"]
+
+
 def test_oom_is_a_one_line_error():
     with pytest.raises(InputError, match="CUDA out of memory"):
         with device_errors():
