@@ -4,7 +4,7 @@ The compiled pool (runtime/core/kernel/shared_pool.py, driven by runtime/core/ll
 against tests/reference_llamacpp.py on random traces, driven every way a backend drives them (one call over the
 trace, layer-major chunks, any interleaving of the layers' steps); two constructed traces on which the shared
 LRU and the per-layer LRU at the same memory differ, each way round, with the counts worked by hand; the
-policy fields' errors and presets.
+policy fields' errors and presets; the simulator, the emulation and the engine (CPU device mode) exact under both.
 """
 
 from __future__ import annotations
