@@ -7,6 +7,8 @@
 - the slot pool (runtime/backends/engine/slots.py): per MoE layer `C_l` device slots, one tensor pair
   `[C_l, 2I, H]` / `[C_l, H, I]` (a slot is a row), slot `s` of layer `l` holding the expert the kernel's own table says (`cache.slot_expert[l, s]`: the engine keeps no copy
   of the kernel's slot table or admission queue), a shared pool of staging buffers, the device ledger;
+  llama.cpp's expert cache (`SharedPoolCache`): one `[S, ...]` pair that every layer names, addressed by the
+  pool's slot ids; its layer split (`LayerSplitCache`): E slots per device layer, none on the host layers;
 - the copies (runtime/backends/engine/copies.py): the CUDA copy streams (CPU device mode: a link thread), waits
   and stalls, the admission and prefetch copies in flight;
 - applying the kernel's plan (runtime/backends/engine/plan.py): per token in the kernel's order, admissions,
