@@ -42,7 +42,7 @@ def shared_pool_reference(ids, valid, num_experts, capacities, initial_residency
             sel = [int(e) for e in ids[t][layer]]
             hits = [j for j, e in enumerate(sel) if layer * E + e in slot_of]
             misses = [j for j, e in enumerate(sel) if layer * E + e not in slot_of]
-            for j in sorted(hits, key=lambda j: sel[j]):  # the hits first, ascending id
+            for j in hits:  # the hits first, in rank order
                 key = layer * E + sel[j]
                 stamp[key] = seq
                 seq += 1

@@ -152,6 +152,20 @@ def test_warm_pool_evicts_smallest_key_first():
     assert res.kind[0, 0] == 1 and cache.resident(0).tolist() == [1] and cache.resident(1).tolist() == [0]
 
 
+def test_hits_are_touched_in_rank_order():
+    """llama.cpp's plan touches a token-layer's hits in the order of its selected ids (ffn_moe_topk: rank order),
+    then fetches the misses by ascending id. One layer, a cold pool of 3, k = 2, by hand: t0 selects [0, 1] (both
+    fetched, 1 newer), t1 [1, 0] (hits: 1 touched, then 0: 0 is now the newest), t2 [2, 3] (2 takes the free
+    slot, 3 evicts the least recently used: 1), t3 [0, 2]: both hits. Touching the hits by ascending id instead
+    leaves 0 the oldest at t2, and t3 fetches it again (5 fetches, not 4)."""
+    ids = np.array([[0, 1], [1, 0], [2, 3], [0, 2]], np.int32)[:, None, :]  # [T=4, L=1, k=2]
+    valid = np.ones((4, 1), bool)
+    cache = SharedPoolCache(LRU, 4, 2, np.array([3]))
+    drive(cache, ids, valid, "tokens")
+    assert cache.per_layer()[0]["fetches"] == 4 and cache.resident(0).tolist() == [0, 2, 3]
+    assert shared_pool_reference(ids.tolist(), valid.tolist(), 4, [3])[2] == [{"calls": 8, "hits": 4, "fetches": 4}]
+
+
 @pytest.mark.parametrize("how", ["layers", "chunks", "any"])
 def test_ncmoe_equals_reference(how):
     T, L, E, k = 120, 5, 8, 2

@@ -1,13 +1,13 @@
 """Eviction kinds as key contracts: per kind its initial keys, its touch (the key update of step 5) and its
-on-load / on-evict rules; the mechanism that picks a victim and claims a slot lives in run_layer.py.
+on-load / on-evict rules; the mechanism that picks a victim and claims a slot lives in slots.py.
 
 As in sglang's mem_cache/evict_policy.py, a kind is its key: the victim of a load is the resident with the
 smallest key among those the step allows (docs/policies.md, step 3), ties lower id. `EVICT_KINDS` is the
 table: per kind how its keys are held (`int`: a composite integer slot key, one vectorised minimum per
 victim; `float`: a scan of the float keys; `queue`: S3-FIFO's queue walk), which experts its touch updates,
-and the rule in words. The functions below are the kinds' rules on scalars (numba inlines them into the
-claim and the bookkeeping of run_layer.py, where the state arrays live: passing arrays to a helper costs
-reference counts on the hot path); S3-FIFO's queue walk and ghost FIFO take the arrays, on its own path.
+and the rule in words. The functions below are the kinds' rules on scalars, then each kind's touch (step 5)
+and on-load rule on the arrays, which run_layer's stages call by the kind's codes; S3-FIFO's queue walk and
+ghost FIFO take the arrays, on its own path.
 
 S3-FIFO (Yang et al., SOSP'23; bigrig_engine.policies.s3fifo): a small FIFO (target `s3_small` of the
 evictable slots), a main FIFO and a ghost FIFO of evicted ids (capacity: the evictable slots). A load
@@ -25,7 +25,17 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from runtime.core.kernel.state import Q_GHEAD, Q_GLEN, Q_GMAX, Q_SEQ, Q_SLEN, Q_STARGET, CacheState
+from runtime.core.kernel.plan import HIT, SUB
+from runtime.core.kernel.state import (
+    Q_AGE,
+    Q_GHEAD,
+    Q_GLEN,
+    Q_GMAX,
+    Q_SEQ,
+    Q_SLEN,
+    Q_STARGET,
+    CacheState,
+)
 from runtime.core.policy import EVICT_CODE, PolicyConfig
 
 K_LFU, K_LRU, K_CRF, K_BELADY, K_LFUDA, K_S3FIFO = (EVICT_CODE[e] for e in ("lfu", "lru", "crf", "belady", "lfuda",
@@ -109,42 +119,18 @@ def int_keys(evict, gamma):
 
 
 @njit(cache=True, inline="always")
-def slot_key(kval, e, E, s, sb):
+def slot_key(kval, e, E, s, slot_bits):
     """Slot key of slot `s` holding `e` whose integer key is `kval` >= -1 (the "int" keys: lfu with gamma 1,
     lfuda, lru, whose never-used residents hold -1): the composite (key + 1) * E + id (smallest key, ties
-    lower id, in one int64), shifted left by `sb` bits holding the slot (2**sb >= C_l): the slots' order is
+    lower id, in one int64), shifted left by `slot_bits` bits holding the slot (2**slot_bits >= C_l): the slots' order is
     the composite keys' and a minimum names its slot."""
-    return (((np.int64(kval) + 1) * E + e) << sb) | s
+    return (((np.int64(kval) + 1) * E + e) << slot_bits) | s
 
 
 @njit(cache=True, inline="always")
 def lfu_decay(f, gamma):
     """lfu, every expert at the end of a token: gamma * f[e] (then + 1 if selected)."""
     return gamma * f
-
-
-@njit(cache=True, inline="always")
-def lfu_touch(f):
-    """lfu, a selected expert after the decay: f[e] + 1 (gamma 1: run_layer's hits step adds it at once)."""
-    return f + 1.0
-
-
-@njit(cache=True, inline="always")
-def lru_touch(t):
-    """lru, an expert computed at full precision at token t: its last use, t."""
-    return t
-
-
-@njit(cache=True, inline="always")
-def crf_touch(c):
-    """crf, an expert computed at full precision, after the decay: c[e] + 1."""
-    return c + 1.0
-
-
-@njit(cache=True, inline="always")
-def belady_touch(next_use):
-    """belady, a selected expert: minus its next use."""
-    return -next_use
 
 
 @njit(cache=True, inline="always")
@@ -283,3 +269,90 @@ def init_state(policy: PolicyConfig, cs: CacheState, belady_first_use: list[np.n
                 cs.key[l_, e] = float(pos)
             cs.qstate[l_, Q_SEQ] = len(res)
             cs.qstate[l_, Q_STARGET], cs.qstate[l_, Q_GMAX] = s3_targets(policy, c, p_)
+
+
+# Each kind's touch (step 5) and on-load rule on the kernel's arrays, called by run_layer's stages (decisions.py
+# `touch_token`, slots.py `claim`) by the codes of the kind's EVICT_KINDS row: one place per kind's behaviour.
+# inline="always": numba inlines them into run_layer as its own code, on its borrowed array views. oi / i: the token's output row and input row; ids [T, k], out_* [T or 1, k].
+
+@njit(cache=True, inline="always")
+def touch_lfu_int(skey, key, slot_expert, pinned_slots, pinned_keys, n_pinned, n_hits, n_fetched, E, slot_bits):
+    """lfu with gamma 1 on integer slot keys: the keys and the hits' slot keys moved at step 1 (decisions.py
+    `hits`); a token that fetched protected its hits (pinned_keys), so their slot keys come back and the
+    fetched slots get theirs."""
+    if n_fetched > 0:
+        for q in range(n_hits):
+            skey[pinned_slots[q]] = pinned_keys[q]
+        for q in range(n_hits, n_pinned):
+            s = pinned_slots[q]
+            e = slot_expert[s]
+            skey[s] = slot_key(key[e], e, E, s, slot_bits)
+
+
+@njit(cache=True, inline="always")
+def touch_lfu(key, ids, i, k, gamma):
+    """lfu (float keys, gamma < 1): every expert's f decays, then + 1 per selected expert."""
+    for e in range(key.shape[0]):
+        key[e] = lfu_decay(key[e], gamma)
+    for j in range(k):
+        key[ids[i, j]] += 1.0
+
+
+@njit(cache=True, inline="always")
+def touch_lfuda(qstate, age_count, key, skey, slot_expert, ids, i, k, pinned_slots, n_pinned, E, slot_bits):
+    """lfuda: each selected expert's count + 1 and K = A + c; the token's pinned slots re-keyed."""
+    age = qstate[Q_AGE]
+    for j in range(k):
+        e = ids[i, j]
+        age_count[e], key[e] = lfuda_touch(age, age_count[e])
+    for q in range(n_pinned):
+        s = pinned_slots[q]
+        e = slot_expert[s]
+        skey[s] = slot_key(key[e], e, E, s, slot_bits)
+
+
+@njit(cache=True, inline="always")
+def touch_lru(key, skey, out_kind, out_served, out_slot, oi, k, t, E, slot_bits):
+    """lru: each full-precision compute (hit, fetch, substitute) of token t: its last use t, its slot re-keyed."""
+    for j in range(k):
+        if out_kind[oi, j] <= SUB:
+            e = out_served[oi, j]
+            key[e] = t
+            s = out_slot[oi, j]
+            skey[s] = slot_key(t, e, E, s, slot_bits)
+
+
+@njit(cache=True, inline="always")
+def touch_crf(key, out_kind, out_served, oi, k, decay):
+    """crf: every expert's c decays, then + 1 per full-precision compute."""
+    for e in range(key.shape[0]):
+        key[e] = crf_decay(key[e], decay)
+    for j in range(k):
+        if out_kind[oi, j] <= SUB:
+            key[out_served[oi, j]] += 1.0
+
+
+@njit(cache=True, inline="always")
+def touch_s3fifo(age_count, out_kind, out_served, oi, k):
+    """s3fifo: hits and substitutes add 1 to freq (a fetch is the load, freq 0)."""
+    for j in range(k):
+        if out_kind[oi, j] == HIT or out_kind[oi, j] == SUB:
+            e = out_served[oi, j]
+            age_count[e] = s3_touch(age_count[e])
+
+
+@njit(cache=True, inline="always")
+def touch_belady(key, ids, next_use, i, k):
+    """belady: minus the next use of each selected expert."""
+    for j in range(k):
+        key[ids[i, j]] = -next_use[i, j]
+
+
+@njit(cache=True, inline="always")
+def on_load_lfuda(victim_expert, e, key, age_count, qstate):
+    """lfuda's on-load rule: the victim (if any) leaves first (A = max(A, K[v]), c[v] halved), then
+    K[e] = A + c[e]."""
+    if victim_expert >= 0:
+        qstate[Q_AGE], age_count[victim_expert] = lfuda_evicted(qstate[Q_AGE], key[victim_expert],
+                                                                age_count[victim_expert])
+    key[e] = lfuda_loaded(qstate[Q_AGE], age_count[e])

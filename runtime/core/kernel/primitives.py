@@ -101,3 +101,21 @@ def _fetches(rule, j, wj, tau, tau_high):
     if rule == R_FIRST_CHOICE:
         return j == 0
     raise ValueError("run_layer: a miss rule without its branch in _fetches")
+
+
+@intrinsic
+def borrowed(typingctx, array):
+    """`borrowed(array)`: a view of `array` (same data, shape and strides) that holds no reference. The stages
+    take their arrays as arguments; every binding of an array numba counts with an atomic increment and
+    decrement, which refprune leaves inside the token loop. A view whose meminfo is null turns each count into
+    a test of a constant null, which LLVM removes. The caller keeps `array` alive while the view is used."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        view = context.make_array(sig.args[0])(context, builder, value=args[0])
+        view.meminfo = cgutils.get_null_value(view.meminfo.type)
+        view.parent = cgutils.get_null_value(view.parent.type)
+        return view._getvalue()
+
+    return array(array), codegen

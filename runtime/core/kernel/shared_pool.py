@@ -93,10 +93,11 @@ def run_pool(ids, valid, t_base, p0, p1, E, slot_key, key_slot, prev, nxt, ends,
     t_base..t_base + n - 1; kind int8 / slot int32 [L, n, k] and events int32 [L, n, N_EV] are written for the
     decided cells (kind -1, slot -1 at an invalid cell; served is the selection itself, written by the caller).
 
-    Per cell (docs/policies.md, Additions (5)): the hits are touched in ascending expert id, then every miss is
-    fetched in ascending expert id into the lowest free slot or the least recently used key's slot, and touched."""
+    Per cell (docs/policies.md, Additions (5)): the hits are touched in rank order (the selection's order, as
+    llama.cpp's plan walks its selected ids), then every miss is fetched in ascending expert id into the lowest
+    free slot or the least recently used key's slot, and touched."""
     L, n, k = ids.shape
-    order = np.empty(k, np.int64)  # rank positions by ascending expert id
+    order = np.empty(k, np.int64)  # [k] rank positions by ascending expert id (the misses' order)
     hit = np.empty(k, np.bool_)
     for p in range(p0, p1):
         t = p // L
@@ -118,8 +119,7 @@ def run_pool(ids, valid, t_base, p0, p1, E, slot_key, key_slot, prev, nxt, ends,
         for j in range(k):
             s = key_slot[base + ids[l_, i, j]]
             hit[j] = s != NONE
-        for q in range(k):  # the hits first, ascending id: touched
-            j = order[q]
+        for j in range(k):  # the hits first, in rank order: touched
             if hit[j]:
                 s = key_slot[base + ids[l_, i, j]]
                 _unlink(s, prev, nxt, ends)
