@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="a difference located at a routing near-tie (decisions identical before it) passes")
     a = p.parse_args(argv)
     from runtime.core.kernel import INT_COUNTERS
-    from runtime.core.llamacpp_cache import engine_refusal
     from runtime.core.policy import PRESETS
 
     if a.model is None:
@@ -142,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     a.text = a.text or str(Path(a.model) / "eval.txt")
     if a.calib_text is None and (Path(a.model) / "calib.txt").is_file():
         a.calib_text = str(Path(a.model) / "calib.txt")
-    # all: every preset the engine runs (it refuses llama.cpp's pool and layer split: runtime/core/llamacpp_cache.py)
-    names = ([n for n, p in PRESETS.items() if engine_refusal(p) is None] if a.policies == "all"
-             else a.policies.split(","))
+    names = list(PRESETS) if a.policies == "all" else a.policies.split(",")  # all: every preset
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out: dict = {"command": " ".join(["scripts/exact_cli_check.py", *(sys.argv[1:] if argv is None else argv)]),
                  "commit": commit, "model": a.model, "text": a.text, "max_tokens": a.max_tokens, "window": a.window,

@@ -24,7 +24,6 @@ from typing import Any
 
 from runtime.backends import COUNTER_NAMES
 from runtime.core.errors import InputError
-from runtime.core.llamacpp_cache import engine_refusal
 from runtime.core.spec import HELD_OUT, RunSpec
 from sweep.ladder import measurement_key
 from sweep.report import policy_key
@@ -83,12 +82,6 @@ class Measurer:
         from sweep.worker import evaluate_task
 
         slots = self._slots()
-        if host:  # policies the engine does not run (llama.cpp's pool and layer split) get no engine row
-            for p in params_list:
-                why = engine_refusal(policy_of(p))
-                if why is not None:
-                    log.info("engine %s: %s skipped: %s", host, policy_of(p).label(), why)
-            params_list = [p for p in params_list if engine_refusal(policy_of(p)) is None]
         specs = {policy_key(p): emulation_spec(p, self.model_dir, self.text, tokens, self.calib_text,
                                                slots.get(policy_key(p)), **self.run_fields).to_dict()
                  for p in params_list}

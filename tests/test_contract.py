@@ -15,7 +15,8 @@ top-k slot, for the presets and LRU, LFU aging, admission delays, every fallback
 drop, host, lowbit), the band rule, both prefetches, and the spec's Additions (2): lfuda with a pinned
 hot set, calibrated per-layer capacities (the simulator replays them as explicit per-layer capacities
 from the emulation's -1-padded residency file), a fetch cap with renormalised drops, and llama.cpp's expert cache
-and layer split (the presets llamacpp-lru, llamacpp-ncmoe: the engine refuses them in one line). Also: every
+and layer split (the presets llamacpp-lru, llamacpp-ncmoe: the engine runs the pool as one slot array for every
+layer and the split's first N layers on the host). Also: every
 backend refuses, with a one-line InputError, a field it cannot honour.
 """
 
@@ -118,11 +119,6 @@ def test_same_decisions_as_emulation(inputs, backend, family, name):
         other = RunSpec(policy=spec.policy, model=spec.model, text=spec.text, capacity=CAPACITY, window=WINDOW,
                         max_tokens=TOKENS, record_decisions=True)
     else:
-        if POLICIES[name].pool != "per_layer" or POLICIES[name].layer_split != "none":  # llama.cpp's: refused
-            with pytest.raises(InputError, match=f"backend engine: policy .* is not supported .*preset {name}"):
-                get_backend("engine").evaluate(dataclasses.replace(spec, trace_out=None, residency_out=None,
-                                                                   nll_out=None))
-            return
         if family not in ENGINE_FAMILIES:
             with pytest.raises(InputError, match="fused expert layout"):
                 get_backend("engine").evaluate(RunSpec(policy=spec.policy, model=spec.model, text=spec.text,

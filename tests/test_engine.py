@@ -27,7 +27,7 @@ from runtime.core.kernel import (
     PolicyCache,
     warm_residency,
 )
-from runtime.core.llamacpp_cache import is_llamacpp
+from runtime.core.llamacpp_cache import cache_for
 from runtime.core.policy import PRESETS, PolicyConfig
 from runtime.core.spec import RunSpec
 from runtime.formats import costmodel
@@ -79,7 +79,7 @@ def compare(pair_, pol: PolicyConfig, cap: int, seed: int = 0, W: int = 20, n: i
     ids, _, _, _ = emulate.record(me, windows, me.k)
     caps = np.full(me.num_layers, cap)
     init = warm_residency(ids, None, me.E, caps)
-    ce, cg = PolicyCache(pol, me.E, me.k, caps, init), PolicyCache(pol, me.E, me.k, caps, init)
+    ce, cg = cache_for(pol, me.E, me.k, caps, init), cache_for(pol, me.E, me.k, caps, init)
     ref = emulation_logits(me, windows, ce)
     nll, rep = eng.teacher_forced(eng.m, windows, cg, keep_logits=True)
     got = torch.stack(eng.logits)
@@ -95,14 +95,16 @@ def compare(pair_, pol: PolicyConfig, cap: int, seed: int = 0, W: int = 20, n: i
     return cg
 
 
-@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not is_llamacpp(p)])  # llama.cpp's: refused
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_engine_logits_and_counters_equal_emulation(pair, name):
     cg = compare(pair["e8"], PRESETS[name], cap=3)
     tot = cg.counter_totals()
     if name in ("fetch-every-miss", "rule-0.15", "first-choice", "quality-first", "speed-first"):
         assert tot["fetches"] > 0
-    if name == "host-compute":
+    if name in ("host-compute", "llamacpp-ncmoe"):
         assert tot["host_computes"] > 0
+    if name == "llamacpp-lru":  # llama.cpp's shared pool: fetches into and hits from the one slot array
+        assert tot["fetches"] > 0 and tot["hits"] > 0
 
 
 ADMISSION_POLICIES = {
@@ -304,6 +306,22 @@ def test_generate_cli(ckpts, tmp_path, capsys, monkeypatch):
     code, err = run_cli(generate.main, base + ["--capacity", "3", "--out", str(out2)], capsys)
     assert code == 2 and "interrupted" in err
     assert not out2.exists() and not list(tmp_path.glob(".gen2.json.*"))
+
+
+@pytest.mark.parametrize("name,cap", [("llamacpp-lru", 3), ("llamacpp-ncmoe", 5)])  # ncmoe: 10 slots, N = 1 of 2
+def test_generate_under_llamacpp_presets_is_exact(pair, name, cap):
+    """Generation (exact prefill through the shared pool's slots or the split, then decode steps on the Hugging
+    Face forward path) under llama.cpp's presets gives the exact model's tokens: every decision computes the
+    selected expert at full precision."""
+    eng = pair["e8"][1]
+    res = generate.run_generate(eng, ["hello world", "expert offloading"], name, 8, capacity=cap)
+    tot = res["counters"]
+    assert res["identical_prompts"] == 2 and res["agreement"] == 1.0, res["per_prompt"]
+    if name == "llamacpp-lru":
+        assert tot["fetches"] > 0 and tot["hits"] > 0 and res["engine"]["fetch_copies"] == tot["fetches"]
+        assert res["engine"]["slot_layout"] == "shared"
+    else:
+        assert 0 < tot["host_computes"] == res["engine"]["host_computes"] < tot["calls"]
 
 
 def test_oom_is_a_one_line_error():

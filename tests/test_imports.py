@@ -165,9 +165,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                             "one-line-error command-line helpers every command shares"),
     "runtime.core.policy": ((SWEEP, TOOLS), "the policy table (PARAMS, PARAM_BY_NAME, PARAM_NAMES) the search "
                                             "space is built from; preset and resolve_capacities"),
-    "runtime.core.llamacpp_cache": ((SWEEP, TOOLS), "engine_refusal: which policies the engine backend refuses "
-                                                     "(llama.cpp's pool and layer split), left out of its batches; "
-                                                     "ncmoe_layers: -ncmoe N at a memory (llamacpp_flags)"),
+    "runtime.core.llamacpp_cache": ((TOOLS,), "ncmoe_layers: -ncmoe N at a memory (llamacpp_flags)"),
     "runtime.core.threads": ((SWEEP, TOOLS), "configure: passive OpenMP waiting and thread counts, set by each "
                                              "CPU-heavy entry point before torch loads"),
     "runtime.core.spec": ((SWEEP, TOOLS), "the run-field table (RUN_FIELD_BY_NAME, add_run_flags) and HELD_OUT: "

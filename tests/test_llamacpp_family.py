@@ -4,7 +4,7 @@ The compiled pool (runtime/core/kernel/shared_pool.py, driven by runtime/core/ll
 against tests/reference_llamacpp.py on random traces, driven every way a backend drives them (one call over the
 trace, layer-major chunks, any interleaving of the layers' steps); two constructed traces on which the shared
 LRU and the per-layer LRU at the same memory differ, each way round, with the counts worked by hand; the
-policy fields' errors and presets.
+policy fields' errors and presets; the simulator, the emulation and the engine (CPU device mode) exact under both.
 """
 
 from __future__ import annotations
@@ -305,9 +305,9 @@ def test_emulation_is_exact_and_the_simulator_replays_it(tiny):
     assert ncmoe.extra["ncmoe"] == 1 and 2 * ncmoe.per_layer[0]["host_computes"] == ncmoe.counters["calls"]
 
 
-def test_policy_all_on_the_engine_runs_every_other_preset(tiny, capsys):
-    """`--policy all --backend engine` runs every preset the engine takes and names the two it refuses in one
-    stderr line, instead of failing as a whole (the emulation runs all of them)."""
+def test_policy_all_on_the_engine_runs_every_preset(tiny, capsys):
+    """`--policy all --backend engine` runs every preset, llama.cpp's two included (nothing left out), as the
+    emulation does; both backends give the presets' decision counters alike."""
     import json
 
     from runtime.cli import emulate_main
@@ -317,24 +317,73 @@ def test_policy_all_on_the_engine_runs_every_other_preset(tiny, capsys):
             "--policy", "all", "--json"]
     emulate_main([*argv, "--backend", "engine"])
     captured = capsys.readouterr()
-    ran = set(json.loads(captured.out))
-    left_out = [line for line in captured.err.splitlines() if "--policy all" in line]
-    assert left_out == ["expertsweep: --policy all on --backend engine: left out llamacpp-lru, llamacpp-ncmoe "
-                        "(the backend refuses them)"], captured.err
-    assert ran == set(PRESETS) - {"llamacpp-lru", "llamacpp-ncmoe"}
+    eng = json.loads(captured.out)
+    assert set(eng) == set(PRESETS) and "--policy all" not in captured.err, captured.err
     emulate_main([*argv, "--backend", "emulation"])
     captured = capsys.readouterr()
-    assert set(json.loads(captured.out)) == set(PRESETS) and "--policy all" not in captured.err
+    emu = json.loads(captured.out)
+    assert set(emu) == set(PRESETS) and "--policy all" not in captured.err
+    for name in ("llamacpp-lru", "llamacpp-ncmoe"):
+        for key in ("calls", "hits", "fetches", "host_computes"):
+            assert eng[name][key] == emu[name][key], (name, key)
+    assert eng["llamacpp-lru"]["fetches"] > 0 and eng["llamacpp-ncmoe"]["host_computes"] > 0
 
 
-@pytest.mark.parametrize("name", ["llamacpp-lru", "llamacpp-ncmoe"])
-def test_engine_refuses_in_one_line(name):
-    from runtime.backends import get_backend
-    from runtime.core.spec import RunSpec
+@pytest.fixture(scope="module")
+def engine(tiny):
+    """The engine in CPU device mode with its debug check (after every layer's plan, each slot holds the weights of
+    the expert the cache's own table puts there)."""
+    from runtime.backends import emulate
+    from runtime.backends.engine import Engine
 
-    with pytest.raises(InputError, match=f"backend engine: policy .* is not supported .*preset {name}") as exc:
-        get_backend("engine").evaluate(RunSpec(policy=PRESETS[name], model="M", text="T", capacity=4))
-    assert "\n" not in str(exc.value)
+    eng = Engine(emulate.load(tiny[2]), "cpu", debug=True)
+    yield eng
+    eng.close()
+
+
+def test_engine_runs_both_presets_exactly(engine):
+    """The engine decodes under both presets and decides at every token, layer and rank what
+    tests/reference_llamacpp.py decides for the selections it saw, with the same counters per layer: the shared
+    pool from a warm start (one slot array of S = L x C rows that every layer's grouped call addresses by the
+    pool's slot ids), the split with its first N layers on the host. It copies exactly the fetched experts,
+    computes the host layers' experts on the host and the others from slots, holds S (split: (L - N) x E) slots,
+    and its NLL under the pool is fetch-every-miss's bit for bit (the same grouped call over the same weights)."""
+    eng = engine
+    L, E, k = eng.L, eng.E, eng.k
+    windows = np.random.default_rng(3).integers(0, 90, size=(3, 24)).astype(np.int64)
+    C = {"llamacpp-lru": 3, "llamacpp-ncmoe": 5}  # ncmoe: 10 slots hold one layer of E = 8: N = 1
+    warm_start = [np.array([(2 * j + l_) % E for j in range(C["llamacpp-lru"])]) for l_ in range(L)]
+    runs = {name: eng.evaluate(windows, PRESETS[name], capacities=C[name],
+                               initial_residency=warm_start if name == "llamacpp-lru" else None, record_decisions=True)
+            for name in C}
+    fem = eng.evaluate(windows, PRESETS["fetch-every-miss"], capacities=3)
+    for name, r in runs.items():
+        dec = r["decisions"]
+        T = windows.size
+        assert dec["kind"].shape == (T, L, k)
+        sel, valid = dec["served"].tolist(), np.ones((T, L), bool).tolist()
+        if name == "llamacpp-lru":
+            kind, slot, ref = shared_pool_reference(sel, valid, E, [C[name]] * L, warm_start)
+        else:
+            N, kind, slot, ref = ncmoe_reference(sel, valid, E, [C[name]] * L)
+            assert N == 1
+        np.testing.assert_array_equal(dec["kind"], np.array(kind), err_msg=name)
+        np.testing.assert_array_equal(dec["slot"], np.array(slot), err_msg=name)
+        for l_ in range(L):
+            for key, value in ref[l_].items():
+                assert r["per_layer"][l_][key] == value, (name, l_, key)
+        c, rep = r["counters"], r["engine"]
+        assert rep["fetch_copies"] == c["fetches"] and rep["host_computes"] == c["host_computes"]
+        assert rep["device_computes"] == c["hits"] + c["fetches"]
+        assert c["hits"] + c["fetches"] + c["host_computes"] == c["calls"] == T * L * k
+    lru, ncmoe = runs["llamacpp-lru"], runs["llamacpp-ncmoe"]
+    assert lru["counters"]["fetches"] > 0 and lru["counters"]["hits"] > 0
+    assert lru["engine"]["slot_layout"] == "shared" and ncmoe["engine"]["slot_layout"] == "per_layer"
+    assert lru["engine"]["slot_bytes"] == L * C["llamacpp-lru"] * eng.expert_bytes
+    assert ncmoe["engine"]["slot_bytes"] == (L - 1) * E * eng.expert_bytes
+    np.testing.assert_array_equal(lru["nll"], fem["nll"])
+    # the split's host layer sums its experts on the host, in ascending id: the same math, summed in another order
+    np.testing.assert_allclose(ncmoe["nll"], fem["nll"], rtol=0, atol=1e-5)
 
 
 # --- llama.cpp's flags ------------------------------------------------------------------------------------------------
@@ -391,9 +440,9 @@ def test_flags_command_line(capsys):
     assert exc.value.code == 2 and "--capacity = 'x'" in capsys.readouterr().err
 
 
-def test_sweep_measures_llamacpp_presets_without_the_engine(monkeypatch, caplog):
-    """The sweep's baselines include both presets (every preset without routing); the engine refuses them, so its
-    batch on a calibrated host leaves them out (one log line each) instead of failing every policy of the batch."""
+def test_sweep_measures_llamacpp_presets_on_the_engine(monkeypatch):
+    """The sweep's baselines include both presets (every preset without routing), and its engine batch on a
+    calibrated host measures them with every other policy of the batch."""
     import sys
     from types import SimpleNamespace
 
@@ -409,12 +458,10 @@ def test_sweep_measures_llamacpp_presets_without_the_engine(monkeypatch, caplog)
 
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(remote=remote, get=lambda n: [None] * n))
     m = Measurer("M", "T", None, SimpleNamespace(rows=[], keys=set()), lambda rows: None, progress=False)
-    with caplog.at_level("INFO", logger="sweep.remeasure"):
-        m.engine([{**PRESETS[n].to_dict(), "capacity_fraction": 0.25}
-                  for n in ("llamacpp-lru", "fetch-every-miss", "llamacpp-ncmoe")], 64, "h", 0)
+    names = ("llamacpp-lru", "fetch-every-miss", "llamacpp-ncmoe")
+    m.engine([{**PRESETS[n].to_dict(), "capacity_fraction": 0.25} for n in names], 64, "h", 0)
     assert len(sent) == 1 and sent[0][0] == "engine"
-    assert [PolicyConfig(**p) for p in sent[0][1]] == [PRESETS["fetch-every-miss"]]
-    assert caplog.text.count("skipped: backend engine: policy") == 2
+    assert [PolicyConfig(**p) for p in sent[0][1]] == [PRESETS[n] for n in names]
 
 
 def test_sweep_family_names_the_structure():

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from runtime.backends import simulate
 from runtime.core.errors import InputError
 from runtime.core.kernel import COUNTER_NAMES  # noqa: F401 - re-exported: the counters every Result reports
-from runtime.core.llamacpp_cache import ENGINE_REFUSES
 from runtime.core.spec import FLAGS, GROUP_FIELDS, Result, RunSpec, backend_options, honoured_by
 
 
@@ -114,8 +113,7 @@ class Emulation(Backend):
 class EngineBackend(Backend):
     name = "engine"
     honours = honoured_by(name)
-    refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only",
-               **ENGINE_REFUSES}  # llama.cpp's pool and layer split (Engine.bind checks them too)
+    refuses = {("evict", "belady"): "an offline bound that needs the whole trace in advance: simulator only"}
 
     def _evaluate_group(self, specs: list[RunSpec], progress: bool) -> list[Result]:
         from runtime.backends import (  # torch-side: imported when first used

@@ -9,7 +9,9 @@ and in total. Every decision computes the selected expert itself at full precisi
 selection, known at once. The shared pool couples the layers and is decided token-major (each token, each
 layer in order; runtime/core/kernel/shared_pool.py): a layer-major caller (the emulation) gets a step's kinds
 and slots filled in, in the arrays of the `StepResult` it was given, once every earlier token-layer has been
-stepped (at the latest after the batch's last MoE layer).
+stepped (at the latest after the batch's last MoE layer). The engine decodes token-major, so each of its steps
+is decided at once; it runs the pool's slots as one slot array for every layer and the split's host layers on the
+host (runtime/backends/engine/slots.py, docs/engine.md).
 """
 
 from __future__ import annotations
@@ -42,34 +44,7 @@ from runtime.core.units import KERNEL as UNIT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENGINE_REFUSES", "LayerSplitCache", "SharedPoolCache", "cache_for", "engine_refusal", "is_llamacpp",
-           "ncmoe_layers", "refuse_on_engine"]
-
-
-# llama.cpp's expert cache and layer split are not run by the engine (runtime/backends/engine/): its slot arrays,
-# plans and grouped expert call are per layer (a shared pool would need one [S] slot array addressed across
-# layers), and it has no host-compute layers; refused with these reasons, never run as another policy
-ENGINE_REFUSES = {
-    ("pool", "shared"): "llama.cpp's expert cache, preset llamacpp-lru: the engine's slots and grouped expert call "
-                        "are per layer; use the simulator or the emulation",
-    ("layer_split", "ncmoe"): "llama.cpp's layer split, preset llamacpp-ncmoe: the engine has no host-compute layers; "
-                              "use the simulator or the emulation",
-}
-
-
-def engine_refusal(policy: PolicyConfig) -> str | None:
-    """Why the engine refuses `policy` (one line), or None when it runs it (ENGINE_REFUSES)."""
-    for (fld, value), why in ENGINE_REFUSES.items():
-        if getattr(policy, fld) == value:
-            return f"backend engine: policy {fld} = {value!r} is not supported ({why})"
-    return None
-
-
-def refuse_on_engine(policy: PolicyConfig) -> None:
-    """A one-line InputError when `policy` is one of llama.cpp's ways of holding experts (ENGINE_REFUSES)."""
-    why = engine_refusal(policy)
-    if why is not None:
-        raise InputError(why)
+__all__ = ["LayerSplitCache", "SharedPoolCache", "cache_for", "is_llamacpp", "ncmoe_layers"]
 
 
 def is_llamacpp(policy: PolicyConfig) -> bool:

@@ -31,6 +31,7 @@ from runtime.backends.engine import Engine, cpu_threads, engine_cli, load_engine
 from runtime.backends.engine.prefill import prefill
 from runtime.core.errors import ArgumentParser, InputError, atomic_write
 from runtime.core.kernel import PolicyCache, warm_residency
+from runtime.core.llamacpp_cache import cache_for
 from runtime.core.policy import PRESETS, preset, resolve_capacities
 from runtime.core.spec import (
     DEFAULT_CAPACITY_FRACTION,
@@ -98,7 +99,8 @@ def run_generate(eng: Engine, prompts: list[str], policy_name: str, max_new: int
     if cids is None:  # never warm from the evaluated prompts (runtime/core/spec.py)
         log.warning("no calibration text (--calib-text, or calib.txt beside the model): the cache starts cold")
         init_src = "cold"
-    cache = PolicyCache(pol, m.E, m.k, caps, warm_residency(cids, None, m.E, caps) if cids is not None else None)
+    # llama.cpp's shared pool and layer split run too (cache_for: runtime/core/llamacpp_cache.py)
+    cache = cache_for(pol, m.E, m.k, caps, warm_residency(cids, None, m.E, caps) if cids is not None else None)
     eng.bind(cache)
     try:
         runs = [greedy(eng, p, max_new, cache, chunk) for p in ids]

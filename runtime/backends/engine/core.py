@@ -7,6 +7,8 @@
 - the slot pool (runtime/backends/engine/slots.py): per MoE layer `C_l` device slots, one tensor pair
   `[C_l, 2I, H]` / `[C_l, H, I]` (a slot is a row), slot `s` of layer `l` holding the expert the kernel's own table says (`cache.slot_expert[l, s]`: the engine keeps no copy
   of the kernel's slot table or admission queue), a shared pool of staging buffers, the device ledger;
+  llama.cpp's expert cache (`SharedPoolCache`): one `[S, ...]` pair that every layer names, addressed by the
+  pool's slot ids; its layer split (`LayerSplitCache`): E slots per device layer, none on the host layers;
 - the copies (runtime/backends/engine/copies.py): the CUDA copy streams (CPU device mode: a link thread), waits
   and stalls, the admission and prefetch copies in flight;
 - applying the kernel's plan (runtime/backends/engine/plan.py): per token in the kernel's order, admissions,
@@ -40,7 +42,7 @@ from runtime.backends.engine.slots import SlotPool
 from runtime.backends.engine.store import build_host_store, page_aligned_empty
 from runtime.core.errors import InputError, cli_main
 from runtime.core.kernel import PolicyCache, decide, warmup
-from runtime.core.llamacpp_cache import refuse_on_engine
+from runtime.core.llamacpp_cache import LayerSplitCache, SharedPoolCache, cache_for, is_llamacpp
 from runtime.core.policy import PolicyConfig
 from runtime.formats import costmodel
 
@@ -218,9 +220,13 @@ class Engine:
                                                context_bytes=self.budget_context_bytes)
 
     @torch.inference_mode()
-    def bind(self, cache: PolicyCache) -> None:
-        """Start a run under `cache`: slot pools sized by its capacities and loaded with its residency."""
-        refuse_on_engine(cache.policy)
+    def bind(self, cache: PolicyCache | SharedPoolCache | LayerSplitCache) -> None:
+        """Start a run under `cache`: slot pools sized by its capacities and loaded with its residency (llama.cpp's
+        shared pool: one slot array for every layer; its layer split: E slots per device layer, none on the
+        host layers; docs/engine.md)."""
+        if isinstance(cache, PolicyCache) and is_llamacpp(cache.policy):  # never run as a per-layer cache
+            raise ValueError(f"Engine.bind: policy {cache.policy.label()} is llama.cpp's shared pool or layer split: "
+                             "bind the cache runtime.core.llamacpp_cache.cache_for gives, not a PolicyCache")
         self.drain()
         warmup()  # the kernel is compiled (or loaded from numba's cache) before anything is timed
         decide.compiled()  # and the engine's one-call host decision (runtime/core/kernel/decide.py)
@@ -347,8 +353,8 @@ class Engine:
             policy, caps, initial_residency = policy.policy, policy.capacities, policy.initial_residency
         else:
             caps = resolve_capacities(capacities, self.L, self.E, self.k)
-        cache = PolicyCache(policy, self.E, self.k, caps, initial_residency,
-                            weight_norm=adapters.weight_norm_of(m.model.config))
+        cache = cache_for(policy, self.E, self.k, caps, initial_residency,
+                          weight_norm=adapters.weight_norm_of(m.model.config))
         m.ctx.substitute_weight = substitute_weight
         m.ctx.decisions = [[] for _ in range(self.L)] if record_decisions else None
         try:
@@ -371,7 +377,8 @@ class Engine:
                "pinned": self.store.pinned,
                "copies_block_host": self.copies_block_host, "host_store_bytes": int(self.store.nbytes()),
                "nonexpert_bytes": int(self.nonexpert_bytes), "expert_bytes": int(self.expert_bytes),
-               "slot_bytes": int(self.pool.slot_bytes()), "staging_buffers": self.pool.n_staging,
+               "slot_bytes": int(self.pool.slot_bytes()), "slot_layout": self.pool.layout[0] if self.pool.layout else "",
+               "staging_buffers": self.pool.n_staging,
                "staging_bytes": int(self.pool.staging_bytes()), "lowbit_bytes": int(self.lowbit_bytes),
                "copy_buffers_high_water": self.pool.high_water, **self.stats}
         if self.cuda:

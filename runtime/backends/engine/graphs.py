@@ -38,7 +38,7 @@ from torch import nn
 
 from runtime.backends.engine.plan import Staged, grouped_masked
 from runtime.core.errors import InputError
-from runtime.core.kernel import EV_DEV, StepResult, decide, drop_renorm_scale
+from runtime.core.kernel import EV_DEV, PolicyCache, StepResult, decide, drop_renorm_scale
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +256,12 @@ class StepProgram:
         else:
             l_ = j - 1
             pool = self.runner.pool
-            y = grouped_masked(pool.gate_up[l_], pool.down[l_], self.x[l_], self.plan_dev[l_], self.runner.act[l_],
-                               self.dtype)  # [1, H]
-            h = self.h + (y + self.staged[l_].extra).view_as(self.h)
+            if pool.gate_up[l_].shape[0]:
+                y = grouped_masked(pool.gate_up[l_], pool.down[l_], self.x[l_], self.plan_dev[l_],
+                                   self.runner.act[l_], self.dtype)  # [1, H]
+                h = self.h + (y + self.staged[l_].extra).view_as(self.h)
+            else:  # a layer with no device slots (llama.cpp's -ncmoe host layers): its experts are all in `extra`
+                h = self.h + self.staged[l_].extra.view_as(self.h)
         a, b = self.ranges[j]
         for i in range(a, b):
             h = self.layers[i](h, attention_mask=self.masks.get(self.kinds[i]), position_ids=self.pos,
@@ -393,8 +396,10 @@ class OneCall:
             self.cache = c
             # cache-aware routing decides step by step: it rewrites the selection and its weights (StepResult.ids /
             # .weights) and reads up to route_window ranks, which the call's rank-ordered selection does not hold
-            self.ok = (c is not None and c.prefetch_width == 0 and c.L == self.S and c.E == self.E and c.k == self.k
-                       and c.policy.route == "off")
+            # llama.cpp's shared pool and layer split (runtime/core/llamacpp_cache.py) have no per-layer kernel
+            # state for the call to address: they decide step by step
+            self.ok = (isinstance(c, PolicyCache) and c.prefetch_width == 0 and c.L == self.S and c.E == self.E
+                       and c.k == self.k and c.policy.route == "off")
             self.drop_renorm = bool(c is not None and c.policy.drop_renorm)
             if self.ok:
                 for l_, o in enumerate(self.outs):  # each layer's last decision (views: rewritten per step)

@@ -6,6 +6,12 @@ device bytes the engine holds.
   gather by slot index + batched matmul). Slot `s` (`slots[l][s]`, an `ExpertBuf` of views of row `s`)
   holds the expert the kernel's own table says (`cache.slot_expert[l, s]`): the pool reads the bound
   `PolicyCache` and keeps no copy of its slot table. Fetches copy host -> row.
+- llama.cpp's two ways of holding experts (runtime/core/llamacpp_cache.py, docs/engine.md "llama.cpp's expert
+  cache and layer split"): the shared pool (`SharedPoolCache`) is ONE tensor pair `[S, 2I, H]` / `[S, H, I]`
+  for the whole model, which every layer's `gate_up[l]` / `down[l]` and `slots[l]` name, so the kernel's pool
+  slot ids address it directly (the grouped call reads the layer's experts from it in place, no gather); the
+  layer split (`LayerSplitCache`) holds E slots (slot = expert id) on each device layer and none on its first
+  N (host) layers. `residents` and `slot_of` read each cache's own table.
 - Staging buffers: the prefill's double buffer (the exact path's streamed experts: two buffers, allocated
   with the pool), and the copy buffers of the background copies (admissions, lookahead prefetches). With a
   bounded pool (policy field `copy_buffers` = B, docs/policies.md "Additions (3)") `bind` allocates B
@@ -27,11 +33,38 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from runtime.core.llamacpp_cache import LayerSplitCache, SharedPoolCache
 
 if TYPE_CHECKING:
     from runtime.backends.engine.store import HostStore
     from runtime.core.kernel import PolicyCache
+
+
+def residents(cache, layer: int) -> list[tuple[int, int]]:
+    """(slot, expert) of every expert of MoE layer `layer` on the device, read from `cache`'s own table: a
+    `PolicyCache`'s `slot_expert`, the shared pool's keys (layer * E + expert) in its slots, the layer split's
+    slot = expert id on a device layer."""
+    if isinstance(cache, SharedPoolCache):
+        keys = cache.pool.slot_key  # [S] key per pool slot, -1 empty
+        mine = np.flatnonzero((keys >= 0) & (keys // cache.E == layer))
+        return [(int(s), int(keys[s]) % cache.E) for s in mine]
+    if isinstance(cache, LayerSplitCache):
+        return [(e, e) for e in cache.resident(layer).tolist()]
+    row = cache.slot_expert[layer, : int(cache.caps[layer])]
+    return [(int(s), int(e)) for s, e in enumerate(row.tolist()) if e >= 0]
+
+
+def slot_of(cache, layer: int, e: int) -> int:
+    """The slot of expert e of MoE layer `layer` in `cache`'s own table (a shared pool: its pool slot), -1 when not
+    on the device."""
+    if isinstance(cache, SharedPoolCache):
+        return int(cache.pool.key_slot[layer * cache.E + e])
+    if isinstance(cache, LayerSplitCache):
+        return e if layer >= cache.ncmoe else -1
+    return int(cache.expert_slot[layer, e])
 
 
 @dataclass
@@ -63,8 +96,9 @@ class SlotPool:
         self.dtype, self.H, self.I, self.expert_bytes = store.dtype, H, I, expert_bytes
         self.cache: PolicyCache | None = None
         self.slots: list[list[ExpertBuf]] | None = None  # [L][C_l]: views of the rows below
-        self.gate_up: list[torch.Tensor] = []  # [L] of [C_l, 2I, H]
-        self.down: list[torch.Tensor] = []  # [L] of [C_l, H, I]
+        self.gate_up: list[torch.Tensor] = []  # [L] of [C_l, 2I, H] (a shared pool: the same [S, 2I, H] L times)
+        self.down: list[torch.Tensor] = []  # [L] of [C_l, H, I] (a shared pool: the same [S, H, I] L times)
+        self.layout: tuple = ()  # ("per_layer", C_0, ..., C_{L-1}) or ("shared", L, S): what `slots` holds
         self.free: list[ExpertBuf] = []  # unbounded copy pool: buffers not in use
         self.part: list[list[ExpertBuf]] | None = None  # bounded copy pool: per layer, its free buffers
         self.bound_copies: tuple[int, int] = (0, 0)  # (layers, buffers per layer) of the bounded pool
@@ -95,6 +129,9 @@ class SlotPool:
         return self.n_staging * self.expert_bytes
 
     def slot_bytes(self) -> int:
+        """Device bytes of the slots (a shared pool's S slots counted once)."""
+        if self.layout[:1] == ("shared",):
+            return self.layout[2] * self.expert_bytes
         return sum(len(s) for s in self.slots or []) * self.expert_bytes
 
     # ------------------------------------------------------------------ buffers
@@ -192,26 +229,30 @@ class SlotPool:
 
     # ------------------------------------------------------------------ slots
 
-    def bind(self, cache: PolicyCache) -> None:
-        """Slots sized by `cache`'s capacities (reallocated only when they change) and loaded with its
-        residency from the host store (blocking copies on the current stream)."""
+    def bind(self, cache: PolicyCache | SharedPoolCache | LayerSplitCache) -> None:
+        """Slots sized by `cache`'s capacities (reallocated only when they change; a shared pool: one array of its
+        S slots that every layer names) and loaded with its residency from the host store (blocking copies on
+        the current stream)."""
         caps = [int(c) for c in cache.caps]
-        if self.slots is None or [len(s) for s in self.slots] != caps:
+        L = len(caps)
+        layout = ("shared", L, sum(caps)) if isinstance(cache, SharedPoolCache) else ("per_layer", *caps)
+        if self.slots is None or self.layout != layout:
             if self.slots is not None:
                 self.refund(self.slot_bytes())
             self.slots, self.gate_up, self.down = None, [], []  # the old rows go before the new ones are allocated
+            sizes = [layout[2]] if layout[0] == "shared" else caps
             with torch.inference_mode(False):  # normal tensors and views (written outside inference mode too)
-                self.gate_up = [torch.empty(c, 2 * self.I, self.H, dtype=self.dtype, device=self.device) for c in caps]
-                self.down = [torch.empty(c, self.H, self.I, dtype=self.dtype, device=self.device) for c in caps]
-                self.slots = [[self.new_buf(gu[s], dn[s]) for s in range(len(gu))]
-                              for gu, dn in zip(self.gate_up, self.down, strict=True)]
+                gate_up = [torch.empty(c, 2 * self.I, self.H, dtype=self.dtype, device=self.device) for c in sizes]
+                down = [torch.empty(c, self.H, self.I, dtype=self.dtype, device=self.device) for c in sizes]
+                slots = [[self.new_buf(gu[s], dn[s]) for s in range(len(gu))] for gu, dn in zip(gate_up, down, strict=True)]
+            if layout[0] == "shared":  # every layer names the one pool: the kernel's pool slot s is row s
+                gate_up, down, slots = gate_up * L, down * L, slots * L
+            self.gate_up, self.down, self.slots, self.layout = gate_up, down, slots, layout
         self.cache = cache
-        self.bind_copies(cache.policy, len(caps))
-        for l_, row in enumerate(self.slots):
-            for s in range(len(row)):
-                e = int(cache.slot_expert[l_, s])
-                if e >= 0:
-                    self.store.copy_into(l_, e, row[s])
+        self.bind_copies(cache.policy, L)
+        for l_ in range(L):
+            for s, e in residents(cache, l_):
+                self.store.copy_into(l_, e, self.slots[l_][s])
 
     def install(self, layer: int, s: int, buf: ExpertBuf) -> None:
         """`buf` (a landed staging copy: the caller made the compute stream wait for it) is copied into slot s
@@ -226,16 +267,14 @@ class SlotPool:
         """The kernel's slot of expert e (its own table), -1 when not resident or nothing is bound."""
         if self.slots is None or self.cache is None:
             return -1
-        return int(self.cache.expert_slot[layer, e])
+        return slot_of(self.cache, layer, e)
 
     def check(self, layer: int) -> None:
         """Debug: every slot holds the weights of the expert the kernel's table puts there."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        for s in range(int(self.cache.caps[layer])):
-            e = int(self.cache.slot_expert[layer, s])
-            if e >= 0:
-                gu, d = self.store.weights(layer, e)
-                buf = self.slots[layer][s]
-                if not (torch.equal(buf.gate_up.cpu(), gu) and torch.equal(buf.down.cpu(), d)):
-                    raise AssertionError(f"engine slot {s} of MoE layer {layer} does not hold expert {e}'s weights")
+        for s, e in residents(self.cache, layer):
+            gu, d = self.store.weights(layer, e)
+            buf = self.slots[layer][s]
+            if not (torch.equal(buf.gate_up.cpu(), gu) and torch.equal(buf.down.cpu(), d)):
+                raise AssertionError(f"engine slot {s} of MoE layer {layer} does not hold expert {e}'s weights")
