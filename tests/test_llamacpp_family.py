@@ -213,6 +213,14 @@ def test_cache_for_and_policy_errors():
         SharedPoolCache(LRU, 8, 2, np.array([1, 3]))
 
 
+@pytest.mark.parametrize("name", ["llamacpp-lru", "llamacpp-ncmoe"])
+def test_a_per_layer_cache_refuses_llamacpps_policies(name):
+    """PolicyCache would run the shared pool as per-layer LRU and the split as an all-device cache: it refuses."""
+    with pytest.raises(ValueError, match="cache_for builds its cache"):
+        PolicyCache(PRESETS[name], 8, 2, np.array([4, 4]))
+    assert isinstance(cache_for(PRESETS[name], 8, 2, np.array([4, 4])), SharedPoolCache | LayerSplitCache)
+
+
 def test_all_resident_pool_hits_everything():
     """A pool of L * E slots (allow_full, as the emulation's exactness check uses) holds every key: only hits."""
     ids, valid = random_trace(5, 50, 2, 6, 2, invalid=0.0)

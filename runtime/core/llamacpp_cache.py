@@ -44,12 +44,7 @@ from runtime.core.units import KERNEL as UNIT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerSplitCache", "SharedPoolCache", "cache_for", "is_llamacpp", "ncmoe_layers"]
-
-
-def is_llamacpp(policy: PolicyConfig) -> bool:
-    """Whether the policy is one of llama.cpp's ways of holding experts (shared pool or layer split)."""
-    return policy.pool != "per_layer" or policy.layer_split != "none"
+__all__ = ["LayerSplitCache", "SharedPoolCache", "cache_for", "ncmoe_layers"]
 
 
 def ncmoe_layers(capacities, num_experts: int) -> int:

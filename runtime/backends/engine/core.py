@@ -42,7 +42,7 @@ from runtime.backends.engine.slots import SlotPool
 from runtime.backends.engine.store import build_host_store, page_aligned_empty
 from runtime.core.errors import InputError, cli_main
 from runtime.core.kernel import PolicyCache, decide, warmup
-from runtime.core.llamacpp_cache import LayerSplitCache, SharedPoolCache, cache_for, is_llamacpp
+from runtime.core.llamacpp_cache import LayerSplitCache, SharedPoolCache, cache_for
 from runtime.core.policy import PolicyConfig
 from runtime.formats import costmodel
 
@@ -224,9 +224,6 @@ class Engine:
         """Start a run under `cache`: slot pools sized by its capacities and loaded with its residency (llama.cpp's
         shared pool: one slot array for every layer; its layer split: E slots per device layer, none on the
         host layers; docs/engine.md)."""
-        if isinstance(cache, PolicyCache) and is_llamacpp(cache.policy):  # never run as a per-layer cache
-            raise ValueError(f"Engine.bind: policy {cache.policy.label()} is llama.cpp's shared pool or layer split: "
-                             "bind the cache runtime.core.llamacpp_cache.cache_for gives, not a PolicyCache")
         self.drain()
         warmup()  # the kernel is compiled (or loaded from numba's cache) before anything is timed
         decide.compiled()  # and the engine's one-call host decision (runtime/core/kernel/decide.py)

@@ -155,6 +155,9 @@ class PolicyCache:
         """`weight_norm`: how the model normalises its gate weights (a trace's metadata, the adapter's family):
         Cache-Prior's recomputed weights follow it (docs/policies.md, Additions (4))."""
         policy.validate()
+        if policy.pool != "per_layer" or policy.layer_split != "none":  # never run as a per-layer cache
+            raise ValueError(f"PolicyCache: pool = {policy.pool!r}, layer_split = {policy.layer_split!r} is llama.cpp's "
+                             "way of holding experts: runtime.core.llamacpp_cache.cache_for builds its cache")
         ensure(UNIT)  # the compiled kernel checked once per process (runtime/core/compiled.py)
         self.policy = policy
         self.E, self.k = int(num_experts), int(top_k)
