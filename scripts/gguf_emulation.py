@@ -1,0 +1,122 @@
+"""A GGUF emulated dequantized by transformers, against the checkpoint and against llama.cpp's own routing of it.
+
+`python scripts/gguf_emulation.py [--model DIR] [--max-tokens N] [--window W]` writes reports/gguf_emulation.md
+and .json. From a Qwen3-MoE checkpoint (default: the demo model when built, else a random checkpoint of its
+shape: scripts/llamacpp_routing.py `default_model`) it writes F32, Q8_0 and Q4_0 GGUFs (runtime/tools/gguf_export.py,
+llama.cpp's own quantizer) and loads each as the emulation does (runtime/backends/gguf.py: transformers'
+GGUF loader, dequantized to float32). Per GGUF, on the same windows of tests/data/kernel_source.txt:
+- the dequantized model against the checkpoint: the largest logit difference, the exact perplexity of each, and
+  the routing cell by cell (runtime/tools/llamacpp_compare.py `compare`: top-k sets, near-ties, probabilities);
+- the dequantized model's routing against llama.cpp's recording of the same GGUF (runtime/tools/llamacpp.py,
+  the recorder's exact context): how far the emulated model routes from the trace a sweep screens on.
+The load's seconds and this process's peak RSS are stated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+TEXT = ROOT / "tests" / "data" / "kernel_source.txt"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from llamacpp_routing import default_model  # noqa: E402
+
+from runtime.backends import hfmodel  # noqa: E402
+from runtime.core.errors import ArgumentParser  # noqa: E402
+from runtime.formats.trace import load_trace  # noqa: E402
+from runtime.tools.gguf_export import export_gguf, quantize_gguf  # noqa: E402
+from runtime.tools.llamacpp import peak_rss_mib, record_gguf  # noqa: E402
+from runtime.tools.llamacpp_compare import NEAR_TIE, compare  # noqa: E402
+from runtime.tools.reports import write_report  # noqa: E402
+
+log = logging.getLogger("gguf_emulation")
+
+
+def routed(m: hfmodel.Loaded, windows: np.ndarray):
+    """The exact model's trace (with router_scores) over `windows`, its NLL [n, W-1] and its logits [n, W, V]."""
+    ids, w, rank, _, nll, scores = hfmodel.record_routing(m, windows, m.E, scores=True)
+    with torch.inference_mode():
+        logits = torch.cat([m.model(input_ids=torch.from_numpy(windows[a:a + 4]), use_cache=False).logits
+                            for a in range(0, len(windows), 4)])
+    return hfmodel.make_trace(m, ids, w, rank, windows, "", "gguf_emulation", router_scores=scores), nll, logits
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a Qwen3-MoE checkpoint directory (default: see above)")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=256)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model, what = (Path(a.model), a.model) if a.model else default_model(work)
+        hf = hfmodel.load(model, "fp32", max_memory=8)
+        windows = hfmodel.tokenize_file(hf, TEXT, a.max_tokens, a.window)[0]
+        hf_trace, hf_nll, hf_logits = routed(hf, windows)
+        del hf
+        (work / "g").mkdir()
+        ggufs = {"F32": export_gguf(model, work / "g" / "m.gguf", "f32")}
+        for q in ("q8_0", "q4_0"):
+            ggufs[q.upper()] = quantize_gguf(ggufs["F32"], work / "g" / f"m.{q}.gguf", q)
+        rows = []
+        for kind, path in ggufs.items():
+            t0 = time.perf_counter()
+            m = hfmodel.load(path, max_memory=8)
+            load_s = time.perf_counter() - t0
+            ids = hfmodel.tokenize_file(m, TEXT, a.max_tokens, a.window)[0]
+            trace, nll, logits = routed(m, windows)
+            del m
+            out = work / f"llama-{kind}.parquet"
+            record_gguf(path, TEXT, out, a.max_tokens, window=a.window, router_scores=True)
+            vs_checkpoint, vs_llama = compare(hf_trace, trace), compare(trace, load_trace(out))
+            rows.append({"gguf": kind, "gguf_bytes": path.stat().st_size, "load_seconds": round(load_s, 2),
+                         "same_token_ids": bool(np.array_equal(ids, windows)),
+                         "max_logit_diff_vs_checkpoint": float((logits - hf_logits).abs().max()),
+                         "perplexity": math.exp(nll.mean()), "checkpoint_perplexity": math.exp(hf_nll.mean()),
+                         "routing_vs_checkpoint": vs_checkpoint.as_dict(), "routing_vs_llamacpp": vs_llama.as_dict()})
+            log.warning("%s: ppl %.4f (checkpoint %.4f), vs llama.cpp %d/%d sets equal", kind, rows[-1]["perplexity"],
+                        rows[-1]["checkpoint_perplexity"], vs_llama.topk_equal, vs_llama.cells)
+    data = {"model": what, "tokens": hf_trace.T, "layers": hf_trace.L, "experts": hf_trace.E, "top_k": hf_trace.k,
+            "window": a.window, "near_tie_relative": NEAR_TIE, "ggufs": rows, "peak_rss_mib": round(peak_rss_mib())}
+    lines = [
+        f"Model: {what}. Text: tests/data/kernel_source.txt, first {hf_trace.T} tokens in windows of {a.window}; "
+        f"{hf_trace.L} MoE layers, {hf_trace.E} experts, top-{hf_trace.k}: {hf_trace.T * hf_trace.L} (token, layer) "
+        "cells. Each GGUF is loaded as the emulation loads it (transformers' GGUF loader, dequantized to float32: "
+        "runtime/backends/gguf.py) and run in torch; llama.cpp's column is its own recording of the same GGUF "
+        "(flash attention off, F32 KV cache: the recorder's default).",
+        "",
+        ("A random checkpoint's weights are not a trained model's: how far quantization moves a trained model is "
+         "for a rerun with --model (the demo model is used when built: make model)." if "random" in what else ""),
+        "",
+        f"Sets: top-k sets equal per (token, layer) cell; near-ties: the reference's k-th and (k+1)-th probabilities "
+        f"within {NEAR_TIE} relative (reference: the checkpoint, resp. the dequantized model).",
+        "",
+        "| GGUF | bytes | same token ids | max logit diff vs checkpoint | perplexity (checkpoint) | sets equal vs "
+        "checkpoint | of differing, near-ties | sets equal vs llama.cpp's routing | of differing, near-ties | "
+        "max prob diff vs llama.cpp |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        c, ll = r["routing_vs_checkpoint"], r["routing_vs_llamacpp"]
+        lines.append(f"| {r['gguf']} | {r['gguf_bytes']:,} | {r['same_token_ids']} | {r['max_logit_diff_vs_checkpoint']:.3g} "
+                     f"| {r['perplexity']:.4f} ({r['checkpoint_perplexity']:.4f}) | {c['topk_equal']:,}/{c['cells']:,} "
+                     f"| {c['differ_near_tie']}/{c['differ']} | {ll['topk_equal']:,}/{ll['cells']:,} | "
+                     f"{ll['differ_near_tie']}/{ll['differ']} | {ll['max_prob_diff']:.2e} |")
+    lines += ["", f"Peak RSS of the script: {data['peak_rss_mib']} MiB. Load seconds (transformers, dequantizing): "
+              + ", ".join(f"{r['gguf']}: {r['load_seconds']}" for r in rows) + "."]
+    write_report("gguf_emulation", "A GGUF emulated dequantized, against its checkpoint and llama.cpp's routing",
+                 data, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
