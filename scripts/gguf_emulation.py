@@ -9,7 +9,9 @@ GGUF loader, dequantized to float32). Per GGUF, on the same windows of tests/dat
   the routing cell by cell (runtime/tools/llamacpp_compare.py `compare`: top-k sets, near-ties, probabilities);
 - the dequantized model's routing against llama.cpp's recording of the same GGUF (runtime/tools/llamacpp.py,
   the recorder's exact context): how far the emulated model routes from the trace a sweep screens on.
-The load's seconds and this process's peak RSS are stated.
+The load's seconds and this process's peak RSS are stated; and the peak RSS of loading a larger random GGUF
+(4 layers, hidden 512, 64 experts of 512: about 0.8 GiB in F32), each load in a fresh process (`--peak-of`),
+in float32 and bf16, beside `gguf.load_GiB`'s estimate that --max-memory is checked against.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from runtime.core.errors import ArgumentParser  # noqa: E402
 from runtime.formats.trace import load_trace  # noqa: E402
 from runtime.tools.gguf_export import export_gguf, quantize_gguf  # noqa: E402
 from runtime.tools.llamacpp import peak_rss_mib, record_gguf  # noqa: E402
-from runtime.tools.llamacpp_compare import NEAR_TIE, compare  # noqa: E402
+from runtime.tools.llamacpp_compare import NEAR_TIE, build_checkpoint, compare  # noqa: E402
 from runtime.tools.reports import write_report  # noqa: E402
 
 log = logging.getLogger("gguf_emulation")
@@ -50,7 +52,48 @@ def routed(m: hfmodel.Loaded, windows: np.ndarray):
     return hfmodel.make_trace(m, ids, w, rank, windows, "", "gguf_emulation", router_scores=scores), nll, logits
 
 
+def peak_of(path: Path, dtype: str) -> dict:
+    """Load `path` as the emulation does in this (fresh) process: the peak RSS above the imports, the model's
+    bytes and `load_GiB`'s estimate, in MiB."""
+    import resource
+
+    from gguf import GGUFReader
+
+    from runtime.backends import gguf
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    m = hfmodel.load(path, dtype, max_memory=64)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model = sum(t.numel() * t.element_size() for t in m.model.parameters()) / 2**20
+    estimate = gguf.load_GiB(path, GGUFReader(str(path)), m.dtype) * 1024
+    return {"dtype": str(m.dtype).removeprefix("torch."), "gguf_mib": round(path.stat().st_size / 2**20, 1),
+            "model_mib": round(model, 1), "peak_rss_above_imports_mib": round(peak - base, 1),
+            "load_estimate_mib": round(estimate, 1)}
+
+
+def peaks(work: Path) -> list[dict]:
+    """`peak_of` a larger random GGUF in float32 and bf16, each in its own process."""
+    import json
+    import subprocess
+
+    ckpt = build_checkpoint(work / "big", layers=4, hidden=512, experts=64, top_k=8, moe_intermediate=512,
+                            vocab_size=320)
+    (work / "bigg").mkdir()
+    path = export_gguf(ckpt, work / "bigg" / "big.gguf", "f32")
+    rows = []
+    for dtype in ("auto", "bf16"):
+        proc = subprocess.run([sys.executable, __file__, "--peak-of", str(path), dtype], capture_output=True, text=True,
+                              check=True)
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and sys.argv[1:2] == ["--peak-of"]:
+        import json
+
+        print(json.dumps(peak_of(Path(sys.argv[2]), sys.argv[3])))
+        return
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a Qwen3-MoE checkpoint directory (default: see above)")
     p.add_argument("--max-tokens", type=int, default=4096)
@@ -86,8 +129,10 @@ def main(argv: list[str] | None = None) -> None:
                          "routing_vs_checkpoint": vs_checkpoint.as_dict(), "routing_vs_llamacpp": vs_llama.as_dict()})
             log.warning("%s: ppl %.4f (checkpoint %.4f), vs llama.cpp %d/%d sets equal", kind, rows[-1]["perplexity"],
                         rows[-1]["checkpoint_perplexity"], vs_llama.topk_equal, vs_llama.cells)
+        load_peaks = peaks(work)
     data = {"model": what, "tokens": hf_trace.T, "layers": hf_trace.L, "experts": hf_trace.E, "top_k": hf_trace.k,
-            "window": a.window, "near_tie_relative": NEAR_TIE, "ggufs": rows, "peak_rss_mib": round(peak_rss_mib())}
+            "window": a.window, "near_tie_relative": NEAR_TIE, "ggufs": rows, "peak_rss_mib": round(peak_rss_mib()),
+            "load_peaks": load_peaks}
     lines = [
         f"Model: {what}. Text: tests/data/kernel_source.txt, first {hf_trace.T} tokens in windows of {a.window}; "
         f"{hf_trace.L} MoE layers, {hf_trace.E} experts, top-{hf_trace.k}: {hf_trace.T * hf_trace.L} (token, layer) "
@@ -113,7 +158,13 @@ def main(argv: list[str] | None = None) -> None:
                      f"| {c['differ_near_tie']}/{c['differ']} | {ll['topk_equal']:,}/{ll['cells']:,} | "
                      f"{ll['differ_near_tie']}/{ll['differ']} | {ll['max_prob_diff']:.2e} |")
     lines += ["", f"Peak RSS of the script: {data['peak_rss_mib']} MiB. Load seconds (transformers, dequantizing): "
-              + ", ".join(f"{r['gguf']}: {r['load_seconds']}" for r in rows) + "."]
+              + ", ".join(f"{r['gguf']}: {r['load_seconds']}" for r in rows) + ".",
+              "", "Loading a larger random F32 GGUF (4 layers, hidden 512, 64 experts of 512), each in a fresh process: "
+              "peak RSS above the imports against the model's bytes and the estimate --max-memory is checked against "
+              "(gguf.load_GiB: the file, float32 tensors and the model).", "",
+              "| dtype | GGUF MiB | model MiB | peak RSS above imports MiB | load estimate MiB |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['dtype']} | {r['gguf_mib']} | {r['model_mib']} | {r['peak_rss_above_imports_mib']} | "
+              f"{r['load_estimate_mib']} |" for r in load_peaks]
     write_report("gguf_emulation", "A GGUF emulated dequantized, against its checkpoint and llama.cpp's routing",
                  data, "\n".join(lines))
 

@@ -148,7 +148,7 @@ def test_bad_gguf_is_one_line_exit_2_nothing_written(model, tmp_path, capsys, ca
         expect = f"--model {bad}: no such file"
     else:
         bad, extra = gguf_path, ["--max-memory", "0.0001"]
-        expect = f"--model {bad}: dequantized to float32 it needs"
+        expect = f"--model {bad}: loading it dequantized to float32 needs about"
     out = tmp_path / "nll.parquet"
     code, err = _emulate(["--model", str(bad), "--text", str(text), "--policy", "rule-0.15", "--nll-out", str(out),
                           *extra], capsys)

@@ -9,8 +9,8 @@ arithmetic, not llama.cpp's (which multiplies quantized blocks, e.g. Q8_0 weight
 from the GGUF's own metadata (`{arch}.expert_feed_forward_length` -> moe_intermediate_size,
 `{arch}.expert_weights_norm` -> norm_topk_prob). Architectures: `SUPPORTED` (GGUF general.architecture ->
 transformers model_type), those both transformers' loader and the policy adapters (runtime/backends/adapters.py)
-take. Bad input (no such file, not a GGUF, another architecture, the gguf package missing, a dequantized
-size above --max-memory) is one-line InputError naming the file. runtime/backends/hfmodel.py `load` calls
+take. Bad input (no such file, not a GGUF, another architecture, the gguf package missing, the load estimate
+`load_GiB` above --max-memory) is a one-line InputError naming the file. runtime/backends/hfmodel.py `load` calls
 this for a `.gguf` path; docs/emulation.md ("A GGUF file") documents it.
 """
 
@@ -90,18 +90,21 @@ def _config(p: Path, reader, arch: str, flag: str):
     return cfg
 
 
-def _nbytes(reader, dtype: torch.dtype) -> int:
-    """Bytes of every tensor dequantized to `dtype`."""
+def load_GiB(path: Path, reader, dtype: torch.dtype) -> float:
+    """An upper estimate of what loading the GGUF holds in memory at its peak, in GiB: the file (mapped and read
+    whole), every tensor dequantized to float32 (transformers' loader dequantizes to float32 arrays, then casts)
+    and the model in `dtype` (reports/gguf_emulation.md measures the peak beside this)."""
     import torch
 
     elements = sum(int(np.prod([int(d) for d in t.shape])) for t in reader.tensors)
-    return elements * torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    return (path.stat().st_size + elements * (4 + size)) / GiB
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None, max_memory_GiB: float,
                flag: str = "--model") -> tuple[torch.nn.Module, object]:
     """(model, tokenizer) of a GGUF, dequantized to `dtype` (None: float32) and held whole in memory;
-    refused (nothing loaded) when that exceeds `max_memory_GiB`."""
+    refused (nothing loaded) when `load_GiB` exceeds `max_memory_GiB`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,13 +112,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None, max_memory_Gi
     reader, arch = _reader(p, flag)
     cfg = _config(p, reader, arch, flag)
     dt = dtype or torch.float32
-    need = _nbytes(reader, dt) / GiB
+    name = str(dt).removeprefix("torch.")
+    need = load_GiB(p, reader, dt)
     if need > max_memory_GiB:
-        raise InputError(f"{flag} {p}: dequantized to {str(dt).removeprefix('torch.')} it needs {need:.3g} GiB, above "
-                         f"--max-memory {max_memory_GiB:.3g} GiB (a GGUF is loaded whole, never streamed)")
+        raise InputError(f"{flag} {p}: loading it dequantized to {name} needs about {need:.3g} GiB, above --max-memory "
+                         f"{max_memory_GiB:.3g} GiB (a GGUF is loaded whole, never streamed)")
     del reader
-    log.info("--model %s: a %s GGUF, dequantized by transformers to %s (%.3g GiB in memory)", p, arch,
-             str(dt).removeprefix("torch."), need)
+    log.info("--model %s: a %s GGUF, dequantized by transformers to %s (load estimate %.3g GiB)", p, arch, name, need)
     try:
         model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, config=cfg, dtype=dt,
                                                      local_files_only=True)
