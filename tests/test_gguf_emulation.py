@@ -157,6 +157,27 @@ def test_bad_gguf_is_one_line_exit_2_nothing_written(model, tmp_path, capsys, ca
     assert not out.exists()
 
 
+@pytest.mark.parametrize("case", ["not a gguf", "another architecture"])
+def test_a_sweep_on_a_bad_gguf_is_one_line_before_any_trial(model, tmp_path, case):
+    from tests.sweep_fixtures import run_driver, write_config
+
+    _, _, text = model
+    if case == "not a gguf":
+        bad = tmp_path / "x.gguf"
+        bad.write_text("not a model")
+        expect = f"model = {bad}: not a GGUF file"
+    else:
+        bad = _llama_moe_gguf(tmp_path / "mixtral.gguf")
+        expect = f"model = {bad}: GGUF architecture 'llama'"
+    cfg = write_config(tmp_path, trace=None, calib_trace=None)
+    out = tmp_path / "out"
+    proc = run_driver(cfg, out, "--model", str(bad), "--text", str(text), "--ray-address", "local",
+                      "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}", timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and lines[-1].startswith("expertsweep: error: " + expect), proc.stderr[-2000:]
+    assert not any("Traceback" in ln for ln in lines) and not out.exists()  # refused before Ray starts
+
+
 def test_emulate_a_gguf_states_its_peak_rss(model, capsys):
     _, gguf_path, text = model
     code, err = _emulate(["--model", str(gguf_path), "--text", str(text), "--policy", "rule-0.15", "--json"], capsys)
