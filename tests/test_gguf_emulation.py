@@ -14,6 +14,7 @@ llama-cpp-python for recording and quantizing).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -107,13 +108,15 @@ def test_q8_0_gguf_loads_as_its_dequantized_weights(model, q8_0):
     assert np.abs(nll_q8 - nll_f32).max() > 0  # the quantized model's perplexity is its own
 
 
-def _emulate(argv: list[str], capsys) -> tuple[int, str]:
+def _emulate(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`expertsweep emulate ARGV`: its exit status (0 when it returns), stderr and stdout."""
     try:
         cli.main(["emulate", *argv])
         code = 0
     except SystemExit as exc:
         code = int(exc.code or 0)
-    return code, capsys.readouterr().err
+    got = capsys.readouterr()
+    return code, got.err, got.out
 
 
 def _llama_moe_gguf(path: Path) -> Path:
@@ -150,7 +153,7 @@ def test_bad_gguf_is_one_line_exit_2_nothing_written(model, tmp_path, capsys, ca
         bad, extra = gguf_path, ["--max-memory", "0.0001"]
         expect = f"--model {bad}: loading it dequantized to float32 needs about"
     out = tmp_path / "nll.parquet"
-    code, err = _emulate(["--model", str(bad), "--text", str(text), "--policy", "rule-0.15", "--nll-out", str(out),
+    code, err, _ = _emulate(["--model", str(bad), "--text", str(text), "--policy", "rule-0.15", "--nll-out", str(out),
                           *extra], capsys)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("expertsweep: error: " + expect), err
@@ -178,10 +181,17 @@ def test_a_sweep_on_a_bad_gguf_is_one_line_before_any_trial(model, tmp_path, cas
     assert not any("Traceback" in ln for ln in lines) and not out.exists()  # refused before Ray starts
 
 
-def test_emulate_a_gguf_states_its_peak_rss(model, capsys):
+def test_emulate_a_gguf_warm_from_its_llamacpp_trace_states_its_peak_rss(model, tmp_path, capsys):
+    """llama.cpp's recording of the GGUF (architecture qwen3moe) warms the emulation of that GGUF (qwen3_moe)."""
+    pytest.importorskip("llama_cpp")
     _, gguf_path, text = model
-    code, err = _emulate(["--model", str(gguf_path), "--text", str(text), "--policy", "rule-0.15", "--json"], capsys)
-    assert code == 0 and "expertsweep emulate: peak RSS" in err
+    trace = tmp_path / "calib.parquet"
+    cli.main(["record", "--model", str(gguf_path), "--text", str(text), "--out", str(trace)])
+    capsys.readouterr()
+    code, err, out = _emulate(["--model", str(gguf_path), "--text", str(text), "--policy", "rule-0.15", "--json",
+                               "--initial-residency", f"warm:{trace}"], capsys)
+    assert code == 0 and "expertsweep emulate: peak RSS" in err, err
+    assert json.loads(out)["initial_residency"] == f"warm:{trace}"
 
 
 @pytest.mark.slow
