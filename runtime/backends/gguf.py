@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MISSING_GGUF = "emulating a .gguf needs the gguf package: pip install 'expertsweep[llamacpp]'"
+GGUF_MAGIC = b"GGUF"
 SUPPORTED = {"qwen3moe": "qwen3_moe"}  # GGUF general.architecture -> transformers model_type
 GiB = 1024**3
 
@@ -40,37 +41,58 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
-def check(path: str | os.PathLike, flag: str = "--model") -> str:
-    """The GGUF's architecture after the checks every load makes: a file, a readable GGUF of a MoE model, an
-    architecture in `SUPPORTED`, the gguf package installed (one-line InputErrors naming the file). No torch."""
-    from runtime.tools.llamacpp import read_info
-
+def open_gguf(path: str | os.PathLike, flag: str = "--model", missing: str = MISSING_GGUF):
+    """The gguf package's reader of a GGUF file and its `general.architecture`: one-line InputErrors for a file
+    that cannot be read, is not a GGUF, is unreadable as one, or has no architecture; `missing` when the gguf
+    package is not installed. runtime/tools/llamacpp.py `read_info` reads the recorder's metadata through it."""
+    p = Path(path)
     try:
-        import gguf  # noqa: F401 - transformers' GGUF loader needs it too
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise InputError(f"{flag} {p}: cannot be read ({type(exc).__name__})") from None
+    if magic != GGUF_MAGIC:
+        raise InputError(f"{flag} {p}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        from gguf import GGUFReader
     except ImportError:
-        raise InputError(MISSING_GGUF) from None
+        raise InputError(missing) from None
+    try:
+        reader = GGUFReader(str(p))
+    except Exception as exc:  # noqa: BLE001  (the reader raises what numpy and struct raise)
+        raise InputError(f"{flag} {p}: unreadable GGUF ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+    arch = field(reader, "general.architecture")
+    if not arch:
+        raise InputError(f"{flag} {p}: no general.architecture in the GGUF's metadata")
+    return reader, str(arch)
+
+
+def field(reader, key: str):
+    """A metadata value of a GGUF reader (None when absent)."""
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def check(path: str | os.PathLike, flag: str = "--model"):
+    """The reader and architecture of a GGUF the emulation loads: a file, a readable GGUF of a MoE model, an
+    architecture in `SUPPORTED`, the gguf package installed (one-line InputErrors naming the file). No torch."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{flag} {p}: no such file")
-    info = read_info(p, flag)  # the magic, a readable GGUF, a MoE geometry
-    if info.arch not in SUPPORTED:
-        raise InputError(f"{flag} {p}: GGUF architecture {info.arch!r}: the emulation loads "
+    reader, arch = open_gguf(p, flag)
+    if not field(reader, f"{arch}.expert_count") or not field(reader, f"{arch}.expert_used_count"):
+        raise InputError(f"{flag} {p}: {arch}.expert_count / expert_used_count missing: not a mixture-of-experts "
+                         "model")
+    if arch not in SUPPORTED:
+        raise InputError(f"{flag} {p}: GGUF architecture {arch!r}: the emulation loads "
                          f"{', '.join(SUPPORTED)} GGUFs (transformers' GGUF loader and the policy adapters)")
-    return info.arch
-
-
-def _reader(path: Path, flag: str):
-    """The gguf package's reader of `path` after `check`, and the architecture."""
-    arch = check(path, flag)
-    from gguf import GGUFReader
-
-    return GGUFReader(str(path)), arch
+    return reader, arch
 
 
 def gguf_config(path: str | os.PathLike, flag: str = "--model"):
     """The transformers config of a GGUF (the metadata's MoE fields transformers' map leaves out filled in)."""
     p = Path(path)
-    reader, arch = _reader(p, flag)
+    reader, arch = check(p, flag)
     return _config(p, reader, arch, flag)
 
 
@@ -84,9 +106,9 @@ def _config(p: Path, reader, arch: str, flag: str):
                          f"{str(exc).splitlines()[0][:160]})") from None
     fields = {"expert_feed_forward_length": "moe_intermediate_size", "expert_weights_norm": "norm_topk_prob"}
     for key, attr in fields.items():
-        field = reader.fields.get(f"{arch}.{key}")
-        if field is not None:
-            setattr(cfg, attr, field.contents())
+        value = field(reader, f"{arch}.{key}")
+        if value is not None:
+            setattr(cfg, attr, value)
     return cfg
 
 
@@ -109,7 +131,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None, max_memory_Gi
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(path)
-    reader, arch = _reader(p, flag)
+    reader, arch = check(p, flag)
     cfg = _config(p, reader, arch, flag)
     dt = dtype or torch.float32
     name = str(dt).removeprefix("torch.")
