@@ -228,3 +228,25 @@ def test_a_gguf_and_a_text_give_a_trace_a_sweep_and_an_answer(model, tmp_path, c
     head = [c.strip() for c in next(ln for ln in table.splitlines() if ln.startswith("| host")).strip("|").split("|")]
     row = [c.strip() for c in next(ln for ln in table.splitlines() if ln.startswith("| rtx3090")).strip("|").split("|")]
     assert float(row[head.index("x llama.cpp")]) == pytest.approx(float(ans["speed_ratio_vs_llamacpp"].iloc[0]), abs=0.01)
+
+
+def test_the_engine_decodes_a_gguf_as_the_emulation_evaluates_it(model, capsys):
+    """`--backend engine` on a GGUF (token by token, runtime/backends/engine) against the emulation: the same
+    counters, the same perplexity (both run the same dequantized float32 model)."""
+    _, gguf_path, text = model
+    got = {}
+    for backend in ("emulation", "engine"):
+        code, err, out = _emulate(["--model", str(gguf_path), "--text", str(text), "--policy", "rule-0.15",
+                                   "--max-tokens", "256", "--backend", backend, "--json"], capsys)
+        assert code == 0, err
+        got[backend] = json.loads(out)
+    from runtime.backends import COUNTER_NAMES
+
+    emulation, engine = got["emulation"], got["engine"]
+    counts = [c for c in COUNTER_NAMES if not c.endswith("_mass")]  # the masses: float32 gate weights summed in
+    # another order (token by token against batched), as tests/test_contract.py compares them
+    assert [emulation[c] for c in counts] == [engine[c] for c in counts]
+    for c in set(COUNTER_NAMES) - set(counts):
+        assert engine[c] == pytest.approx(emulation[c], rel=1e-6, abs=1e-9)
+    assert emulation["fetches"] > 0 and emulation["substitutions"] > 0
+    assert engine["perplexity"] == pytest.approx(emulation["perplexity"], rel=1e-5)
