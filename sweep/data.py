@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.backends import gguf
 from runtime.core.errors import InputError
 from runtime.formats.trace import Trace, load_trace, save_trace, synthetic_trace
 from sweep.config import SweepConfig
@@ -91,8 +92,6 @@ def resolve_model(model: str) -> Path:
         from runtime.tools.tinymodel import ensure_model
 
         return Path(ensure_model(model, progress=True)).resolve()
-    from runtime.backends import gguf
-
     if gguf.is_gguf(model):
         p = _abs(model, "model", "file")
         gguf.check(p, "model =")
@@ -127,24 +126,13 @@ def checkpoint_digest(model_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def model_folder(model: Path) -> Path:
-    """Where eval.txt and calib.txt are looked for: the checkpoint folder, or the folder holding a GGUF."""
-    from runtime.backends import gguf
-
-    return model.parent if gguf.is_gguf(model) else model
-
-
 def model_config_json(model: Path) -> str:
     """The model's config.json text: the checkpoint's, or the transformers config of a GGUF."""
-    from runtime.backends import gguf
-
     return gguf.gguf_config(model, "model =").to_json_string() if gguf.is_gguf(model) else (model / "config.json").read_text()
 
 
 def model_digest(model: Path) -> str:
     """`checkpoint_digest` of a folder, `gguf.file_digest` of a GGUF file."""
-    from runtime.backends import gguf
-
     return gguf.file_digest(model) if gguf.is_gguf(model) else checkpoint_digest(model)
 
 
@@ -223,7 +211,7 @@ def record_on_node(model: str, text: str | None, calib_text: str | None, max_tok
     """Body of the recording task (sweep/worker.py `record_task`), on a node holding the model: resolve
     the texts beside the model, record (or reuse) their traces, return them as bytes."""
     model_dir = resolve_model(model)
-    folder = model_folder(model_dir)
+    folder = gguf.model_folder(model_dir)
     text_p = _abs(text, "text") if text else folder / "eval.txt"
     if not text_p.is_file():
         raise InputError(f"model = {model}: {text_p} is missing (give text: FILE)")
@@ -269,7 +257,7 @@ def locate(cfg: SweepConfig) -> Located:
                                  f"(on the nodes offering model:{cfg.model_resource})")
         return Located(cfg.model, False, cfg.text, cfg.calib_text)
     model_dir = resolve_model(cfg.model)
-    text = _abs(cfg.text, "text") if cfg.text else model_folder(model_dir) / "eval.txt"
+    text = _abs(cfg.text, "text") if cfg.text else gguf.model_folder(model_dir) / "eval.txt"
     if not text.is_file():
         raise InputError(f"model = {cfg.model}: {text} is missing (give text: FILE)")
     calib_text = _abs(cfg.calib_text, "calib_text") if cfg.calib_text else None

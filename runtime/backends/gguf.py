@@ -41,6 +41,13 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
+def model_folder(model: str | os.PathLike) -> Path:
+    """Where the texts beside a model are looked for (eval.txt, calib.txt): a checkpoint folder itself, or the
+    folder holding a GGUF file."""
+    p = Path(model)
+    return p.parent if is_gguf(p) else p
+
+
 def open_gguf(path: str | os.PathLike, flag: str = "--model", missing: str = MISSING_GGUF):
     """The gguf package's reader of a GGUF file and its `general.architecture`: one-line InputErrors for a file
     that cannot be read, is not a GGUF, is unreadable as one, or has no architecture; `missing` when the gguf

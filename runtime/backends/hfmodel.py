@@ -180,7 +180,8 @@ def _load_gguf(path: Path, dtype: str | torch.dtype | None, max_memory: float | 
     """A GGUF file, dequantized whole into memory by transformers (runtime/backends/gguf.py), with the policy
     wrappers attached; `device` cuda moves it there."""
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    model, tok = gguf.load_model(path, dt, stream.resolve_max_memory(max_memory))
+    budget = stream.resolve_max_memory(max_memory)
+    model, tok = gguf.load_model(path, dt, budget)
     adapters.family_of(model.config)  # a family the adapters take (SUPPORTED's are)
     dev = resolve_device(device)
     if dev is not None:
@@ -189,12 +190,7 @@ def _load_gguf(path: Path, dtype: str | torch.dtype | None, max_memory: float | 
     L, E, k = adapters.moe_geometry(model)
     names = [n for n, mod in model.named_modules() if isinstance(mod, adapters.PolicyExperts)]
     return Loaded(model, tok, ctx, L, E, k, tuple(_layer_index(n, i) for i, n in enumerate(names)), path,
-                  max_memory_GiB=stream.resolve_max_memory(max_memory), device=dev)
-
-
-def model_folder(m: Loaded) -> Path:
-    """The folder beside the model: the checkpoint folder, or the folder holding a GGUF file."""
-    return m.model_dir.parent if gguf.is_gguf(m.model_dir) else m.model_dir
+                  max_memory_GiB=budget, device=dev)
 
 
 def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
@@ -475,7 +471,7 @@ def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, calib_max_t
     """Router ids [T, L, k] of the warm-start text (`calib_text`, else calib.txt beside the model), read
     up to `calib_max_tokens` tokens, and its name; (None, "") when there is none (the caller then holds
     out part of the evaluated text: runtime/core/spec.py)."""
-    calib = Path(calib_text) if calib_text else (model_folder(m) / "calib.txt")
+    calib = Path(calib_text) if calib_text else (gguf.model_folder(m.model_dir) / "calib.txt")
     if not calib.is_file():
         if calib_text:
             raise InputError(f"--calib-text {calib}: no such file")
