@@ -30,10 +30,9 @@ TEXT = ROOT / "tests" / "data" / "kernel_source.txt"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from llamacpp_routing import default_model  # noqa: E402
+from llamacpp_routing import default_model, parse_args  # noqa: E402
 
 from runtime.backends import hfmodel  # noqa: E402
-from runtime.core.errors import ArgumentParser  # noqa: E402
 from runtime.formats.trace import load_trace  # noqa: E402
 from runtime.tools.gguf_export import export_gguf, quantize_gguf  # noqa: E402
 from runtime.tools.llamacpp import peak_rss_mib, record_gguf  # noqa: E402
@@ -98,12 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(json.dumps(peak_of(Path(sys.argv[2]), sys.argv[3])))
         return
-    p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="a Qwen3-MoE checkpoint directory (default: see above)")
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--window", type=int, default=256)
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    a = parse_args(argv, __doc__.splitlines()[0])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, what = (Path(a.model), a.model) if a.model else default_model(work)
