@@ -131,6 +131,11 @@ def emulate_main(argv: list[str] | None = None) -> None:
                   f"(the backend refuses them)", file=sys.stderr)
         specs = {name: spec for name, spec in specs.items() if name not in refused}
     results = dict(zip(specs, backend.evaluate_many(list(specs.values()), progress=sys.stderr.isatty()), strict=True))
+    from runtime.tools.llamacpp import is_gguf_path, peak_rss_mib
+
+    if is_gguf_path(a.model):  # held whole in memory, dequantized: what the load cost (runtime/backends/gguf.py)
+        print(f"expertsweep emulate: peak RSS {peak_rss_mib():.0f} MiB (this process, the GGUF dequantized to "
+              f"float by transformers)", file=sys.stderr)
     if a.json:
         out = {n: r.to_dict() for n, r in results.items()}
         print(json.dumps(next(iter(out.values())) if len(out) == 1 else out, indent=2))

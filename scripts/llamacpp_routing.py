@@ -58,13 +58,19 @@ def default_model(work: Path) -> tuple[Path, str]:
                  "logit spread about 2; llamacpp_compare.build_checkpoint)"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None, description: str):
+    """--model, --max-tokens, --window (this script's and scripts/gguf_emulation.py's), with warnings logged."""
+    p = ArgumentParser(description=description)
     p.add_argument("--model", default=None, help="a Qwen3-MoE checkpoint directory (default: see above)")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=256)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv, __doc__.splitlines()[0])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, what = (Path(a.model), f"{a.model}") if a.model else default_model(work)

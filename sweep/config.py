@@ -275,7 +275,8 @@ class SweepConfig:
     space: Space = _k(MISSING, "the search space (sweep/space.py); `vram_budget_GiB: auto` compares every policy at "
                       "the device memory fetch-every-miss needs at 25% residency", "custom", required=True,
                       reader=_read_space, shown="required")
-    model: str | None = _run("model", "tiny model size (demo | test) or any local Hugging Face checkpoint folder; "
+    model: str | None = _run("model", "tiny model size (demo | test), any local Hugging Face checkpoint folder or a "
+                                      ".gguf file (qwen3moe); "
                                       "its traces are recorded once and cached by a checkpoint digest (sweep/data.py)")
     text: str | None = _run("text", "evaluated text (default: the model's eval.txt)")
     calib_text: str | None = _run("calib_text", "warm-start calibration text (default: the model's calib.txt; "

@@ -2,7 +2,9 @@
 
 `locate` runs in the driver before Ray starts, so a missing model, text or trace the driver can
 check is a one-line error before any trial. A model is `demo` / `test` (`runtime.tools.tinymodel.
-ensure_model`), or any local Hugging Face checkpoint folder (config.json + safetensors shards).
+ensure_model`), any local Hugging Face checkpoint folder (config.json + safetensors shards), or a
+GGUF file (recorded by llama.cpp, emulated dequantized by transformers: runtime/backends/gguf.py; its
+texts beside it in its folder, its digest `gguf.file_digest`, its config.json transformers' config).
 With `model_resource: NAME` the folder (and the texts) are on the Ray nodes offering `model:NAME`
 and the driver does not need to see them; else they are on the driver's node.
 
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.backends import gguf
 from runtime.core.errors import InputError
 from runtime.formats.trace import Trace, load_trace, save_trace, synthetic_trace
 from sweep.config import SweepConfig
@@ -83,11 +86,16 @@ def _abs(path: str, where: str, kind: str = "file") -> Path:
 
 
 def resolve_model(model: str) -> Path:
-    """`demo` / `test` (built if absent) or a model folder holding config.json."""
+    """`demo` / `test` (built if absent), a model folder holding config.json, or a GGUF file (of an
+    architecture the emulation loads: runtime/backends/gguf.py)."""
     if model in ("demo", "test"):
         from runtime.tools.tinymodel import ensure_model
 
         return Path(ensure_model(model, progress=True)).resolve()
+    if gguf.is_gguf(model):
+        p = _abs(model, "model", "file")
+        gguf.check(p, "model =")
+        return p
     p = _abs(model, "model", "dir")
     conf = p / "config.json"
     if not conf.is_file():
@@ -116,6 +124,16 @@ def checkpoint_digest(model_dir: str | os.PathLike) -> str:
             st = p.stat()
             h.update(f"\0{p.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()
+
+
+def model_config_json(model: Path) -> str:
+    """The model's config.json text: the checkpoint's, or the transformers config of a GGUF."""
+    return gguf.gguf_config(model, "model =").to_json_string() if gguf.is_gguf(model) else (model / "config.json").read_text()
+
+
+def model_digest(model: Path) -> str:
+    """`checkpoint_digest` of a folder, `gguf.file_digest` of a GGUF file."""
+    return gguf.file_digest(model) if gguf.is_gguf(model) else checkpoint_digest(model)
 
 
 def sha_file(path: Path | str) -> str:
@@ -193,18 +211,19 @@ def record_on_node(model: str, text: str | None, calib_text: str | None, max_tok
     """Body of the recording task (sweep/worker.py `record_task`), on a node holding the model: resolve
     the texts beside the model, record (or reuse) their traces, return them as bytes."""
     model_dir = resolve_model(model)
-    text_p = _abs(text, "text") if text else model_dir / "eval.txt"
+    folder = gguf.model_folder(model_dir)
+    text_p = _abs(text, "text") if text else folder / "eval.txt"
     if not text_p.is_file():
         raise InputError(f"model = {model}: {text_p} is missing (give text: FILE)")
     calib_p = _abs(calib_text, "calib_text") if calib_text else (
-        model_dir / "calib.txt" if (model_dir / "calib.txt").is_file() else None)
+        folder / "calib.txt" if (folder / "calib.txt").is_file() else None)
     if calib_p is not None and calib_p == text_p:
         raise InputError(f"calib_text = {calib_text}: the evaluated text itself (a warm start must not "
                          f"see the evaluated data; leave calib_text out for a held-out part)")
-    config_json = (model_dir / "config.json").read_text()
+    config_json = model_config_json(model_dir)
     k = int(json.loads(config_json).get("num_experts_per_tok", 8))
     look = 0 if look_need is None else max(k, look_need)
-    digest = checkpoint_digest(model_dir)
+    digest = model_digest(model_dir)
     out: dict[str, Any] = {"model_dir": str(model_dir), "text": str(text_p), "digest": digest,
                            "calib_text": str(calib_p) if calib_p else None, "config_json": config_json,
                            "model_name": model_dir.name}
@@ -238,7 +257,7 @@ def locate(cfg: SweepConfig) -> Located:
                                  f"(on the nodes offering model:{cfg.model_resource})")
         return Located(cfg.model, False, cfg.text, cfg.calib_text)
     model_dir = resolve_model(cfg.model)
-    text = _abs(cfg.text, "text") if cfg.text else model_dir / "eval.txt"
+    text = _abs(cfg.text, "text") if cfg.text else gguf.model_folder(model_dir) / "eval.txt"
     if not text.is_file():
         raise InputError(f"model = {cfg.model}: {text} is missing (give text: FILE)")
     calib_text = _abs(cfg.calib_text, "calib_text") if cfg.calib_text else None

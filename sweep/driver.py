@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, help="simulator trials per host after the baselines")
     p.add_argument("--hosts", help="comma-separated host names (profiles from presets of the same name)")
     p.add_argument("--trace", help="router trace file instead of the config's model/trace")
-    p.add_argument("--model", help="model (demo, test or a folder) instead of the config's")
+    p.add_argument("--model", help="model (demo, test, a checkpoint folder or a .gguf file) instead of the config's")
+    p.add_argument("--text", help="the evaluated text instead of the config's (default: eval.txt beside the model)")
     p.add_argument("--batch", help="simulator trials per Ray task: auto or N")
     p.add_argument("--seed", type=int)
     p.add_argument("--mlflow-uri", help="http://HOST:PORT or sqlite:///PATH (default sqlite under mlflow/)")
@@ -153,8 +154,9 @@ def load(args: argparse.Namespace) -> sweep_config.SweepConfig:
         trace = str(Path(args.trace).expanduser().resolve())
     if args.model:
         model = args.model if args.model in ("demo", "test") else str(Path(args.model).expanduser().resolve())
+    text = str(Path(args.text).expanduser().resolve()) if args.text else None
     cfg = sweep_config.with_overrides(cfg, name=args.name, trials=args.trials, hosts=args.hosts, batch=args.batch,
-                                      seed=args.seed, trace=trace, model=model)
+                                      seed=args.seed, trace=trace, model=model, text=text)
     if args.trace and not args.model:
         cfg = dataclasses.replace(cfg, model=None, calib_trace=None)
     return cfg
@@ -228,6 +230,8 @@ def _absolute(args: argparse.Namespace) -> argparse.Namespace:
         args.trace = str(Path(args.trace).expanduser().resolve())
     if args.model and args.model not in ("demo", "test"):
         args.model = str(Path(args.model).expanduser().resolve())
+    if args.text:
+        args.text = str(Path(args.text).expanduser().resolve())
     return args
 
 
@@ -393,7 +397,12 @@ def preflight(args: argparse.Namespace, cfg: sweep_config.SweepConfig) -> None:
     if args.trace and not Path(args.trace).is_file():
         raise InputError(f"--trace {args.trace}: no such file")
     if args.model and args.model not in ("demo", "test") and not Path(args.model).is_dir():
-        raise InputError(f"--model {args.model}: no such folder")
+        if not args.model.lower().endswith(".gguf"):
+            raise InputError(f"--model {args.model}: no such folder")
+        if not Path(args.model).is_file():
+            raise InputError(f"--model {args.model}: no such file")
+    if args.text and not Path(args.text).is_file():
+        raise InputError(f"--text {args.text}: no such file")
     for h in cfg.hosts:
         try:
             hosts.preset_profile(h)

@@ -181,6 +181,9 @@ ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                                 "generate drive an engine; the sweep calibrates a host with one"),
     "runtime.backends.engine.plan": ((TOOLS,), "expert_forward: calibrate times one expert call"),
     "runtime.backends.engine.prefill": ((TOOLS,), "prefill: generate fills the cache from a prompt"),
+    "runtime.backends.gguf": ((SWEEP, TOOLS), "a GGUF model: the sweep checks one, reads its config and digest "
+                                              "(is_gguf, check, gguf_config, file_digest); llama.cpp's recorder reads "
+                                              "a GGUF's metadata through open_gguf"),
     "runtime.backends.emulate": ((TOOLS,), "exact_pass, evaluate_group: the findings evaluate policies on text"),
     "runtime.backends.simulate": ((TOOLS,), "replay: the findings replay traces under many policies"),
     "runtime.backends.resolve": ((TOOLS,), "resolve, IdsSource: the findings size and warm their replays' caches as "

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from runtime.backends import adapters, stream
+from runtime.backends import adapters, gguf, stream
 from runtime.core.errors import InputError
 from runtime.core.kernel import PolicyCache
 from runtime.formats.trace import Trace, TraceMeta
@@ -63,7 +63,7 @@ class Loaded:
     E: int
     k: int
     layer_ids: tuple[int, ...]
-    model_dir: Path
+    model_dir: Path  # the checkpoint folder, or a GGUF file (runtime/backends/gguf.py)
     weights: stream.Weights | None = None  # where each tensor is in the shards, what is loaded (runtime/backends/stream.py)
     streamed: bool = False  # the weights do not fit max_memory (or the device): passes run layer-major (module doc)
     max_memory_GiB: float | None = None
@@ -111,10 +111,13 @@ def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     time during each pass (`streamed`). `dtype`: `auto` (the checkpoint's own), a name or a torch dtype.
     `device` (device mode): `cuda` moves a model that fits the device there, unit by unit (nothing
     streams), and otherwise streams every layer through the device in each pass (stream.LayerPipe);
-    `cpu` runs the same streaming code path on the host when the model is streamed."""
+    `cpu` runs the same streaming code path on the host when the model is streamed. A `.gguf` file is
+    dequantized whole by transformers (runtime/backends/gguf.py; `auto` is float32 there, nothing streams)."""
     from transformers import AutoConfig, AutoTokenizer
 
     d = Path(model_dir)
+    if gguf.is_gguf(d):
+        return _load_gguf(d, dtype, max_memory, device)
     if not (d / "config.json").is_file():
         raise InputError(f"--model {d}: no config.json there (not a Hugging Face checkpoint directory)")
     try:
@@ -170,6 +173,24 @@ def load(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
         w.to_device("routers", dev)  # resident beside each layer (lookahead needs the next layer's router)
         _buffers_to(model, dev)
     return Loaded(model, tok, ctx, L, E, k, layer_ids, d, w, streamed, budget, dev)
+
+
+def _load_gguf(path: Path, dtype: str | torch.dtype | None, max_memory: float | str | None,
+               device: str | torch.device | None) -> Loaded:
+    """A GGUF file, dequantized whole into memory by transformers (runtime/backends/gguf.py), with the policy
+    wrappers attached; `device` cuda moves it there."""
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    budget = stream.resolve_max_memory(max_memory)
+    model, tok = gguf.load_model(path, dt, budget)
+    adapters.family_of(model.config)  # a family the adapters take (SUPPORTED's are)
+    dev = resolve_device(device)
+    if dev is not None:
+        model.to(dev)
+    ctx = adapters.attach(model)
+    L, E, k = adapters.moe_geometry(model)
+    names = [n for n, mod in model.named_modules() if isinstance(mod, adapters.PolicyExperts)]
+    return Loaded(model, tok, ctx, L, E, k, tuple(_layer_index(n, i) for i, n in enumerate(names)), path,
+                  max_memory_GiB=budget, device=dev)
 
 
 def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
@@ -450,7 +471,7 @@ def calibration_ids(m: Loaded, calib_text: str | os.PathLike | None, calib_max_t
     """Router ids [T, L, k] of the warm-start text (`calib_text`, else calib.txt beside the model), read
     up to `calib_max_tokens` tokens, and its name; (None, "") when there is none (the caller then holds
     out part of the evaluated text: runtime/core/spec.py)."""
-    calib = Path(calib_text) if calib_text else (m.model_dir / "calib.txt")
+    calib = Path(calib_text) if calib_text else (gguf.model_folder(m.model_dir) / "calib.txt")
     if not calib.is_file():
         if calib_text:
             raise InputError(f"--calib-text {calib}: no such file")

@@ -178,7 +178,8 @@ def _calibration(ir: str | None, calib_text: str | None, source: CalibrationSour
         path = ir[len("warm:"):]
         calib = source.load_trace(path)
         known = {calib.meta.model, source.model}.isdisjoint({"", "unknown"})
-        if known and calib.meta.model.split(":")[0] != source.model.split(":")[0]:
+        family = lambda name: name.split(":")[0].replace("_", "")  # noqa: E731 - llama.cpp's qwen3moe is qwen3_moe
+        if known and family(calib.meta.model) != family(source.model):
             raise InputError(f"{FLAG}: calibration trace {path} is from model {calib.meta.model!r}; "
                              f"{source.input_name} is from {source.model!r}")
         dims = (source.num_experts, source.top_k, source.num_layers)

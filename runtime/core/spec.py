@@ -171,7 +171,8 @@ class RunSpec:
         None, "--vram-budget", "GiB of device memory: the slots the engine really holds "
         "(runtime.formats.costmodel.capacities_for_budget)", kind="float", low=0.0, metavar="GIB")
     trace: str | None = _r(None, "--trace", "router trace: .parquet, .arrow or .npz", _SIM)
-    model: str | None = _r(None, "--model", "Hugging Face checkpoint directory", _TEXT)
+    model: str | None = _r(None, "--model", "Hugging Face checkpoint directory, or a .gguf file (qwen3moe: "
+                           "dequantized by transformers, docs/emulation.md)", _TEXT)
     text: str | None = _r(None, "--text", "UTF-8 text file to evaluate", _TEXT)
     max_tokens: int | None = _r(None, "--max-tokens", "evaluated tokens (trace rows or text tokens, after any "
                                 "held-out split); unset: all", kind="int", low=2, metavar="N")

@@ -39,7 +39,6 @@ from runtime.core.errors import InputError
 log = logging.getLogger(__name__)
 
 MISSING = "recording a .gguf needs llama.cpp's Python bindings: pip install 'expertsweep[llamacpp]'"
-GGUF_MAGIC = b"GGUF"
 # the tensors of build_moe_ffn that the recorder reads
 CAPTURED = ("ffn_moe_logits", "ffn_moe_probs", "ffn_moe_probs_biased", "ffn_moe_topk", "ffn_moe_weights",
             "ffn_moe_weights_softmax", "ffn_moe_weights_norm", "ffn_moe_weights_scaled")
@@ -61,7 +60,10 @@ def bindings():
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
-    return str(path).lower().endswith(".gguf")
+    """Whether a model path names a GGUF file (runtime/backends/gguf.py `is_gguf`)."""
+    from runtime.backends.gguf import is_gguf
+
+    return is_gguf(path)
 
 
 class _TensorHead(ctypes.Structure):
@@ -162,30 +164,14 @@ class GgufInfo:
 
 def read_info(path: str | os.PathLike, flag: str = "--model") -> GgufInfo:
     """A GGUF's architecture and MoE geometry (one-line InputError: not a GGUF, not a MoE model)."""
+    from runtime.backends.gguf import field, open_gguf
+
     p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise InputError(f"{flag} {p}: cannot be read ({type(exc).__name__})") from None
-    if magic != GGUF_MAGIC:
-        raise InputError(f"{flag} {p}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise InputError(MISSING) from None
-    try:
-        reader = GGUFReader(str(p))
-    except Exception as exc:  # noqa: BLE001  (the reader raises what numpy and struct raise)
-        raise InputError(f"{flag} {p}: unreadable GGUF ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+    reader, arch = open_gguf(p, flag, MISSING)  # the file, its magic, a readable GGUF with an architecture
 
     def value(key: str):
-        field = reader.fields.get(key)
-        return None if field is None else field.contents()
+        return field(reader, key)
 
-    arch = value("general.architecture")
-    if not arch:
-        raise InputError(f"{flag} {p}: no general.architecture in the GGUF's metadata")
     E, k = value(f"{arch}.expert_count"), value(f"{arch}.expert_used_count")
     if not E or not k:
         raise InputError(f"{flag} {p}: {arch}.expert_count = {E}, {arch}.expert_used_count = {k}: not a "
