@@ -336,8 +336,8 @@ def test_generate_runs_at_the_bench_budget_with_the_measured_context(eng, monkey
     bound = []
     monkeypatch.setattr(generate, "greedy", lambda eng_, p, n, cache, chunk: {"tokens": [1] * n, "prefill_s": 0.0,
                                                                           "decode_s": 0.0, "decode_steps": n - 1})
-    real = generate.PolicyCache
-    monkeypatch.setattr(generate, "PolicyCache", lambda pol, E, k, caps_, init: bound.append(np.asarray(caps_).tolist())
+    real = generate.cache_for
+    monkeypatch.setattr(generate, "cache_for", lambda pol, E, k, caps_, init: bound.append(np.asarray(caps_).tolist())
                         or real(pol, E, k, caps_, init))
     # once the slots are sized the run goes on as the CPU engine it is (the report's CUDA queries: no device here)
     monkeypatch.setattr(eng, "bind", lambda cache: setattr(eng, "cuda", False))
