@@ -30,8 +30,8 @@ length and started count, the stamp, the candidate count) go in and come back as
 
 `lean` is passed as a constant by `run_layers`, so run_layer compiles as two `Literal[bool]` specializations
 of one module-level dispatcher (distinct symbols: no two cached objects share one, reports/compile_once.md).
-docs/architecture.md and docs/simulator.md hold the rest; the input contract: a ranking row starts with the token's selection and holds distinct ids, or router
-scores stand for it (ties lower id).
+docs/architecture.md and docs/simulator.md hold the rest; the input contract: a ranking row starts with the
+token's selection and holds distinct ids, or router scores stand for it (ties lower id).
 """
 
 from __future__ import annotations
