@@ -73,9 +73,12 @@ def test_host_fallback_reproduces_the_exact_perplexity(ckpts, text, init):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_lowbit_eight_bits_cost_less_than_two(ckpts, text, init, family):
+    """Every miss computed from its low-bit copy (substitute_all: no fetch, at the miss's full gate weight): the
+    2-bit copies move the perplexity far more than the 8-bit ones. (Under the 0.15 rule only the light misses
+    are low-bit and both changes sit near float noise: the order flipped with the torch build's threads.)"""
     res = run(ckpts[family], text, init,
-              l8=PolicyConfig(rule="threshold", tau=0.15, fallback="lowbit", lowbit_bits=8),
-              l2=PolicyConfig(rule="threshold", tau=0.15, fallback="lowbit", lowbit_bits=2))
+              l8=PolicyConfig(rule="substitute_all", fallback="lowbit", lowbit_bits=8),
+              l2=PolicyConfig(rule="substitute_all", fallback="lowbit", lowbit_bits=2))
     ex = res["exact"]["perplexity"]
     for name in ("l8", "l2"):
         r = res[name]
@@ -83,7 +86,7 @@ def test_lowbit_eight_bits_cost_less_than_two(ckpts, text, init, family):
         assert r["substitutions"] == r["drops"] == r["host_computes"] == 0, name
         assert r["substituted_mass"] == 0.0
     d8, d2 = abs(res["l8"]["perplexity"] - ex), abs(res["l2"]["perplexity"] - ex)
-    assert d8 < d2 and d2 > 0, (d8, d2)
+    assert 10 * d8 < d2 and d2 > 0.5, (d8, d2)  # 2 bits: over a perplexity point; 8 bits: tens of times less
 
 
 def test_lowbit_logits_close_to_exact_and_ordered_by_bits(ckpts):
