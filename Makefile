@@ -23,11 +23,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-# Two pytest-xdist workers, each test module on one of them (--dist loadfile: a module's fixtures are built once),
+# Three pytest-xdist workers, each test module on one of them (--dist loadfile: a module's fixtures are built once),
 # the longest modules first (--no-loadscope-reorder keeps tests/conftest.py's order); TEST_WORKERS=0 runs the suite
-# in one process. Three workers on two CPUs took longer (1,702 s against 1,460 s) and slowed each end-to-end sweep 2-3x, near its
-# time limit (reports/test_suite_runs.md gives the timings).
-TEST_WORKERS ?= 2
+# in one process. Three on two CPUs: with two, the suite's clusters, servers and subprocesses left the CPUs idle a
+# third of the time (reports/suite_2workers.md against reports/suite.md).
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
