@@ -79,6 +79,7 @@ def embedded_sweep(tmp_path_factory):
     return cfg, out, db, proc
 
 
+@pytest.mark.slow  # an end-to-end sweep on Ray; the fast loop keeps its in-process parts (test_sweep_space, test_report_llamacpp)
 def test_embedded_sweep_end_to_end(embedded_sweep):
     from mlflow.tracking import MlflowClient
 
