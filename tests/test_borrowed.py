@@ -4,10 +4,15 @@ functions: docs/simulator.md)."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 from numba import njit
 
 from runtime.core.kernel.primitives import borrowed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @njit
@@ -62,3 +67,32 @@ def test_views_leave_no_reference_count_in_the_loop():
     _loop_on_arrays(values, counts), _loop_on_views(values, counts)
     assert min(_increfs(_loop_on_arrays)) > 0  # the fixture provokes the counts borrowed views remove
     assert max(_increfs(_loop_on_views)) == 0
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def borrowed_roots(source: str, function: str) -> set[str | None]:
+    """The variables whose arrays `function` (in `source`) borrows: the root name of each `borrowed(...)`."""
+    tree = ast.parse(source)
+    (func,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+    return {_root_name(call.args[0]) for call in ast.walk(func)
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "borrowed"}
+
+
+def test_run_layer_borrows_only_from_its_arguments():
+    """A view holds no reference, and numba releases a function's own variable at its last use: an array
+    run_layer allocated itself could be freed while its views are still read and written (its work arrays
+    were, before run_layers allocated them). So run_layer borrows only from its parameters, which its caller
+    holds for the whole call."""
+    source = (ROOT / "runtime" / "core" / "kernel" / "run_layer.py").read_text()
+    tree = ast.parse(source)
+    (func,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "run_layer"]
+    params = {a.arg for a in func.args.args}
+    roots = borrowed_roots(source, "run_layer")
+    assert roots and roots <= params, roots - params
+    local = "def run_layer(tokens):\n    scratch = make(tokens)\n    view = borrowed(scratch.misses)\n"
+    assert borrowed_roots(local, "run_layer") == {"scratch"}  # what the check refuses: a root that is no parameter
