@@ -25,8 +25,7 @@ themselves the atomic reference counts stayed in the token loop and the presets 
 (reports/kernel_ab_module_stages.md; the split against the former closures: reports/kernel_stages_ab.md, from
 scripts/bench_kernel_ab.py). Their arguments: `setup` (`Setup`, the layer's fixed parameters for the call),
 `state` (the layer's `LayerState`, mutated), `tokens` / `outputs` (plan.py's records) and `scratch`
-(`Scratch`, the per-call work arrays, which run_layers allocates with `new_scratch` and holds while run_layer
-runs: run_layer borrows only from its arguments); the scalars that change per token (the admission ring's head,
+(`Scratch`, the per-call work arrays); the scalars that change per token (the admission ring's head,
 length and started count, the stamp, the candidate count) go in and come back as return values.
 
 `lean` is passed as a constant by `run_layers`, so run_layer compiles as two `Literal[bool]` specializations
@@ -141,35 +140,8 @@ class Scratch(NamedTuple):
 
 
 @njit(cache=True, inline="always")
-def _widths(tokens, lean):
-    """(score_mode, pred_width): router scores stand for the ranking; the predicted lists' width (0: no
-    prefetch). Both constants in the lean build."""
-    T = tokens.ids.shape[0]
-    score_mode = False if lean else tokens.score.shape[0] == T
-    pred_width = 0 if lean else (tokens.pred.shape[1] if tokens.pred.shape[0] == T else 0)
-    return score_mode, pred_width
-
-
-@njit(cache=True, inline="always")
-def new_scratch(tokens, state, lean):
-    """run_layer's work arrays for one call, allocated by its caller (run_layers), which holds them while
-    run_layer runs on borrowed views of them."""
-    k = tokens.ids.shape[1]
-    E = state.expert_slot.shape[0]
-    ring_capacity = state.q_exp.shape[0]
-    score_mode, pred_width = _widths(tokens, lean)
-    marks = E if score_mode else 0
-    n_prefetched = max(pred_width, 1)
-    return Scratch(
-        np.empty(k + ring_capacity + pred_width + 2 * k, np.int64), np.empty(state.caps, np.int64),
-        np.empty(ring_capacity, np.int64), np.empty(n_prefetched, np.int64), np.empty(k, np.int64),
-        np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64),
-        np.full(marks, -1, np.int64), np.empty(k, np.int64), np.empty(k, np.float64), np.zeros(N_INT, np.int64))
-
-
-@njit(cache=True, inline="always")
 def _setup(tokens, pol, state, outputs, lean):
-    """The call's Setup. `lean` (a constant): the paper's presets' features only (lfu with gamma 1,
+    """The call's Setup and Scratch. `lean` (a constant): the paper's presets' features only (lfu with gamma 1,
     substitute, no cap, pins, prefetch, scores or routing): those fields are constants in the lean build."""
     T, k = tokens.ids.shape
     E = state.expert_slot.shape[0]
@@ -181,7 +153,8 @@ def _setup(tokens, pol, state, outputs, lean):
     slot_bits = 0
     while (1 << slot_bits) < cap:
         slot_bits += 1
-    score_mode, pred_width = _widths(tokens, lean)
+    score_mode = False if lean else tokens.score.shape[0] == T
+    pred_width = 0 if lean else (tokens.pred.shape[1] if tokens.pred.shape[0] == T else 0)
     # (each value named before the constructor calls: numba rejects control flow inside a long argument list)
     first_evictable = 0 if lean else state.npin
     lfu_int = KIND_TOUCH[evict] == T_LFU and int_keys
@@ -190,12 +163,20 @@ def _setup(tokens, pol, state, outputs, lean):
     output_rows = 1 if outputs.kind.shape[0] == T else 0
     route_family = RT_OFF if lean else pol.route
     route_window = min(pol.route_window, E)
-    return Setup(
+    marks = E if score_mode else 0
+    setup = Setup(
         cap, first_evictable, E, k, tokens.rank.shape[1], ring_capacity, slot_bits, np.int64(E) << slot_bits,
         int_keys, lfu_int, KIND_KEYS[evict], KIND_ON_LOAD[evict], KIND_TOUCH[evict], pol.beta > 0.0, pol.beta,
         pol.rule, pol.tau, pol.tau_high, fallback, fetch_cap, gamma, pol.decay, pol.delay, pol.copy_buffers,
         score_mode, output_rows, pred_width, route_family, pol.route_keep, route_window, pol.route_lambda,
         pol.route_alpha, pol.route_norm)
+    n_prefetched = max(pred_width, 1)
+    scratch = Scratch(
+        np.empty(k + ring_capacity + pred_width + 2 * k, np.int64), np.empty(cap, np.int64),
+        np.empty(ring_capacity, np.int64), np.empty(n_prefetched, np.int64), np.empty(k, np.int64),
+        np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64),
+        np.full(marks, -1, np.int64), np.empty(k, np.int64), np.empty(k, np.float64), np.zeros(N_INT, np.int64))
+    return setup, scratch
 
 
 @njit(cache=True, inline="always")
@@ -236,14 +217,14 @@ def store(qstate, mass, layer_counters, counters, ring, sub_mass, lowbit_mass, t
 
 
 @njit(cache=True, error_model="numpy")
-def run_layer(tokens, t0, pol, state, outputs, scratch, lean):
-    """One layer's cache over tokens t0 .. t0+T-1 (`pol`: kernel_record; `state` mutated; `scratch`: new_scratch's
-    work arrays). `lean` (a constant): the paper's presets' features only (lfu with gamma 1, substitute, no cap,
-    pins, prefetch or scores)."""
-    setup = _setup(tokens, pol, state, outputs, lean)
-    # every array borrowed once, here, and only from the arguments: the caller holds those for the whole call
-    # (numba releases a variable of this function at its last use, which would free an array allocated here while
-    # its views are still read); a stage binds the views at each call at no cost (primitives.borrowed)
+def run_layer(tokens, t0, pol, state, outputs, lean):
+    """One layer's cache over tokens t0 .. t0+T-1 (`pol`: kernel_record; `state` mutated). `lean` (a constant):
+    the paper's presets' features only (lfu with gamma 1, substitute, no cap, pins, prefetch or scores)."""
+    setup, scratch = _setup(tokens, pol, state, outputs, lean)
+    # every array borrowed once, here: the views hold no reference, so a stage binds them at each call at no cost
+    # (primitives.borrowed). `tokens`, `outputs` and `state` are held by the caller; `scratch` is this call's own
+    # (fresh allocations: LLVM knows they alias nothing) and numba releases a variable at its last use, so it is
+    # used again after the loop (`store`), or its arrays would be freed under their views
     ids, weights, rank = borrowed(tokens.ids), borrowed(tokens.w), borrowed(tokens.rank)  # [T, k] [T, k] [T, M]
     valid, score, next_use = borrowed(tokens.valid), borrowed(tokens.score), borrowed(tokens.nxt)  # [T] [T, E] [T, k]
     pred = borrowed(tokens.pred)  # [T, P]
@@ -322,8 +303,8 @@ def run_layer(tokens, t0, pol, state, outputs, scratch, lean):
             if q_len > n_started:
                 q_head, q_len, n_started = start_copies(setup, q_exp, q_due, expert_slot, queued, counters, event_counts, q_log,
                                                         n_logs, i, t, q_head, q_len, n_started)
-    store(qstate, mass, borrowed(state.counters), counters, (q_head, q_len, n_started, stamp), sub_mass, lowbit_mass,
-          (n_calls, n_hits, n_fetches, n_subs, n_drops))
+    store(qstate, mass, borrowed(state.counters), scratch.counters, (q_head, q_len, n_started, stamp), sub_mass,
+          lowbit_mass, (n_calls, n_hits, n_fetches, n_subs, n_drops))  # scratch's last use: after the loop
 
 
 @njit(cache=True)
@@ -336,8 +317,7 @@ def run_layers(tok, t0, pol, cs, out, l0, lean):
         lt = Tokens(tok.ids[i], tok.w[i], tok.rank[i], tok.valid[i], tok.score[i], tok.nxt[i], tok.pred[i])
         lo = Outputs(out.kind[i], out.served[i], out.slot[i], out.ev[i], out.adm_log[i], out.q_log[i],
                      out.pf_log[i], out.n_logs[i])
-        st = layer_state(cs, l0 + i)
         if lean:  # a constant argument: its own specialization of run_layer (Literal[bool](True))
-            run_layer(lt, t0, pol, st, lo, new_scratch(lt, st, True), True)
+            run_layer(lt, t0, pol, layer_state(cs, l0 + i), lo, True)
         else:
-            run_layer(lt, t0, pol, st, lo, new_scratch(lt, st, False), False)
+            run_layer(lt, t0, pol, layer_state(cs, l0 + i), lo, False)
